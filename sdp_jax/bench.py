@@ -1,0 +1,158 @@
+"""Per-device memory and FLOPs of compiled train steps, without training or an accelerator.
+
+    python -m sdp_jax.bench --config configs/llama_1b.py --workers 8 --variants ddp,b-sdp \\
+        --coverage 0.6875 --json out.json
+
+For each variant the train step is lowered for abstract inputs (``jax.ShapeDtypeStruct`` with
+shardings: no parameter is materialized) on a mesh of ``--workers`` devices (simulated CPU
+devices when no accelerator is present) and compiled; ``compiled.memory_analysis()`` gives the
+per-device argument, output, alias and temporary bytes, and ``compiled.cost_analysis()`` the
+per-device FLOPs. peak = argument + temp + output - alias (the state is donated, so its output
+aliases its input). One JSON row per variant; a table with the ratio to DDP is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+
+def load_config(path: str):
+    """Load a ``get_config()`` file. Raises FileNotFoundError / AttributeError with the path."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist.")
+    spec = importlib.util.spec_from_file_location("_sdp_bench_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "get_config"):
+        raise AttributeError(f"config file {path!r} defines no get_config().")
+    return mod.get_config()
+
+
+def measure(config, variant: str, workers: int, coverage: float, mesh) -> dict:
+    """Compile one variant's train step and read its per-device memory and FLOPs.
+
+    Returns:
+      row dict: ``variant``, ``coverage``, ``workers``, ``blocks_per_worker``,
+      ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
+      ``peak_bytes_per_device`` (bytes), ``flops_per_device`` (FLOPs per step),
+      ``params_per_device``, ``compile_s``.
+    """
+    from sdp_jax import masks as masks_lib
+    from sdp_jax import train_step as ts
+    from sdp_jax.models.llama import LlamaConfig
+
+    model = LlamaConfig.from_config(config.model)
+    optim = ts.OptimConfig.from_config(config.optim)
+    cov = 1.0 if variant == "ddp" else coverage
+    uniform_ok = True
+    try:
+        masks_lib.components_per_worker(workers, model.n_layers, cov)
+    except ValueError:
+        uniform_ok = False
+    recipe = ts.make_mask(variant, workers, model.n_layers, cov, config.sdp.scheme,
+                          config.sdp.mask_seed, allow_nonuniform=not uniform_ok)
+    builder = ts.StepBuilder(model, recipe, optim, mesh, config.steps,
+                             averaging=config.sdp.averaging)
+    t0 = time.time()
+    compiled = builder.compiled_train_step(
+        (workers * config.batch_per_worker, config.seq_len + 1))
+    row = {"variant": variant, "coverage": recipe.coverage, "workers": workers,
+           "blocks_per_worker": recipe.k, "uniform": uniform_ok,
+           **ts.memory_stats(compiled), "flops_per_device": ts.flops_per_device(compiled),
+           "params_per_device": builder.per_device_param_count(),
+           "compile_s": round(time.time() - t0, 1)}
+    return row
+
+
+def _gib(n):
+    return f"{n / 2**30:.3f}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of bench rows with ratios to the DDP row (if present)."""
+    base = next((r for r in rows if r["variant"] == "ddp"), None)
+    head = ("| variant | C | W | blocks/worker | argument GiB | temp GiB | peak GiB/device | "
+            "peak / DDP | TFLOPs/device | FLOPs / DDP |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        pr = f"{r['peak_bytes_per_device'] / base['peak_bytes_per_device']:.3f}" if base else "-"
+        fr = (f"{r['flops_per_device'] / base['flops_per_device']:.3f}"
+              if base and base["flops_per_device"] else "-")
+        lines.append(
+            f"| {r['variant']} | {r['coverage']:.4g} | {r['workers']} | {r['blocks_per_worker']} | "
+            f"{_gib(r['argument_bytes'])} | {_gib(r['temp_bytes'])} | "
+            f"{_gib(r['peak_bytes_per_device'])} | {pr} | {r['flops_per_device'] / 1e12:.3f} | "
+            f"{fr} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m sdp_jax.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/llama_1b.py", help="get_config() file")
+    p.add_argument("--workers", type=int, default=8, help="W data-parallel workers (devices)")
+    p.add_argument("--variants", default="ddp,b-sdp", help="comma-separated: ddp,b-sdp")
+    p.add_argument("--coverage", type=float, default=None,
+                   help="C for the SDP variants (default: the config's sdp.coverage)")
+    p.add_argument("--batch-per-worker", type=int, default=None, help="override config")
+    p.add_argument("--seq-len", type=int, default=None, help="override config")
+    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    args = p.parse_args(argv)
+
+    if args.workers < 1:
+        p.error(f"--workers={args.workers} must be >= 1")
+    config = load_config(args.config)
+    from sdp_jax import train_step as ts
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in ts.VARIANTS]
+    if bad or not variants:
+        p.error(f"unknown variants {bad or args.variants!r}; choose from {','.join(ts.VARIANTS)}")
+    coverage = config.sdp.coverage if args.coverage is None else args.coverage
+    with config.unlocked():
+        if args.batch_per_worker:
+            config.batch_per_worker = args.batch_per_worker
+        if args.seq_len:
+            config.seq_len = args.seq_len
+            config.model.max_seq_len = max(config.model.max_seq_len, args.seq_len)
+
+    import jax
+    jax.config.update("jax_num_cpu_devices", args.workers)
+    if jax.device_count() < args.workers:
+        p.error(f"--workers={args.workers} but only {jax.device_count()} "
+                f"{jax.devices()[0].platform} devices are present")
+    mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[:args.workers])
+
+    from sdp_jax import masks as masks_lib
+    from sdp_jax.models.llama import LlamaConfig
+    L = LlamaConfig.from_config(config.model).n_layers
+    try:
+        masks_lib.components_per_worker(args.workers, L, coverage, allow_nonuniform=True)
+    except ValueError as e:
+        p.error(str(e))
+    if (args.workers * round(coverage * L)) % L:
+        print(f"note: W*C = {args.workers * coverage:g} is not whole: masks are near-uniform "
+              f"(each block held by {int(args.workers * coverage)} or "
+              f"{int(args.workers * coverage) + 1} workers), as in the paper's 1B setting.")
+
+    rows = []
+    print(f"{args.config}: {L} blocks, batch {config.batch_per_worker} x {config.seq_len} tokens "
+          f"per worker, {args.workers} x {jax.devices()[0].platform}", flush=True)
+    for v in variants:
+        row = measure(config, v, args.workers, coverage, mesh)
+        rows.append(row)
+        print(f"  compiled {v} in {row['compile_s']}s", flush=True)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {args.json}")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

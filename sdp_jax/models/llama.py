@@ -1,0 +1,243 @@
+"""LLaMA-style decoder in Flax NNX with the transformer blocks stacked on a leading axis.
+
+Architecture (Touvron et al., "LLaMA", arXiv 2302.13971, Sec. 2.2): pre-normalization with RMSNorm
+(Zhang & Sennrich 2019), SwiGLU MLP (Shazeer 2020), rotary position embeddings (Su et al. 2021),
+causal multi-head attention with optional grouped-query attention (Ainslie et al. 2023), and an
+untied or tied output head. No biases.
+
+The ``L`` blocks are one :class:`Block` module whose parameters carry a leading ``[L, ...]`` axis
+(built with ``nnx.vmap``). The forward pass scans over that axis, so a model whose block stack has
+been pruned to ``k`` of the ``L`` blocks (B-SDP, a compact subnetwork) runs the same code on the
+shorter stack: blocks are visited in the order they are stored, which the pruning keeps ascending
+(depth order, DESIGN.md invariant 5), and a dropped block contributes only its identity shortcut.
+
+Parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``), shapes for ``d`` = d_model,
+``H`` heads, ``K`` key/value heads, ``h`` = head dim, ``F`` = MLP hidden width, ``V`` = vocab:
+
+    embed:       [V, d]
+    blocks:
+      attn_norm: [L, d]          attn: wq [L, d, H, h], wk/wv [L, d, K, h], wo [L, H, h, d]
+      mlp_norm:  [L, d]          mlp:  w_gate/w_up [L, d, F], w_down [L, F, d]
+    final_norm:  [d]
+    lm_head:     [d, V]          (absent when tie_embeddings)
+
+Heads and MLP neurons have their own axes so neuron-level pruning is indexing too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+BLOCK_KEY = "blocks"
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Model shape. All sizes are counts of elements (not bytes)."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_ff: int = 384
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"model.{name}={v!r} must be a positive integer.")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} must be divisible by "
+                             f"model.n_heads={self.n_heads}.")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"head dim d_model/n_heads={self.d_model // self.n_heads} must be even "
+                             "for rotary embeddings.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of "
+                             f"model.n_kv_heads={self.n_kv_heads} (grouped-query attention).")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "LlamaConfig":
+        """Build from an ``ml_collections.ConfigDict`` (or dict) ``model`` section."""
+        d = dict(cfg)
+        d.pop("name", None)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; valid keys: {sorted(names)}.")
+        return cls(**d)
+
+    def param_count(self) -> dict[str, int]:
+        """Parameter counts: ``per_block``, ``blocks`` (all L), ``always_kept``, ``total``."""
+        d, f, h = self.d_model, self.d_ff, self.head_dim
+        per_block = (d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2 + 3 * d * f + 2 * d)
+        kept = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d
+        return {"per_block": per_block, "blocks": per_block * self.n_layers,
+                "always_kept": kept, "total": per_block * self.n_layers + kept}
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019): ``x / rms(x) * scale``."""
+
+    def __init__(self, d: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float):
+    """Rotary tables (Su et al. 2021, Eq. 34): cos, sin float32 ``[T, head_dim/2]``."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate ``x`` [B, T, N, h] pairwise (first half with second half of the head dim)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
+
+
+def _normal(rngs: nnx.Rngs, shape, std):
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std)
+
+
+class Attention(nnx.Module):
+    """Causal attention with rotary embeddings and grouped-query attention (K <= H heads)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, H, K, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.wq = _normal(rngs, (d, H, h), cfg.init_std)
+        self.wk = _normal(rngs, (d, K, h), cfg.init_std)
+        self.wv = _normal(rngs, (d, K, h), cfg.init_std)
+        self.wo = _normal(rngs, (H, h, d), out_std)
+
+    def __call__(self, x, cos, sin):
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...])
+        k = jnp.einsum("btd,dnh->btnh", x, self.wk[...])
+        v = jnp.einsum("btd,dnh->btnh", x, self.wv[...])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jnp.einsum("btnh,nhd->btd", o, self.wo[...])
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP: ``w_down(silu(x w_gate) * (x w_up))``."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.w_gate = _normal(rngs, (d, f), cfg.init_std)
+        self.w_up = _normal(rngs, (d, f), cfg.init_std)
+        self.w_down = _normal(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def __call__(self, x):
+        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, h, cos, sin):
+        h = h + self.attn(self.attn_norm(h), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Llama(nnx.Module):
+    """LLaMA-style decoder with a stacked block axis (see module docstring)."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+
+    # The three stages are separate so that callers can run the blocks their own way (scan over
+    # a compact stack, or stream full-model blocks one at a time from their holders).
+    def embed_tokens(self, tokens):
+        """tokens int32 [B, T] -> residual stream float32 [B, T, d]."""
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def logits(self, h):
+        """residual stream [B, T, d] -> logits float32 [B, T, V]."""
+        h = self.final_norm(h)
+        w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return (h @ w).astype(jnp.float32)
+
+    def run_blocks(self, h, remat: Callable | None = None):
+        """Apply the stored block stack ``[k, ...]`` in order (k may be < L: a compact subnet)."""
+        graphdef, state = nnx.split(self.blocks)
+        cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
+
+        def body(x, block_state):
+            return nnx.merge(graphdef, block_state)(x, cos, sin), None
+
+        if remat is not None:
+            body = remat(body)
+        h, _ = jax.lax.scan(body, h, state)
+        return h
+
+    def __call__(self, tokens):
+        """tokens int32 [B, T] -> logits float32 [B, T, V]."""
+        return self.logits(self.run_blocks(self.embed_tokens(tokens)))
+
+
+def block_apply_fn(model: Llama):
+    """Pure function ``(block_params, h) -> h`` for ONE block (params without the stack axis),
+    used to stream the full model block by block."""
+    graphdef, _ = nnx.split(model.blocks)
+
+    def apply(block_params, h):
+        cos, sin = rope_tables(h.shape[1], model.cfg.head_dim, model.cfg.rope_theta)
+        return nnx.merge(graphdef, block_params)(h, cos, sin)
+
+    return apply
+
+
+def next_token_loss(logits, targets):
+    """Mean next-token cross-entropy in nats per token.
+
+    Args:
+      logits: float32 [B, T, V]. targets: int32 [B, T].
+    Returns:
+      float32 scalar.
+    """
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - tgt)

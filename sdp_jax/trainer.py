@@ -1,0 +1,308 @@
+"""The training loop: config -> validated run -> resumable training with metrics and summary.
+
+``train(config, workdir)`` is what ``python train.py`` runs. It validates everything it can
+before any compute (variant, coverage, worker count, data files, config compatibility with an
+existing checkpoint), builds the mesh and :class:`sdp_jax.train_step.StepBuilder`, restores the
+latest checkpoint in ``workdir`` if one exists, and trains with a progress bar, writing
+``metrics.jsonl`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from sdp_jax import checkpoint as ckpt_lib
+from sdp_jax import data as data_lib
+from sdp_jax import masks as masks_lib
+from sdp_jax import train_step as ts
+from sdp_jax.models.llama import LlamaConfig
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """Everything derived from a config before compute (host-side, no devices touched)."""
+
+    model: LlamaConfig
+    optim: ts.OptimConfig
+    recipe: masks_lib.MaskRecipe
+    workers: int
+    total_steps: int
+    global_batch: int
+    byte_level: bool
+
+
+def _positive_int(config, name):
+    v = config[name]
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"config.{name}={v!r} must be a positive integer.")
+    return v
+
+
+def resolve(config, device_count: int) -> RunSpec:
+    """Validate a run config and derive the run's static facts.
+
+    Args:
+      config: the run ``ConfigDict`` (see :func:`sdp_jax.config.base_config`).
+      device_count: devices available (``jax.device_count()``).
+
+    Raises:
+      ValueError: with the bad value and a fix, for any invalid field.
+    """
+    model = LlamaConfig.from_config(config.model)
+    optim = ts.OptimConfig.from_config(config.optim)
+    for name in ("seq_len", "batch_per_worker", "steps", "eval_batches", "log_every"):
+        _positive_int(config, name)
+    if config.seq_len > model.max_seq_len:
+        raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
+                         f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
+    workers = config.workers or device_count
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"config.workers={config.workers!r} must be a positive integer or 0 "
+                         "(= every device).")
+    if workers > device_count:
+        raise ValueError(f"config.workers={workers} but only {device_count} devices are "
+                         f"available; lower --config.workers, or on a CPU simulate more with "
+                         f"--config.num_cpu_devices={workers}.")
+    if jax.process_count() > 1 and workers != device_count:
+        raise ValueError(f"with several processes every device is a worker: set "
+                         f"--config.workers=0 (got {workers} of {device_count}).")
+    sdp = config.sdp
+    if sdp.averaging not in ("auto", "blockwise", "reference"):
+        raise ValueError(f"config.sdp.averaging={sdp.averaging!r}; use auto, blockwise or reference.")
+    recipe = ts.make_mask(sdp.variant, workers, model.n_layers, sdp.coverage, sdp.scheme,
+                          sdp.mask_seed, sdp.allow_nonuniform)
+    mask = recipe.matrix()
+    if workers > 1 and recipe.k < model.n_layers and masks_lib.spectral_gap(mask) < 1e-9 \
+            and not sdp.allow_disconnected:
+        raise ValueError(
+            f"the mask graph of {sdp.scheme} masks for W={workers}, L={model.n_layers}, "
+            f"C={recipe.coverage} is disconnected (spectral gap 0): some groups of workers share "
+            "no block, so their copies never mix. Choose a larger coverage, another scheme, or "
+            "set --config.sdp.allow_disconnected=True.")
+    total = config.steps
+    if config.flop_matched and sdp.variant != "ddp":
+        total = ts.flop_matched_steps(config.steps, recipe.coverage)
+    byte_level = config.data.source != "llmc"
+    if byte_level and model.vocab_size < data_lib.VOCAB_BYTES:
+        raise ValueError(f"byte-level data needs model.vocab_size >= 256, got {model.vocab_size}.")
+    return RunSpec(model, optim, recipe, workers, total, workers * config.batch_per_worker,
+                   byte_level)
+
+
+# Fields that change the training trajectory: a checkpoint written under other values is refused.
+_RUN_CONTROL = ("eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints",
+                "stop_at_step", "num_cpu_devices")
+
+
+def trajectory_config(config) -> dict[str, Any]:
+    """The parts of the config a checkpoint must agree with (plain JSON dict)."""
+    d = json.loads(config.to_json())
+    for k in _RUN_CONTROL:
+        d.pop(k, None)
+    d.get("data", {}).pop("worker_count", None)
+    return d
+
+
+class _Metrics:
+    """Append-only JSONL writer (process 0), truncated to the restored step on resume."""
+
+    def __init__(self, path: str, resume_step: int):
+        self.path = path
+        self.on = jax.process_index() == 0
+        if not self.on:
+            return
+        kept = []
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if rec.get("step", 0) <= resume_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        with open(path, "w") as f:
+            f.writelines(kept)
+
+    def write(self, rec: dict):
+        if self.on:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def _progress(total: int, initial: int):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                disable=jax.process_index() != 0, mininterval=1.0)
+
+
+def _log(msg: str):
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def train(config, workdir: str) -> dict[str, Any]:
+    """Train (or resume) the run described by ``config`` in ``workdir``.
+
+    Writes ``workdir/metrics.jsonl`` (one record per logged step: ``step``, ``train_loss``,
+    ``grad_norm``, ``lr``, ``tokens_per_s``; on eval steps ``val_loss`` nats/token and, for
+    byte-level data, ``val_bpb`` bits/byte), ``workdir/checkpoints/`` (orbax) and
+    ``workdir/summary.json``.
+
+    Returns:
+      the summary dict.
+
+    Raises:
+      ValueError: invalid config or data, or a checkpoint in ``workdir`` from another config
+        (raised before any training step).
+    """
+    t_start = time.time()
+    spec = resolve(config, jax.device_count())
+    os.makedirs(workdir, exist_ok=True)
+    W, b, T = spec.workers, config.batch_per_worker, config.seq_len
+    devices = jax.devices()[:W]
+    mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)
+    mask = spec.recipe.matrix()
+    mask_info = masks_lib.summarize(mask)
+
+    # Data first: a bad path or a split too small fails here, before any compile.
+    _log(data_lib.describe(config.data))
+    pidx, pcount = jax.process_index(), jax.process_count()
+    train_iter = data_lib.make_train_iterator(
+        config.data, seq_len=T, global_batch=spec.global_batch, seed=config.seed,
+        vocab_size=spec.model.vocab_size, process_index=pidx, process_count=pcount)
+    val_batches = data_lib.make_val_batches(
+        config.data, seq_len=T, global_batch=spec.global_batch, num_batches=config.eval_batches,
+        vocab_size=spec.model.vocab_size, process_index=pidx, process_count=pcount)
+
+    manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                                         keep=config.keep_checkpoints)
+    meta = {"config": trajectory_config(config), "mask_recipe": spec.recipe.to_dict(),
+            "mask": mask.astype(int).tolist()}
+    latest = manager.latest_step()
+    if latest is not None:
+        manager.check_compatible(latest, meta)  # raises before any compute
+
+    builder = ts.StepBuilder(spec.model, spec.recipe, spec.optim, mesh, spec.total_steps,
+                             averaging=config.sdp.averaging)
+    counts = spec.model.param_count()
+    _log(f"devices: {W} x {devices[0].platform} ({jax.process_count()} process(es)); "
+         f"variant {config.sdp.variant}, coverage C={spec.recipe.coverage:g} "
+         f"({spec.recipe.k}/{spec.model.n_layers} blocks per worker), scheme {spec.recipe.scheme}")
+    _log(f"mask: multiplicity {mask_info['multiplicity_min']}..{mask_info['multiplicity_max']}, "
+         f"spectral gap {mask_info['spectral_gap']:.4f}; params: total {counts['total']:,}, "
+         f"per device {builder.per_device_param_count():,}")
+
+    batch_shape = (spec.global_batch, T + 1)
+    t0 = time.time()
+    step_fn = builder.compiled_train_step(batch_shape)
+    mem = ts.memory_stats(step_fn)
+    _log(f"compiled train step in {time.time() - t0:.1f}s: peak "
+         f"{_fmt_bytes(mem['peak_bytes_per_device'])} per device")
+    eval_fn = builder.eval_step_fn()
+
+    if latest is not None:
+        state = manager.restore(latest, builder.abstract_state(), train_iter)
+        start = int(state["step"])
+        _log(f"resumed from {manager.directory} at step {start}")
+    else:
+        state = builder.init_state(config.seed)
+        start = 0
+    metrics_log = _Metrics(os.path.join(workdir, "metrics.jsonl"), start)
+    batch_sharding = builder.batch_sharding()
+
+    def device_batch(x: np.ndarray):
+        return jax.make_array_from_process_local_data(batch_sharding, x, batch_shape)
+
+    def evaluate():
+        losses = [float(eval_fn(state["params"], device_batch(vb))) for vb in val_batches]
+        v = float(np.mean(losses))
+        out = {"val_loss": v}
+        if spec.byte_level:
+            out["val_bpb"] = v / math.log(2)
+        return out
+
+    stop = spec.total_steps
+    if config.stop_at_step and start < config.stop_at_step < stop:
+        stop = config.stop_at_step
+    tokens_per_step = spec.global_batch * T
+    last_val: dict[str, float] = {}
+    bar = _progress(spec.total_steps, start)
+    t_window, n_window = time.time(), 0
+    step = start
+    try:
+        while step < stop:
+            batch = device_batch(next(train_iter))
+            state, m = step_fn(state, batch)
+            # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
+            rec = {k: float(v) for k, v in m.items()}
+            step += 1
+            n_window += 1
+            if not math.isfinite(rec["train_loss"]):
+                raise FloatingPointError(f"non-finite training loss {rec['train_loss']} at step "
+                                         f"{step}; lower --config.optim.lr.")
+            is_eval = step == spec.total_steps or (
+                config.eval_every > 0 and step % config.eval_every == 0)
+            if step % config.log_every == 0 or is_eval or step == stop:
+                dt = time.time() - t_window
+                rec["tokens_per_s"] = tokens_per_step * n_window / max(dt, 1e-9)
+                t_window, n_window = time.time(), 0
+                if is_eval:
+                    last_val = evaluate()
+                    rec.update(last_val)
+                rec["step"] = step
+                metrics_log.write(rec)
+                post = {"loss": f"{rec['train_loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+                if "val_loss" in rec:
+                    post["val"] = f"{rec['val_loss']:.3f}"
+                bar.set_postfix(post, refresh=False)
+            bar.update(1)
+            every = config.checkpoint_every
+            if (every and step % every == 0) or step == stop:
+                manager.save(step, state, train_iter, meta)
+    finally:
+        bar.close()
+        manager.wait()
+
+    done = step >= spec.total_steps
+    if done and not last_val:
+        last_val = evaluate()
+    summary = {
+        "variant": config.sdp.variant, "coverage": spec.recipe.coverage, "workers": W,
+        "scheme": spec.recipe.scheme, "blocks_per_worker": spec.recipe.k,
+        "n_layers": spec.model.n_layers, "steps": step, "total_steps": spec.total_steps,
+        "completed": done, "tokens": step * tokens_per_step,
+        "final_val_loss": last_val.get("val_loss"), "final_val_bpb": last_val.get("val_bpb"),
+        "wall_s": time.time() - t_start,
+        "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
+        "params_total": counts["total"], "params_per_device": builder.per_device_param_count(),
+        "mask": mask_info, "platform": devices[0].platform,
+    }
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    if done:
+        bpb = f", {summary['final_val_bpb']:.3f} bits/byte" if spec.byte_level else ""
+        _log(f"done: {step} steps in {summary['wall_s']:.0f}s; final val loss "
+             f"{summary['final_val_loss']:.4f} nats/token{bpb}; summary in "
+             f"{os.path.join(workdir, 'summary.json')}")
+    else:
+        _log(f"stopped at step {step} of {spec.total_steps} (checkpoint saved); rerun the same "
+             "command to resume.")
+    return summary

@@ -1,0 +1,121 @@
+"""End to end: the command line, resumption, refusal of foreign checkpoints, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from ml_collections import config_dict
+
+from sdp_jax import checkpoint as ckpt_lib
+from sdp_jax import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+import llama_tiny  # noqa: E402
+
+
+def tiny(**overrides):
+    c = llama_tiny.get_config()
+    for key, value in overrides.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_cli_trains_tiny_and_writes_outputs(tmp_path):
+    wd = tmp_path / "run"
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+         os.path.join(ROOT, "configs", "llama_tiny.py"), "--workdir", str(wd),
+         "--config.steps=4", "--config.sdp.variant=b-sdp", "--config.sdp.coverage=0.5"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "done: 4 steps" in out.stdout
+    recs = read_jsonl(wd / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all("train_loss" in r for r in recs) and "val_loss" in recs[-1]
+    summary = json.loads((wd / "summary.json").read_text())
+    for key in ("variant", "coverage", "workers", "steps", "final_val_loss", "wall_s",
+                "peak_bytes_per_device"):
+        assert key in summary
+    assert summary["variant"] == "b-sdp" and summary["coverage"] == 0.5 and summary["steps"] == 4
+    assert summary["workers"] == 4 and summary["peak_bytes_per_device"] > 0
+    assert (wd / "checkpoints" / "4").is_dir()
+
+
+def test_cli_rejects_bad_coverage_before_compute(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+         os.path.join(ROOT, "configs", "llama_tiny.py"), "--workdir", str(tmp_path / "bad"),
+         "--config.sdp.variant=b-sdp", "--config.sdp.coverage=0.3"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2
+    assert "coverage C=0.3" in out.stderr and "nearest valid coverages" in out.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
+    common = {"sdp.variant": "b-sdp", "sdp.coverage": 0.5, "steps": 6, "eval_every": 3,
+              "checkpoint_every": 0}
+    trainer.train(tiny(**common), str(tmp_path / "full"))
+    s1 = trainer.train(tiny(stop_at_step=3, **common), str(tmp_path / "resumed"))
+    assert s1["steps"] == 3 and not s1["completed"]
+    s2 = trainer.train(tiny(**common), str(tmp_path / "resumed"))
+    assert s2["steps"] == 6 and s2["completed"]
+
+    full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    np.testing.assert_allclose([r["train_loss"] for r in resumed],
+                               [r["train_loss"] for r in full], rtol=1e-6)
+    np.testing.assert_allclose(resumed[-1]["val_loss"], full[-1]["val_loss"], rtol=1e-6)
+
+    def final_params(wd):
+        m = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
+        step = m.latest_step()
+        assert step == 6
+        import orbax.checkpoint as ocp
+        out = m._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        return out["state"]["params"]
+
+    a, b = final_params(tmp_path / "full"), final_params(tmp_path / "resumed")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-8)
+
+
+def test_checkpoint_from_other_config_is_refused(tmp_path):
+    wd = str(tmp_path / "run")
+    trainer.train(tiny(steps=2, eval_every=2), wd)
+    before = sorted(os.listdir(os.path.join(wd, "checkpoints")))
+    with pytest.raises(ValueError) as e:
+        trainer.train(tiny(steps=2, eval_every=2, **{"model.d_model": 64}), wd)
+    msg = str(e.value)
+    assert "model.d_model: checkpoint has 32, this run has 64" in msg and "--workdir" in msg
+    assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before  # nothing overwritten
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    ({"workers": 16}, "only 8 devices"),
+    ({"seq_len": 1000}, "exceeds model.max_seq_len"),
+    ({"sdp.variant": "x-sdp"}, "unknown variant"),
+    ({"sdp.variant": "b-sdp", "sdp.coverage": 0.25}, "disconnected"),
+    ({"data.source": "text", "data.train_files": "/nonexistent/*.txt"}, "/nonexistent/*.txt"),
+])
+def test_bad_config_raises_before_compute(tmp_path, overrides, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("*", r"\*").replace(".", r"\.")):
+        trainer.train(tiny(**overrides), str(tmp_path / "bad"))
+    assert not (tmp_path / "bad" / "checkpoints").exists()

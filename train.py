@@ -1,0 +1,68 @@
+"""Train a LLaMA-style model with DDP or block-level SDP (B-SDP).
+
+    python train.py                                   # default: configs/llama_small.py, ./runs/default
+    python train.py --config configs/llama_tiny.py --workdir /tmp/run --config.steps=20
+    python train.py --config.sdp.variant=b-sdp --config.sdp.coverage=0.5
+
+Rerunning the same command with the same --workdir resumes from the latest checkpoint.
+Several processes (TPU pod slice, multi-GPU hosts): see README.md, "Multi-host".
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # run from a checkout without installing
+
+config_flags.DEFINE_config_file(
+    "config", os.path.join(_HERE, "configs", "llama_small.py"), "Run config (a get_config() file).",
+    lock_config=True)
+flags.DEFINE_string("workdir", os.path.join("runs", "default"),
+                    "Directory for checkpoints, metrics.jsonl and summary.json.")
+flags.DEFINE_enum("distributed", "auto", ["auto", "true", "false"],
+                  "Call jax.distributed.initialize(): auto = when launched as several processes "
+                  "(JAX_COORDINATOR_ADDRESS, SLURM or Open MPI with >1 task, or a TPU pod slice).")
+
+
+def _multi_process_env() -> bool:
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        if int(env.get(key, "1") or 1) > 1:
+            return True
+    return "," in env.get("TPU_WORKER_HOSTNAMES", "")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.FIELD=VALUE.")
+    logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
+    import jax
+
+    config = flags.FLAGS.config
+    mode = flags.FLAGS.distributed
+    if mode == "true" or (mode == "auto" and _multi_process_env()):
+        env = os.environ
+        kwargs = {}
+        if env.get("JAX_COORDINATOR_ADDRESS"):
+            kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+                          num_processes=int(env["JAX_NUM_PROCESSES"]),
+                          process_id=int(env["JAX_PROCESS_ID"]))
+        jax.distributed.initialize(**kwargs)
+    # Simulated devices when the machine has only a CPU; ignored on GPU and TPU backends.
+    jax.config.update("jax_num_cpu_devices", int(config.num_cpu_devices))
+
+    from sdp_jax.trainer import train
+    try:
+        train(config, flags.FLAGS.workdir)
+    except (ValueError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main)
