@@ -39,7 +39,9 @@ def measure(config, variant: str, workers: int, coverage: float, mesh) -> dict:
     Returns:
       row dict: ``variant``, ``coverage``, ``workers``, ``blocks_per_worker``,
       ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
-      ``peak_bytes_per_device`` (bytes), ``flops_per_device`` (FLOPs per step),
+      ``peak_bytes_per_device`` (bytes), ``flops_per_device`` (FLOPs per step, XLA's count on
+      the unrolled program), ``model_flops_per_device`` (``6N + 12 L T d`` per token times the
+      worker's tokens, :func:`sdp_jax.train_step.model_flops_per_token`),
       ``params_per_device``, ``compile_s``.
     """
     from sdp_jax import masks as masks_lib
@@ -58,26 +60,44 @@ def measure(config, variant: str, workers: int, coverage: float, mesh) -> dict:
                           config.sdp.mask_seed, allow_nonuniform=not uniform_ok)
     builder = ts.StepBuilder(model, recipe, optim, mesh, config.steps,
                              averaging=config.sdp.averaging)
+    batch_shape = (workers * config.batch_per_worker, config.seq_len + 1)
     t0 = time.time()
-    compiled = builder.compiled_train_step(
-        (workers * config.batch_per_worker, config.seq_len + 1))
+    compiled = builder.compiled_train_step(batch_shape)
+    # XLA's cost analysis counts a scan body once: count FLOPs on the unrolled program.
+    unrolled = ts.StepBuilder(model, recipe, optim, mesh, config.steps,
+                              averaging=config.sdp.averaging, unroll=True)
+    flops = ts.flops_per_device(unrolled.compiled_train_step(batch_shape))
+    tokens = config.batch_per_worker * config.seq_len
     row = {"variant": variant, "coverage": recipe.coverage, "workers": workers,
            "blocks_per_worker": recipe.k, "uniform": uniform_ok,
-           **ts.memory_stats(compiled), "flops_per_device": ts.flops_per_device(compiled),
+           **ts.memory_stats(compiled), "flops_per_device": flops,
+           "model_flops_per_device": ts.model_flops_per_token(model, config.seq_len, recipe.k)
+           * tokens,
            "params_per_device": builder.per_device_param_count(),
            "compile_s": round(time.time() - t0, 1)}
     return row
 
 
-def _gib(n):
-    return f"{n / 2**30:.3f}"
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale or unit == "MFLOP":
+            return f"{n / scale:.3f} {unit}"
+    return str(n)
 
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of bench rows with ratios to the DDP row (if present)."""
     base = next((r for r in rows if r["variant"] == "ddp"), None)
-    head = ("| variant | C | W | blocks/worker | argument GiB | temp GiB | peak GiB/device | "
-            "peak / DDP | TFLOPs/device | FLOPs / DDP |")
+    head = ("| variant | C | W | blocks/worker | argument | temp | peak/device | peak / DDP | "
+            "FLOPs/device | FLOPs / DDP |")
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         pr = f"{r['peak_bytes_per_device'] / base['peak_bytes_per_device']:.3f}" if base else "-"
@@ -85,8 +105,8 @@ def format_table(rows: list[dict]) -> str:
               if base and base["flops_per_device"] else "-")
         lines.append(
             f"| {r['variant']} | {r['coverage']:.4g} | {r['workers']} | {r['blocks_per_worker']} | "
-            f"{_gib(r['argument_bytes'])} | {_gib(r['temp_bytes'])} | "
-            f"{_gib(r['peak_bytes_per_device'])} | {pr} | {r['flops_per_device'] / 1e12:.3f} | "
+            f"{_bytes(r['argument_bytes'])} | {_bytes(r['temp_bytes'])} | "
+            f"{_bytes(r['peak_bytes_per_device'])} | {pr} | {_flops(r['flops_per_device'])} | "
             f"{fr} |")
     return "\n".join(lines)
 
@@ -121,7 +141,10 @@ def main(argv=None) -> list[dict]:
             config.model.max_seq_len = max(config.model.max_seq_len, args.seq_len)
 
     import jax
-    jax.config.update("jax_num_cpu_devices", args.workers)
+    # Simulated CPU devices (ignored on GPU/TPU); only raised, never lowered, so that a caller
+    # that already set more devices (tests) keeps them.
+    if args.workers > int(jax.config.jax_num_cpu_devices):
+        jax.config.update("jax_num_cpu_devices", args.workers)
     if jax.device_count() < args.workers:
         p.error(f"--workers={args.workers} but only {jax.device_count()} "
                 f"{jax.devices()[0].platform} devices are present")

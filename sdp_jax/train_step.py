@@ -121,13 +121,14 @@ class StepBuilder:
       mesh: ``jax.sharding.Mesh`` with one axis ``data`` of size ``W``.
       total_steps: schedule length in optimizer steps.
       averaging: method passed to :func:`sdp_jax.sync.compact_masked_mean`.
+      unroll: unroll the block scan (for FLOP counting; same results).
 
     Raises:
       ValueError: mesh size differs from ``recipe.workers``, or recipe does not cover ``L`` blocks.
     """
 
     def __init__(self, model_cfg: LlamaConfig, recipe: masks_lib.MaskRecipe, optim: OptimConfig,
-                 mesh, total_steps: int, averaging: str = "auto"):
+                 mesh, total_steps: int, averaging: str = "auto", unroll: bool = False):
         if mesh.shape[AXIS] != recipe.workers:
             raise ValueError(f"mesh axis '{AXIS}' has {mesh.shape[AXIS]} devices but the mask "
                              f"recipe has W={recipe.workers} workers.")
@@ -137,6 +138,7 @@ class StepBuilder:
         self.model_cfg, self.recipe, self.optim, self.mesh = model_cfg, recipe, optim, mesh
         self.total_steps = int(total_steps)
         self.averaging = averaging
+        self.unroll = unroll
         self.mask = recipe.matrix()
         self.tables = sync.CompactTables(self.mask)
         self.optimizer = make_optimizer(optim, self.total_steps)
@@ -212,7 +214,7 @@ class StepBuilder:
 
     def _local_loss(self, params_local, batch):
         model = self._model(params_local)
-        logits = model(batch[:, :-1])
+        logits = model(batch[:, :-1], unroll=self.unroll)
         return next_token_loss(logits, batch[:, 1:])
 
     def average_grads(self, grads):
@@ -334,7 +336,10 @@ def memory_stats(compiled) -> dict[str, int]:
 
 
 def flops_per_device(compiled) -> float:
-    """FLOPs of one per-device step from ``compiled.cost_analysis()`` (0.0 if unavailable)."""
+    """FLOPs of one per-device step from ``compiled.cost_analysis()`` (0.0 if unavailable).
+
+    XLA counts a loop body once, whatever its trip count: compile with ``unroll=True`` (see
+    :class:`StepBuilder`) for a count that includes every block."""
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):
         ca = ca[0] if ca else {}

@@ -200,8 +200,11 @@ class Llama(nnx.Module):
         w = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         return (h @ w).astype(jnp.float32)
 
-    def run_blocks(self, h, remat: Callable | None = None):
-        """Apply the stored block stack ``[k, ...]`` in order (k may be < L: a compact subnet)."""
+    def run_blocks(self, h, remat: Callable | None = None, unroll: bool = False):
+        """Apply the stored block stack ``[k, ...]`` in order (k may be < L: a compact subnet).
+
+        ``unroll=True`` unrolls the scan (XLA's cost analysis counts a loop body once, so FLOP
+        counts need the unrolled program)."""
         graphdef, state = nnx.split(self.blocks)
         cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
 
@@ -210,12 +213,12 @@ class Llama(nnx.Module):
 
         if remat is not None:
             body = remat(body)
-        h, _ = jax.lax.scan(body, h, state)
+        h, _ = jax.lax.scan(body, h, state, unroll=unroll)
         return h
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, unroll: bool = False):
         """tokens int32 [B, T] -> logits float32 [B, T, V]."""
-        return self.logits(self.run_blocks(self.embed_tokens(tokens)))
+        return self.logits(self.run_blocks(self.embed_tokens(tokens), unroll=unroll))
 
 
 def block_apply_fn(model: Llama):
