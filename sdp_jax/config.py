@@ -48,3 +48,27 @@ def base_config() -> ml_collections.ConfigDict:
     c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
     c.seed = 0
     return c
+
+
+def paper_scale_config(*, d_model: int, n_layers: int, n_heads: int, d_ff: int,
+                       tie_embeddings: bool, coverage: float) -> ml_collections.ConfigDict:
+    """Shared settings of the paper-scale configs (``llama_134m``, ``llama_500m``, ``llama_1b``):
+    vocab 32000 (the LLaMA tokenizer's), llm.c token shards, 8 workers, B-SDP, 1024-token
+    sequences, 8 per worker, AdamW peak 6e-4 with 500 warm-up steps. ``W * coverage`` need not
+    be whole (the paper's 1B setting): near-uniform masks are allowed."""
+    c = base_config()
+    c.model.update(vocab_size=32000, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                   n_kv_heads=n_heads, d_ff=d_ff, max_seq_len=2048, tie_embeddings=tie_embeddings)
+    c.data.source = "llmc"
+    c.sdp.variant = "b-sdp"
+    c.sdp.coverage = coverage
+    c.sdp.allow_nonuniform = True
+    c.workers = 8
+    c.seq_len = 1024
+    c.batch_per_worker = 8
+    c.steps = 10000
+    c.eval_every = 500
+    c.checkpoint_every = 500
+    c.optim.lr = 6e-4
+    c.optim.warmup_steps = 500
+    return c

@@ -87,58 +87,65 @@ _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 def default_data_config() -> ml_collections.ConfigDict:
-  """Returns the data config with its defaults.
+    """Returns the data config with its defaults.
 
-  Fields: ``source`` (one of :data:`SOURCES`), ``train_files`` / ``val_files``
-  (comma-separated glob patterns, ``~`` expanded; ``text`` and ``llmc``),
-  ``val_fraction`` (fraction of files, or bytes for a single text file, held out
-  for validation; in [0, 1)), ``tfds_name``, ``tfds_train_split``,
-  ``tfds_val_split``, ``tfds_text_key``, ``tfds_data_dir`` (``''`` = tfds
-  default), ``worker_count`` (grain worker processes; 0 = in-process).
-  """
-  cfg = ml_collections.ConfigDict()
-  cfg.source = "stdlib"
-  cfg.train_files = ""
-  cfg.val_files = ""
-  cfg.val_fraction = 0.05
-  cfg.tfds_name = ""
-  cfg.tfds_train_split = "train"
-  cfg.tfds_val_split = "validation"
-  cfg.tfds_text_key = "text"
-  cfg.tfds_data_dir = ""
-  cfg.worker_count = 0
-  return cfg
+    Fields: ``source`` (one of :data:`SOURCES`), ``train_files`` / ``val_files``
+    (comma-separated glob patterns, ``~`` expanded; ``text`` and ``llmc``),
+    ``val_fraction`` (fraction of files, or bytes for a single text file, held out
+    for validation; in [0, 1)), ``tfds_name``, ``tfds_train_split``,
+    ``tfds_val_split``, ``tfds_text_key``, ``tfds_data_dir`` (``''`` = tfds
+    default), ``worker_count`` (grain worker processes; 0 = in-process).
+    """
+    cfg = ml_collections.ConfigDict()
+    cfg.source = "stdlib"
+    cfg.train_files = ""
+    cfg.val_files = ""
+    cfg.val_fraction = 0.05
+    cfg.tfds_name = ""
+    cfg.tfds_train_split = "train"
+    cfg.tfds_val_split = "validation"
+    cfg.tfds_text_key = "text"
+    cfg.tfds_data_dir = ""
+    cfg.worker_count = 0
+    return cfg
 
 
 def _cfg_get(cfg: Any, name: str) -> Any:
-  defaults = default_data_config()
-  try:
-    return cfg[name]
-  except (KeyError, AttributeError, TypeError):
-    return getattr(cfg, name, defaults[name])
+    defaults = default_data_config()
+    try:
+        return cfg[name]
+    except (KeyError, AttributeError, TypeError):
+        return getattr(cfg, name, defaults[name])
 
 
 def _cache_key(cfg: Any) -> tuple:
-  """The config values that determine the token arrays (hashable)."""
-  source = str(_cfg_get(cfg, "source"))
-  if source not in SOURCES:
-    raise ValueError(
-        f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)} "
-        "(set --config.data.source=...)")
-  val_fraction = float(_cfg_get(cfg, "val_fraction"))
-  if not 0.0 <= val_fraction < 1.0:
-    raise ValueError(
-        f"data.val_fraction must be in [0, 1), got {val_fraction}")
-  if source == "stdlib":
-    return (source, val_fraction)
-  if source in ("text", "llmc"):
-    return (source, str(_cfg_get(cfg, "train_files")),
-            str(_cfg_get(cfg, "val_files")), val_fraction)
-  return (source, str(_cfg_get(cfg, "tfds_name")),
-          str(_cfg_get(cfg, "tfds_train_split")),
-          str(_cfg_get(cfg, "tfds_val_split")),
-          str(_cfg_get(cfg, "tfds_text_key")),
-          str(_cfg_get(cfg, "tfds_data_dir")))
+    """The config values that determine the token arrays (hashable)."""
+    source = str(_cfg_get(cfg, "source"))
+    if source not in SOURCES:
+        raise ValueError(
+            f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)} "
+            "(set --config.data.source=...)"
+        )
+    val_fraction = float(_cfg_get(cfg, "val_fraction"))
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    if source == "stdlib":
+        return (source, val_fraction)
+    if source in ("text", "llmc"):
+        return (
+            source,
+            str(_cfg_get(cfg, "train_files")),
+            str(_cfg_get(cfg, "val_files")),
+            val_fraction,
+        )
+    return (
+        source,
+        str(_cfg_get(cfg, "tfds_name")),
+        str(_cfg_get(cfg, "tfds_train_split")),
+        str(_cfg_get(cfg, "tfds_val_split")),
+        str(_cfg_get(cfg, "tfds_text_key")),
+        str(_cfg_get(cfg, "tfds_data_dir")),
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -147,110 +154,113 @@ def _cache_key(cfg: Any) -> tuple:
 
 
 def _stdlib_root() -> pathlib.Path:
-  return pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
 def stdlib_files() -> list[pathlib.Path]:
-  """Lists the ``*.py`` files of the running interpreter's standard library.
+    """Lists the ``*.py`` files of the running interpreter's standard library.
 
-  Returns:
-    Absolute paths, sorted by their POSIX path relative to
-    ``sysconfig.get_paths()['stdlib']``; directories named ``site-packages``,
-    ``dist-packages`` and ``__pycache__`` are skipped (not descended into).
-    Symbolic links to directories are not followed.
-  """
-  root = _stdlib_root()
-  found = []
-  for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
-    for name in filenames:
-      if name.endswith(".py"):
-        found.append(pathlib.Path(dirpath, name))
-  found.sort(key=lambda p: p.relative_to(root).as_posix())
-  return found
+    Returns:
+      Absolute paths, sorted by their POSIX path relative to
+      ``sysconfig.get_paths()['stdlib']``; directories named ``site-packages``,
+      ``dist-packages`` and ``__pycache__`` are skipped (not descended into).
+      Symbolic links to directories are not followed.
+    """
+    root = _stdlib_root()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                found.append(pathlib.Path(dirpath, name))
+    found.sort(key=lambda p: p.relative_to(root).as_posix())
+    return found
 
 
 def _split_key(path: pathlib.Path, root: pathlib.Path | None) -> str:
-  path = pathlib.Path(path)
-  if root is not None:
-    path = path.relative_to(root)
-  return path.as_posix()
+    path = pathlib.Path(path)
+    if root is not None:
+        path = path.relative_to(root)
+    return path.as_posix()
 
 
-def split_by_file(files: Iterable[os.PathLike | str], val_fraction: float,
-                  root: os.PathLike | str | None = None
-                  ) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
-  """Splits files into (train, val) deterministically, by a hash of each path.
+def split_by_file(
+    files: Iterable[os.PathLike | str], val_fraction: float, root: os.PathLike | str | None = None
+) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """Splits files into (train, val) deterministically, by a hash of each path.
 
-  A file goes to val iff ``zlib.crc32(key) % 10_000 < val_fraction * 10_000``,
-  where ``key`` is the UTF-8 POSIX path relative to ``root`` (or the path as
-  given when ``root`` is None). The result depends only on the keys, so every
-  host computes the same split, whatever the order of ``files``.
+    A file goes to val iff ``zlib.crc32(key) % 10_000 < val_fraction * 10_000``,
+    where ``key`` is the UTF-8 POSIX path relative to ``root`` (or the path as
+    given when ``root`` is None). The result depends only on the keys, so every
+    host computes the same split, whatever the order of ``files``.
 
-  With at least two files and ``0 < val_fraction``, neither side is left empty:
-  if no file hashes into val, the file with the smallest hash bucket is moved
-  there; if every file does, the one with the largest is moved back to train.
+    With at least two files and ``0 < val_fraction``, neither side is left empty:
+    if no file hashes into val, the file with the smallest hash bucket is moved
+    there; if every file does, the one with the largest is moved back to train.
 
-  Args:
-    files: paths (str or PathLike).
-    val_fraction: expected fraction of files in val, in [0, 1).
-    root: optional directory the keys are taken relative to.
+    Args:
+      files: paths (str or PathLike).
+      val_fraction: expected fraction of files in val, in [0, 1).
+      root: optional directory the keys are taken relative to.
 
-  Returns:
-    ``(train, val)``: lists of ``pathlib.Path``, each sorted by key.
+    Returns:
+      ``(train, val)``: lists of ``pathlib.Path``, each sorted by key.
 
-  Raises:
-    ValueError: ``val_fraction`` outside [0, 1), or a file not under ``root``.
-  """
-  if not 0.0 <= val_fraction < 1.0:
-    raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-  root = pathlib.Path(root) if root is not None else None
-  keyed = sorted(
-      ((_split_key(pathlib.Path(f), root), pathlib.Path(f)) for f in files),
-      key=lambda kp: kp[0])
-  threshold = val_fraction * 10_000
-  buckets = [zlib.crc32(k.encode("utf-8")) % 10_000 for k, _ in keyed]
-  is_val = [b < threshold for b in buckets]
-  if len(keyed) >= 2 and val_fraction > 0:
-    if not any(is_val):
-      is_val[min(range(len(keyed)), key=lambda i: (buckets[i], keyed[i][0]))] = True
-    elif all(is_val):
-      is_val[max(range(len(keyed)), key=lambda i: (buckets[i], keyed[i][0]))] = False
-  train = [p for (_, p), v in zip(keyed, is_val) if not v]
-  val = [p for (_, p), v in zip(keyed, is_val) if v]
-  return train, val
+    Raises:
+      ValueError: ``val_fraction`` outside [0, 1), or a file not under ``root``.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    root = pathlib.Path(root) if root is not None else None
+    keyed = sorted(
+        ((_split_key(pathlib.Path(f), root), pathlib.Path(f)) for f in files), key=lambda kp: kp[0]
+    )
+    threshold = val_fraction * 10_000
+    buckets = [zlib.crc32(k.encode("utf-8")) % 10_000 for k, _ in keyed]
+    is_val = [b < threshold for b in buckets]
+    if len(keyed) >= 2 and val_fraction > 0:
+        if not any(is_val):
+            is_val[min(range(len(keyed)), key=lambda i: (buckets[i], keyed[i][0]))] = True
+        elif all(is_val):
+            is_val[max(range(len(keyed)), key=lambda i: (buckets[i], keyed[i][0]))] = False
+    train = [p for (_, p), v in zip(keyed, is_val) if not v]
+    val = [p for (_, p), v in zip(keyed, is_val) if v]
+    return train, val
 
 
 def _expand_patterns(patterns: str, field: str) -> list[pathlib.Path]:
-  """Comma-separated globs -> sorted unique files; a pattern matching no file raises."""
-  files: dict[str, pathlib.Path] = {}
-  parts = [p.strip() for p in patterns.split(",") if p.strip()]
-  if not parts:
-    raise ValueError(f"data.{field} is empty; give a comma-separated list of "
-                     f"file glob patterns (--config.data.{field}=...)")
-  for pattern in parts:
-    expanded = os.path.expanduser(pattern)
-    matches = [m for m in glob.glob(expanded, recursive=True) if os.path.isfile(m)]
-    if not matches:
-      raise ValueError(
-          f"data.{field}: pattern {pattern!r} matches no file "
-          f"(expanded to {expanded!r}, working directory {os.getcwd()!r})")
-    for m in matches:
-      files[os.path.abspath(m)] = pathlib.Path(os.path.abspath(m))
-  return [files[k] for k in sorted(files)]
+    """Comma-separated globs -> sorted unique files; a pattern matching no file raises."""
+    files: dict[str, pathlib.Path] = {}
+    parts = [p.strip() for p in patterns.split(",") if p.strip()]
+    if not parts:
+        raise ValueError(
+            f"data.{field} is empty; give a comma-separated list of "
+            f"file glob patterns (--config.data.{field}=...)"
+        )
+    for pattern in parts:
+        expanded = os.path.expanduser(pattern)
+        matches = [m for m in glob.glob(expanded, recursive=True) if os.path.isfile(m)]
+        if not matches:
+            raise ValueError(
+                f"data.{field}: pattern {pattern!r} matches no file "
+                f"(expanded to {expanded!r}, working directory {os.getcwd()!r})"
+            )
+        for m in matches:
+            files[os.path.abspath(m)] = pathlib.Path(os.path.abspath(m))
+    return [files[k] for k in sorted(files)]
 
 
 def _concat_bytes(chunks: Iterable[bytes]) -> np.ndarray:
-  """Byte chunks -> one uint8 array, DOC_SEPARATOR after each chunk."""
-  buf = bytearray()
-  for chunk in chunks:
-    buf += chunk
-    buf += DOC_SEPARATOR
-  return np.frombuffer(buf, dtype=np.uint8)
+    """Byte chunks -> one uint8 array, DOC_SEPARATOR after each chunk."""
+    buf = bytearray()
+    for chunk in chunks:
+        buf += chunk
+        buf += DOC_SEPARATOR
+    return np.frombuffer(buf, dtype=np.uint8)
 
 
 def _read_files(files: Sequence[pathlib.Path]) -> np.ndarray:
-  return _concat_bytes(pathlib.Path(f).read_bytes() for f in files)
+    return _concat_bytes(pathlib.Path(f).read_bytes() for f in files)
 
 
 # ----------------------------------------------------------------------------
@@ -259,74 +269,80 @@ def _read_files(files: Sequence[pathlib.Path]) -> np.ndarray:
 
 
 def write_llmc_shard(path: os.PathLike | str, tokens: Any) -> None:
-  """Writes tokens as an llm.c shard (version 1, uint16 tokens).
+    """Writes tokens as an llm.c shard (version 1, uint16 tokens).
 
-  Args:
-    path: output file (overwritten).
-    tokens: 1-D integer array-like of token ids, each in [0, 65535].
+    Args:
+      path: output file (overwritten).
+      tokens: 1-D integer array-like of token ids, each in [0, 65535].
 
-  Raises:
-    ValueError: tokens not 1-D, or a token outside [0, 65535] (uint16).
-  """
-  tokens = np.asarray(tokens)
-  if tokens.ndim != 1:
-    raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-  if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
-    raise ValueError(
-        f"llm.c version-1 shards hold uint16 tokens; got values in "
-        f"[{tokens.min()}, {tokens.max()}], outside [0, 65535]")
-  header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
-  header[0] = LLMC_MAGIC
-  header[1] = LLMC_VERSION
-  header[2] = tokens.size
-  with open(path, "wb") as f:
-    f.write(header.tobytes())
-    f.write(tokens.astype("<u2").tobytes())
+    Raises:
+      ValueError: tokens not 1-D, or a token outside [0, 65535] (uint16).
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
+        raise ValueError(
+            f"llm.c version-1 shards hold uint16 tokens; got values in "
+            f"[{tokens.min()}, {tokens.max()}], outside [0, 65535]"
+        )
+    header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
+    header[0] = LLMC_MAGIC
+    header[1] = LLMC_VERSION
+    header[2] = tokens.size
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
 
 
 def read_llmc_shard(path: os.PathLike | str) -> np.ndarray:
-  """Memory-maps the tokens of an llm.c shard (read-only, nothing is loaded).
+    """Memory-maps the tokens of an llm.c shard (read-only, nothing is loaded).
 
-  Returns:
-    A read-only ``np.memmap`` of dtype little-endian uint16 and shape
-    ``[count]``, where ``count`` is the header's token count.
+    Returns:
+      A read-only ``np.memmap`` of dtype little-endian uint16 and shape
+      ``[count]``, where ``count`` is the header's token count.
 
-  Raises:
-    ValueError: naming the path, the expected and found values and a hint, when
-      the file is shorter than the 1024-byte header, its magic is not 20240520,
-      its version is not 1, or its size is not ``1024 + 2 * count`` bytes
-      (truncated or trailing bytes).
-  """
-  path = os.fspath(path)
-  hint = ("convert your tokens with sdp_jax.data.write_llmc_shard(path, tokens) "
-          "or check that the file was copied completely")
-  size = os.path.getsize(path)
-  if size < LLMC_HEADER_BYTES:
-    raise ValueError(
-        f"llm.c shard {path}: file shorter than the {LLMC_HEADER_BYTES}-byte "
-        f"header: expected at least {LLMC_HEADER_BYTES} bytes, found {size} "
-        f"bytes; {hint}")
-  header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
-  magic, version, count = int(header[0]), int(header[1]), int(header[2])
-  if magic != LLMC_MAGIC:
-    raise ValueError(
-        f"llm.c shard {path}: bad magic number, expected {LLMC_MAGIC}, found "
-        f"{magic}; this is not an llm.c token shard; {hint}")
-  if version != LLMC_VERSION:
-    raise ValueError(
-        f"llm.c shard {path}: unsupported version, expected {LLMC_VERSION} "
-        f"(uint16 tokens), found {version}; other versions (llm.c uses 2 for "
-        f"uint32 tokens) are not supported: re-tokenize to a vocabulary of at "
-        f"most 65536 and write version-1 shards with write_llmc_shard")
-  expected = LLMC_HEADER_BYTES + 2 * count
-  if count < 0 or size != expected:
-    what = "truncated" if size < expected else "trailing bytes after the tokens"
-    raise ValueError(
-        f"llm.c shard {path}: file size mismatch ({what}): header says {count} "
-        f"tokens, so expected {expected} bytes "
-        f"({LLMC_HEADER_BYTES} + 2 * {count}), found {size} bytes; {hint}")
-  return np.memmap(path, dtype="<u2", mode="r", offset=LLMC_HEADER_BYTES,
-                   shape=(count,))
+    Raises:
+      ValueError: naming the path, the expected and found values and a hint, when
+        the file is shorter than the 1024-byte header, its magic is not 20240520,
+        its version is not 1, or its size is not ``1024 + 2 * count`` bytes
+        (truncated or trailing bytes).
+    """
+    path = os.fspath(path)
+    hint = (
+        "convert your tokens with sdp_jax.data.write_llmc_shard(path, tokens) "
+        "or check that the file was copied completely"
+    )
+    size = os.path.getsize(path)
+    if size < LLMC_HEADER_BYTES:
+        raise ValueError(
+            f"llm.c shard {path}: file shorter than the {LLMC_HEADER_BYTES}-byte "
+            f"header: expected at least {LLMC_HEADER_BYTES} bytes, found {size} "
+            f"bytes; {hint}"
+        )
+    header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
+    magic, version, count = int(header[0]), int(header[1]), int(header[2])
+    if magic != LLMC_MAGIC:
+        raise ValueError(
+            f"llm.c shard {path}: bad magic number, expected {LLMC_MAGIC}, found "
+            f"{magic}; this is not an llm.c token shard; {hint}"
+        )
+    if version != LLMC_VERSION:
+        raise ValueError(
+            f"llm.c shard {path}: unsupported version, expected {LLMC_VERSION} "
+            f"(uint16 tokens), found {version}; other versions (llm.c uses 2 for "
+            f"uint32 tokens) are not supported: re-tokenize to a vocabulary of at "
+            f"most 65536 and write version-1 shards with write_llmc_shard"
+        )
+    expected = LLMC_HEADER_BYTES + 2 * count
+    if count < 0 or size != expected:
+        what = "truncated" if size < expected else "trailing bytes after the tokens"
+        raise ValueError(
+            f"llm.c shard {path}: file size mismatch ({what}): header says {count} "
+            f"tokens, so expected {expected} bytes "
+            f"({LLMC_HEADER_BYTES} + 2 * {count}), found {size} bytes; {hint}"
+        )
+    return np.memmap(path, dtype="<u2", mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
 
 
 # ----------------------------------------------------------------------------
@@ -335,38 +351,38 @@ def read_llmc_shard(path: os.PathLike | str) -> np.ndarray:
 
 
 def _import_tfds():
-  try:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError(
-        "data.source='tfds' needs the optional dependency tensorflow-datasets: "
-        "pip install 'sdp_jax[tfds]' (TensorFlow itself is not required)") from e
-  return tfds
+    try:
+        import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+        raise ImportError(
+            "data.source='tfds' needs the optional dependency tensorflow-datasets: "
+            "pip install 'sdp_jax[tfds]' (TensorFlow itself is not required)"
+        ) from e
+    return tfds
 
 
-def _load_tfds_split(name: str, split: str, text_key: str, data_dir: str
-                     ) -> tuple[np.ndarray, int]:
-  tfds = _import_tfds()
-  if not name:
-    raise ValueError("data.source='tfds' needs data.tfds_name "
-                     "(--config.data.tfds_name=...)")
-  source = tfds.data_source(name, split=split, data_dir=data_dir or None)
-  n = len(source)
+def _load_tfds_split(name: str, split: str, text_key: str, data_dir: str) -> tuple[np.ndarray, int]:
+    tfds = _import_tfds()
+    if not name:
+        raise ValueError("data.source='tfds' needs data.tfds_name (--config.data.tfds_name=...)")
+    source = tfds.data_source(name, split=split, data_dir=data_dir or None)
+    n = len(source)
 
-  def texts():
-    for i in range(n):
-      record = source[i]
-      if text_key not in record:
-        raise ValueError(
-            f"tfds dataset {name!r} split {split!r}: record has no feature "
-            f"{text_key!r}; available: {sorted(record)} "
-            "(set --config.data.tfds_text_key=...)")
-      text = record[text_key]
-      if isinstance(text, np.ndarray):
-        text = text.item()
-      yield text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    def texts():
+        for i in range(n):
+            record = source[i]
+            if text_key not in record:
+                raise ValueError(
+                    f"tfds dataset {name!r} split {split!r}: record has no feature "
+                    f"{text_key!r}; available: {sorted(record)} "
+                    "(set --config.data.tfds_text_key=...)"
+                )
+            text = record[text_key]
+            if isinstance(text, np.ndarray):
+                text = text.item()
+            yield text.encode("utf-8") if isinstance(text, str) else bytes(text)
 
-  return _concat_bytes(texts()), n
+    return _concat_bytes(texts()), n
 
 
 # ----------------------------------------------------------------------------
@@ -374,113 +390,125 @@ def _load_tfds_split(name: str, split: str, text_key: str, data_dir: str
 # ----------------------------------------------------------------------------
 
 
+def _file_splits(train: Sequence[pathlib.Path], val: Sequence[pathlib.Path]) -> dict:
+    return dict(
+        train=(_read_files(train),),
+        val=(_read_files(val),),
+        counts=(len(train), len(val)),
+        unit="files",
+    )
+
+
 @functools.lru_cache(maxsize=8)
 def _load_splits(key: tuple) -> dict:
-  """Loads both splits for a cache key. Arrays are made read-only."""
-  source = key[0]
-  if source == "stdlib":
-    root = _stdlib_root()
-    train, val = split_by_file(stdlib_files(), key[1], root=root)
-    out = dict(train=(_read_files(train),), val=(_read_files(val),),
-               counts=(len(train), len(val)), unit="files")
-  elif source == "text":
-    _, train_pat, val_pat, frac = key
-    train_files = _expand_patterns(train_pat, "train_files")
-    if val_pat.strip():
-      val_files = _expand_patterns(val_pat, "val_files")
-      out = dict(train=(_read_files(train_files),), val=(_read_files(val_files),),
-                 counts=(len(train_files), len(val_files)), unit="files")
-    elif len(train_files) == 1:
-      data = _read_files(train_files)
-      n_val = math.ceil(frac * data.size)
-      out = dict(train=(data[:data.size - n_val],), val=(data[data.size - n_val:],),
-                 counts=(1, 1 if n_val else 0), unit="file (split by bytes)")
+    """Loads both splits for a cache key. Arrays are made read-only."""
+    source = key[0]
+    if source == "stdlib":
+        root = _stdlib_root()
+        train, val = split_by_file(stdlib_files(), key[1], root=root)
+        out = _file_splits(train, val)
+    elif source == "text":
+        _, train_pat, val_pat, frac = key
+        train_files = _expand_patterns(train_pat, "train_files")
+        if val_pat.strip():
+            out = _file_splits(train_files, _expand_patterns(val_pat, "val_files"))
+        elif len(train_files) == 1:
+            data = _read_files(train_files)
+            n_val = math.ceil(frac * data.size)
+            out = dict(
+                train=(data[: data.size - n_val],),
+                val=(data[data.size - n_val :],),
+                counts=(1, 1 if n_val else 0),
+                unit="file (split by bytes)",
+            )
+        else:
+            root = os.path.commonpath([str(f) for f in train_files])
+            if os.path.isfile(root):
+                root = os.path.dirname(root)
+            out = _file_splits(*split_by_file(train_files, frac, root=root))
+    elif source == "llmc":
+        _, train_pat, val_pat, _ = key
+        train_files = _expand_patterns(train_pat, "train_files")
+        if val_pat.strip():
+            val_files = _expand_patterns(val_pat, "val_files")
+        elif len(train_files) >= 2:
+            train_files, val_files = train_files[:-1], train_files[-1:]
+        else:
+            raise ValueError(
+                f"data.source='llmc' has a single train shard ({train_files[0]}) and "
+                "no validation shards: set --config.data.val_files=GLOB, or give at "
+                "least two train shards (the last one is then held out for validation)"
+            )
+        out = dict(
+            train=tuple(read_llmc_shard(f) for f in train_files),
+            val=tuple(read_llmc_shard(f) for f in val_files),
+            counts=(len(train_files), len(val_files)),
+            unit="shards",
+        )
     else:
-      root = os.path.commonpath([str(f) for f in train_files])
-      if os.path.isfile(root):
-        root = os.path.dirname(root)
-      train, val = split_by_file(train_files, frac, root=root)
-      out = dict(train=(_read_files(train),), val=(_read_files(val),),
-                 counts=(len(train), len(val)), unit="files")
-  elif source == "llmc":
-    _, train_pat, val_pat, _ = key
-    train_files = _expand_patterns(train_pat, "train_files")
-    if val_pat.strip():
-      val_files = _expand_patterns(val_pat, "val_files")
-    elif len(train_files) >= 2:
-      train_files, val_files = train_files[:-1], train_files[-1:]
-    else:
-      raise ValueError(
-          f"data.source='llmc' has a single train shard ({train_files[0]}) and "
-          "no validation shards: set --config.data.val_files=GLOB, or give at "
-          "least two train shards (the last one is then held out for validation)")
-    out = dict(train=tuple(read_llmc_shard(f) for f in train_files),
-               val=tuple(read_llmc_shard(f) for f in val_files),
-               counts=(len(train_files), len(val_files)), unit="shards")
-  else:
-    _, name, train_split, val_split, text_key, data_dir = key
-    train, n_train = _load_tfds_split(name, train_split, text_key, data_dir)
-    val, n_val = _load_tfds_split(name, val_split, text_key, data_dir)
-    out = dict(train=(train,), val=(val,), counts=(n_train, n_val),
-               unit="records")
-  for split in _SPLITS:
-    for arr in out[split]:
-      if not isinstance(arr, np.memmap):
-        arr.flags.writeable = False
-  return out
+        _, name, train_split, val_split, text_key, data_dir = key
+        train, n_train = _load_tfds_split(name, train_split, text_key, data_dir)
+        val, n_val = _load_tfds_split(name, val_split, text_key, data_dir)
+        out = dict(train=(train,), val=(val,), counts=(n_train, n_val), unit="records")
+    for split in _SPLITS:
+        for arr in out[split]:
+            if not isinstance(arr, np.memmap):
+                arr.flags.writeable = False
+    return out
 
 
 def clear_cache() -> None:
-  """Drops the per-process cache of loaded token arrays."""
-  _load_splits.cache_clear()
+    """Drops the per-process cache of loaded token arrays."""
+    _load_splits.cache_clear()
 
 
 def _check_vocab_at_load(arrays: Sequence[np.ndarray], vocab_size: int) -> None:
-  if vocab_size <= 0:
-    raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-  for arr in arrays:
-    if arr.dtype == np.uint8 and vocab_size < VOCAB_BYTES and arr.size:
-      top = int(arr.max())
-      if top >= vocab_size:
-        raise ValueError(
-            f"byte token id {top} >= model vocab_size {vocab_size}; byte-level "
-            f"sources need --config.model.vocab_size={VOCAB_BYTES} (or more)")
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    for arr in arrays:
+        if arr.dtype == np.uint8 and vocab_size < VOCAB_BYTES and arr.size:
+            top = int(arr.max())
+            if top >= vocab_size:
+                raise ValueError(
+                    f"byte token id {top} >= model vocab_size {vocab_size}; byte-level "
+                    f"sources need --config.model.vocab_size={VOCAB_BYTES} (or more)"
+                )
 
 
 def _split_shards(data_cfg: Any, split: str, vocab_size: int) -> tuple[np.ndarray, ...]:
-  if split not in _SPLITS:
-    raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
-  arrays = _load_splits(_cache_key(data_cfg))[split]
-  _check_vocab_at_load(arrays, vocab_size)
-  return arrays
+    if split not in _SPLITS:
+        raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+    arrays = _load_splits(_cache_key(data_cfg))[split]
+    _check_vocab_at_load(arrays, vocab_size)
+    return arrays
 
 
 def load_tokens(data_cfg: Any, split: str, vocab_size: int) -> np.ndarray:
-  """Returns the tokens of one split as a 1-D array.
+    """Returns the tokens of one split as a 1-D array.
 
-  Args:
-    data_cfg: the data ConfigDict (see :func:`default_data_config`).
-    split: ``'train'`` or ``'val'``.
-    vocab_size: the model's vocabulary size.
+    Args:
+      data_cfg: the data ConfigDict (see :func:`default_data_config`).
+      split: ``'train'`` or ``'val'``.
+      vocab_size: the model's vocabulary size.
 
-  Returns:
-    1-D read-only array: uint8 for byte sources (cached, shared between calls),
-    uint16 for ``llmc`` (a memmap when the split is one shard; several shards
-    are concatenated into memory here, which :func:`make_train_iterator` avoids
-    by windowing the memmaps directly).
+    Returns:
+      1-D read-only array: uint8 for byte sources (cached, shared between calls),
+      uint16 for ``llmc`` (a memmap when the split is one shard; several shards
+      are concatenated into memory here, which :func:`make_train_iterator` avoids
+      by windowing the memmaps directly).
 
-  Raises:
-    ValueError: unknown source or split, bad files or patterns, bad llm.c shard,
-      or byte tokens >= ``vocab_size`` (llm.c tokens are checked per window
-      when batches are read, see the module docstring).
-    ImportError: ``source='tfds'`` without tensorflow-datasets installed.
-  """
-  arrays = _split_shards(data_cfg, split, vocab_size)
-  if len(arrays) == 1:
-    return arrays[0]
-  if not arrays:
-    return np.zeros((0,), np.uint16)
-  return np.concatenate(arrays)
+    Raises:
+      ValueError: unknown source or split, bad files or patterns, bad llm.c shard,
+        or byte tokens >= ``vocab_size`` (llm.c tokens are checked per window
+        when batches are read, see the module docstring).
+      ImportError: ``source='tfds'`` without tensorflow-datasets installed.
+    """
+    arrays = _split_shards(data_cfg, split, vocab_size)
+    if len(arrays) == 1:
+        return arrays[0]
+    if not arrays:
+        return np.zeros((0,), np.uint16)
+    return np.concatenate(arrays)
 
 
 # ----------------------------------------------------------------------------
@@ -489,102 +517,107 @@ def load_tokens(data_cfg: Any, split: str, vocab_size: int) -> np.ndarray:
 
 
 class TokenWindowSource(grain.sources.RandomAccessDataSource):
-  """Random-access windows over one or more 1-D token arrays.
+    """Random-access windows over one or more 1-D token arrays.
 
-  Item ``i`` of shard ``s`` is ``tokens_s[i * seq_len : i * seq_len + seq_len + 1]``
-  as ``np.int32[seq_len + 1]`` (inputs ``[:-1]``, targets ``[1:]``). Windows are
-  numbered shard after shard; each shard has ``(len(shard) - 1) // seq_len``
-  windows, and windows that would cross a shard boundary are skipped.
+    Item ``i`` of shard ``s`` is ``tokens_s[i * seq_len : i * seq_len + seq_len + 1]``
+    as ``np.int32[seq_len + 1]`` (inputs ``[:-1]``, targets ``[1:]``). Windows are
+    numbered shard after shard; each shard has ``(len(shard) - 1) // seq_len``
+    windows, and windows that would cross a shard boundary are skipped.
 
-  Memory-mapped shards are pickled by file name and offset (for grain worker
-  processes), never by content.
+    Memory-mapped shards are pickled by file name and offset (for grain worker
+    processes), never by content.
 
-  Args:
-    tokens: a 1-D integer array, or a sequence of them (e.g. llm.c memmaps).
-    seq_len: model sequence length (tokens per input), >= 1.
-    vocab_size: if given, every window is checked to hold only ids < vocab_size
-      (skipped when the dtype cannot exceed it).
+    Args:
+      tokens: a 1-D integer array, or a sequence of them (e.g. llm.c memmaps).
+      seq_len: model sequence length (tokens per input), >= 1.
+      vocab_size: if given, every window is checked to hold only ids < vocab_size
+        (skipped when the dtype cannot exceed it).
 
-  Raises:
-    ValueError: at construction for ``seq_len < 1`` or a non-1-D array; in
-      ``__getitem__`` for a token >= ``vocab_size`` (naming the id, the vocab
-      size and ``--config.model.vocab_size``).
-  """
+    Raises:
+      ValueError: at construction for ``seq_len < 1`` or a non-1-D array; in
+        ``__getitem__`` for a token >= ``vocab_size`` (naming the id, the vocab
+        size and ``--config.model.vocab_size``).
+    """
 
-  def __init__(self, tokens: np.ndarray | Sequence[np.ndarray], seq_len: int,
-               vocab_size: int | None = None):
-    if isinstance(tokens, np.ndarray):
-      tokens = [tokens]
-    self._shards = list(tokens)
-    for arr in self._shards:
-      if np.ndim(arr) != 1:
-        raise ValueError(f"token arrays must be 1-D, got shape {np.shape(arr)}")
-    if int(seq_len) < 1:
-      raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    self._seq_len = int(seq_len)
-    self._vocab_size = None if vocab_size is None else int(vocab_size)
-    self._counts = [max(0, (len(a) - 1) // self._seq_len) for a in self._shards]
-    self._starts = [0]
-    for c in self._counts:
-      self._starts.append(self._starts[-1] + c)
-    self._needs_check = [
-        self._vocab_size is not None
-        and np.iinfo(a.dtype).max >= self._vocab_size for a in self._shards]
+    def __init__(
+        self, tokens: np.ndarray | Sequence[np.ndarray], seq_len: int, vocab_size: int | None = None
+    ):
+        if isinstance(tokens, np.ndarray):
+            tokens = [tokens]
+        self._shards = list(tokens)
+        for arr in self._shards:
+            if np.ndim(arr) != 1:
+                raise ValueError(f"token arrays must be 1-D, got shape {np.shape(arr)}")
+        if int(seq_len) < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self._seq_len = int(seq_len)
+        self._vocab_size = None if vocab_size is None else int(vocab_size)
+        self._counts = [max(0, (len(a) - 1) // self._seq_len) for a in self._shards]
+        self._starts = [0]
+        for c in self._counts:
+            self._starts.append(self._starts[-1] + c)
+        self._needs_check = [
+            self._vocab_size is not None and np.iinfo(a.dtype).max >= self._vocab_size
+            for a in self._shards
+        ]
 
-  @property
-  def seq_len(self) -> int:
-    return self._seq_len
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
 
-  def __len__(self) -> int:
-    return self._starts[-1]
+    def __len__(self) -> int:
+        return self._starts[-1]
 
-  def __getitem__(self, index: int) -> np.ndarray:
-    index = int(index)
-    if index < 0:
-      index += len(self)
-    if not 0 <= index < len(self):
-      raise IndexError(f"window {index} out of range [0, {len(self)})")
-    s = bisect.bisect_right(self._starts, index) - 1
-    start = (index - self._starts[s]) * self._seq_len
-    window = np.asarray(self._shards[s][start:start + self._seq_len + 1],
-                        dtype=np.int32)
-    if self._needs_check[s]:
-      top = int(window.max())
-      if top >= self._vocab_size:
-        where = getattr(self._shards[s], "filename", None) or f"shard {s}"
-        raise ValueError(
-            f"token id {top} in {where} (window {index}) is >= the model's "
-            f"vocab_size {self._vocab_size}; set --config.model.vocab_size="
-            f"{top + 1} or more (e.g. the tokenizer's vocabulary size)")
-    return window
+    def __getitem__(self, index: int) -> np.ndarray:
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range [0, {len(self)})")
+        s = bisect.bisect_right(self._starts, index) - 1
+        start = (index - self._starts[s]) * self._seq_len
+        window = np.asarray(self._shards[s][start : start + self._seq_len + 1], dtype=np.int32)
+        if self._needs_check[s]:
+            top = int(window.max())
+            if top >= self._vocab_size:
+                where = getattr(self._shards[s], "filename", None) or f"shard {s}"
+                raise ValueError(
+                    f"token id {top} in {where} (window {index}) is >= the model's "
+                    f"vocab_size {self._vocab_size}; set --config.model.vocab_size="
+                    f"{top + 1} or more (e.g. the tokenizer's vocabulary size)"
+                )
+        return window
 
-  def __repr__(self) -> str:
-    return (f"TokenWindowSource(shards={len(self._shards)}, "
+    def __repr__(self) -> str:
+        return (
+            f"TokenWindowSource(shards={len(self._shards)}, "
             f"tokens={sum(len(a) for a in self._shards)}, "
-            f"seq_len={self._seq_len}, windows={len(self)})")
+            f"seq_len={self._seq_len}, windows={len(self)})"
+        )
 
-  def __getstate__(self):
-    state = dict(self.__dict__)
-    shards = []
-    for a in self._shards:
-      if isinstance(a, np.memmap) and a.filename is not None:
-        shards.append(("memmap", a.filename, a.offset, a.shape, a.dtype.str))
-      else:
-        shards.append(("array", np.asarray(a)))
-    state["_shards"] = shards
-    return state
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        shards = []
+        for a in self._shards:
+            if isinstance(a, np.memmap) and a.filename is not None:
+                shards.append(("memmap", a.filename, a.offset, a.shape, a.dtype.str))
+            else:
+                shards.append(("array", np.asarray(a)))
+        state["_shards"] = shards
+        return state
 
-  def __setstate__(self, state):
-    shards = []
-    for entry in state["_shards"]:
-      if entry[0] == "memmap":
-        _, filename, offset, shape, dtype = entry
-        shards.append(np.memmap(filename, dtype=dtype, mode="r", offset=offset,
-                                shape=shape))
-      else:
-        shards.append(entry[1])
-    state["_shards"] = shards
-    self.__dict__.update(state)
+    def __setstate__(self, state):
+        shards = []
+        for entry in state["_shards"]:
+            if entry[0] == "memmap":
+                _, filename, offset, shape, dtype = entry
+                shards.append(
+                    np.memmap(filename, dtype=dtype, mode="r", offset=offset, shape=shape)
+                )
+            else:
+                shards.append(entry[1])
+        state["_shards"] = shards
+        self.__dict__.update(state)
 
 
 # ----------------------------------------------------------------------------
@@ -592,153 +625,173 @@ class TokenWindowSource(grain.sources.RandomAccessDataSource):
 # ----------------------------------------------------------------------------
 
 
-def _per_process_batch(global_batch: int, process_index: int,
-                       process_count: int) -> int:
-  if process_count < 1 or not 0 <= process_index < process_count:
-    raise ValueError(f"need 0 <= process_index < process_count, got "
-                     f"process_index={process_index}, process_count={process_count}")
-  if global_batch < 1 or global_batch % process_count:
-    raise ValueError(
-        f"global_batch ({global_batch}) must be a positive multiple of "
-        f"process_count ({process_count})")
-  return global_batch // process_count
+def _per_process_batch(global_batch: int, process_index: int, process_count: int) -> int:
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(
+            f"need 0 <= process_index < process_count, got "
+            f"process_index={process_index}, process_count={process_count}"
+        )
+    if global_batch < 1 or global_batch % process_count:
+        raise ValueError(
+            f"global_batch ({global_batch}) must be a positive multiple of "
+            f"process_count ({process_count})"
+        )
+    return global_batch // process_count
 
 
 def _ensure_absl_flags_parsed() -> None:
-  """grain's worker processes read absl flags; mark them parsed outside absl.app."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
+    """grain's worker processes read absl flags; mark them parsed outside absl.app."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
-def make_train_iterator(data_cfg: Any, *, seq_len: int, global_batch: int,
-                        seed: int, vocab_size: int, process_index: int = 0,
-                        process_count: int = 1) -> grain.DatasetIterator:
-  """Builds the endless, shuffled training iterator of this process.
+def make_train_iterator(
+    data_cfg: Any,
+    *,
+    seq_len: int,
+    global_batch: int,
+    seed: int,
+    vocab_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.DatasetIterator:
+    """Builds the endless, shuffled training iterator of this process.
 
-  The train windows (see :class:`TokenWindowSource`) are truncated to a multiple
-  of ``process_count`` and dealt out round-robin: process ``p`` owns windows
-  ``p, p + process_count, ...`` (disjoint across processes, equal counts).
-  Each process shuffles its windows with ``seed`` (a fresh permutation every
-  epoch), batches them dropping each epoch's remainder, and repeats forever:
-  ``grain.MapDataset.source(...)[...].shuffle(seed).batch(...).repeat()
-  .to_iter_dataset()``, with ``mp_prefetch`` over ``data_cfg.worker_count``
-  worker processes when that is > 0.
+    The train windows (see :class:`TokenWindowSource`) are truncated to a multiple
+    of ``process_count`` and dealt out round-robin: process ``p`` owns windows
+    ``p, p + process_count, ...`` (disjoint across processes, equal counts).
+    Each process shuffles its windows with ``seed`` (a fresh permutation every
+    epoch), batches them dropping each epoch's remainder, and repeats forever:
+    ``grain.MapDataset.source(...)[...].shuffle(seed).batch(...).repeat()
+    .to_iter_dataset()``, with ``mp_prefetch`` over ``data_cfg.worker_count``
+    worker processes when that is > 0.
 
-  The iterator's ``get_state()`` is a plain dict of ints/lists (JSON-ready:
-  ``json.loads(json.dumps(state))`` can be passed to ``set_state``), and a
-  fresh iterator built with the same arguments and given that state yields
-  exactly the batches the saved one would have.
+    The iterator's ``get_state()`` is a plain dict of ints/lists (JSON-ready:
+    ``json.loads(json.dumps(state))`` can be passed to ``set_state``), and a
+    fresh iterator built with the same arguments and given that state yields
+    exactly the batches the saved one would have.
 
-  Args:
-    data_cfg: the data ConfigDict.
-    seq_len: tokens per model input; windows hold ``seq_len + 1`` tokens.
-    global_batch: windows per step over all processes; divisible by
-      ``process_count``.
-    seed: shuffle seed (int).
-    vocab_size: model vocabulary size (token ids must be below it).
-    process_index, process_count: this process and the number of processes
-      (``jax.process_index()``, ``jax.process_count()``).
+    Args:
+      data_cfg: the data ConfigDict.
+      seq_len: tokens per model input; windows hold ``seq_len + 1`` tokens.
+      global_batch: windows per step over all processes; divisible by
+        ``process_count``.
+      seed: shuffle seed (int).
+      vocab_size: model vocabulary size (token ids must be below it).
+      process_index, process_count: this process and the number of processes
+        (``jax.process_index()``, ``jax.process_count()``).
 
-  Returns:
-    A ``grain.DatasetIterator`` yielding ``np.int32`` arrays of shape
-    ``[global_batch // process_count, seq_len + 1]``.
+    Returns:
+      A ``grain.DatasetIterator`` yielding ``np.int32`` arrays of shape
+      ``[global_batch // process_count, seq_len + 1]``.
 
-  Raises:
-    ValueError: bad batch / process arguments, a split with fewer windows per
-      process than one batch (names the sizes and what to change), plus the
-      errors of :func:`load_tokens`; token ids >= ``vocab_size`` in llm.c
-      shards raise ``ValueError`` from ``next()``.
-    ImportError: ``source='tfds'`` without tensorflow-datasets.
-  """
-  per_process = _per_process_batch(global_batch, process_index, process_count)
-  shards = _split_shards(data_cfg, "train", vocab_size)
-  source = TokenWindowSource(shards, seq_len, vocab_size)
-  n_windows = len(source)
-  per_proc_windows = n_windows // process_count
-  if per_proc_windows < per_process:
-    n_tokens = sum(len(a) for a in shards)
-    raise ValueError(
-        f"train split too small for one batch: {n_tokens} tokens give "
-        f"{n_windows} windows of seq_len+1={seq_len + 1} tokens "
-        f"({per_proc_windows} per process over {process_count} process(es)), "
-        f"but one batch needs global_batch // process_count = {per_process} "
-        f"windows per process; use more training data, a smaller global batch "
-        f"or a shorter seq_len")
-  ds = grain.MapDataset.source(source)
-  ds = ds[: per_proc_windows * process_count][process_index::process_count]
-  ds = ds.shuffle(seed=int(seed))
-  ds = ds.batch(per_process, drop_remainder=True)
-  ds = ds.repeat()
-  it_ds = ds.to_iter_dataset(
-      grain.ReadOptions(num_threads=8, prefetch_buffer_size=16))
-  workers = int(_cfg_get(data_cfg, "worker_count"))
-  if workers > 0:
-    _ensure_absl_flags_parsed()
-    it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-  return iter(it_ds)
+    Raises:
+      ValueError: bad batch / process arguments, a split with fewer windows per
+        process than one batch (names the sizes and what to change), plus the
+        errors of :func:`load_tokens`; token ids >= ``vocab_size`` in llm.c
+        shards raise ``ValueError`` from ``next()``.
+      ImportError: ``source='tfds'`` without tensorflow-datasets.
+    """
+    per_process = _per_process_batch(global_batch, process_index, process_count)
+    shards = _split_shards(data_cfg, "train", vocab_size)
+    source = TokenWindowSource(shards, seq_len, vocab_size)
+    n_windows = len(source)
+    per_proc_windows = n_windows // process_count
+    if per_proc_windows < per_process:
+        n_tokens = sum(len(a) for a in shards)
+        raise ValueError(
+            f"train split too small for one batch: {n_tokens} tokens give "
+            f"{n_windows} windows of seq_len+1={seq_len + 1} tokens "
+            f"({per_proc_windows} per process over {process_count} process(es)), "
+            f"but one batch needs global_batch // process_count = {per_process} "
+            f"windows per process; use more training data, a smaller global batch "
+            f"or a shorter seq_len"
+        )
+    ds = grain.MapDataset.source(source)
+    ds = ds[: per_proc_windows * process_count][process_index::process_count]
+    ds = ds.shuffle(seed=int(seed))
+    ds = ds.batch(per_process, drop_remainder=True)
+    ds = ds.repeat()
+    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=8, prefetch_buffer_size=16))
+    workers = int(_cfg_get(data_cfg, "worker_count"))
+    if workers > 0:
+        _ensure_absl_flags_parsed()
+        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return iter(it_ds)
 
 
-def make_val_batches(data_cfg: Any, *, seq_len: int, global_batch: int,
-                     num_batches: int, vocab_size: int, process_index: int = 0,
-                     process_count: int = 1) -> list[np.ndarray]:
-  """Returns the first validation batches of this process (no shuffling).
+def make_val_batches(
+    data_cfg: Any,
+    *,
+    seq_len: int,
+    global_batch: int,
+    num_batches: int,
+    vocab_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[np.ndarray]:
+    """Returns the first validation batches of this process (no shuffling).
 
-  Global batch ``b`` is val windows ``[b * global_batch, (b + 1) * global_batch)``;
-  process ``p`` gets the ``p``-th contiguous ``global_batch // process_count``
-  of them, so the processes' batches together are the single-process batch.
+    Global batch ``b`` is val windows ``[b * global_batch, (b + 1) * global_batch)``;
+    process ``p`` gets the ``p``-th contiguous ``global_batch // process_count``
+    of them, so the processes' batches together are the single-process batch.
 
-  Args:
-    data_cfg: the data ConfigDict.
-    seq_len: tokens per model input; windows hold ``seq_len + 1`` tokens.
-    global_batch: windows per batch over all processes.
-    num_batches: batches wanted; fewer are returned if the split holds fewer
-      full global batches.
-    vocab_size: model vocabulary size.
-    process_index, process_count: as for :func:`make_train_iterator`.
+    Args:
+      data_cfg: the data ConfigDict.
+      seq_len: tokens per model input; windows hold ``seq_len + 1`` tokens.
+      global_batch: windows per batch over all processes.
+      num_batches: batches wanted; fewer are returned if the split holds fewer
+        full global batches.
+      vocab_size: model vocabulary size.
+      process_index, process_count: as for :func:`make_train_iterator`.
 
-  Returns:
-    ``min(num_batches, windows // global_batch)`` arrays, each ``np.int32``
-    ``[global_batch // process_count, seq_len + 1]``; identical on every call.
+    Returns:
+      ``min(num_batches, windows // global_batch)`` arrays, each ``np.int32``
+      ``[global_batch // process_count, seq_len + 1]``; identical on every call.
 
-  Raises:
-    ValueError: ``num_batches < 1``, bad batch / process arguments, a val split
-      without one full global batch (names the sizes and fixes), a token id
-      >= ``vocab_size``, plus the errors of :func:`load_tokens`.
-  """
-  per_process = _per_process_batch(global_batch, process_index, process_count)
-  if num_batches < 1:
-    raise ValueError(f"num_batches must be >= 1, got {num_batches}")
-  shards = _split_shards(data_cfg, "val", vocab_size)
-  source = TokenWindowSource(shards, seq_len, vocab_size)
-  fit = len(source) // global_batch
-  if fit < 1:
-    n_tokens = sum(len(a) for a in shards)
-    raise ValueError(
-        f"validation split too small for one batch: {n_tokens} tokens give "
-        f"{len(source)} windows of seq_len+1={seq_len + 1} tokens, but one "
-        f"global batch needs {global_batch}; use more validation data "
-        f"(data.val_fraction / data.val_files), a smaller batch or a shorter "
-        f"seq_len")
-  batches = []
-  for b in range(min(num_batches, fit)):
-    first = b * global_batch + process_index * per_process
-    batches.append(np.stack([source[i] for i in range(first, first + per_process)]))
-  return batches
+    Raises:
+      ValueError: ``num_batches < 1``, bad batch / process arguments, a val split
+        without one full global batch (names the sizes and fixes), a token id
+        >= ``vocab_size``, plus the errors of :func:`load_tokens`.
+    """
+    per_process = _per_process_batch(global_batch, process_index, process_count)
+    if num_batches < 1:
+        raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+    shards = _split_shards(data_cfg, "val", vocab_size)
+    source = TokenWindowSource(shards, seq_len, vocab_size)
+    fit = len(source) // global_batch
+    if fit < 1:
+        n_tokens = sum(len(a) for a in shards)
+        raise ValueError(
+            f"validation split too small for one batch: {n_tokens} tokens give "
+            f"{len(source)} windows of seq_len+1={seq_len + 1} tokens, but one "
+            f"global batch needs {global_batch}; use more validation data "
+            f"(data.val_fraction / data.val_files), a smaller batch or a shorter "
+            f"seq_len"
+        )
+    batches = []
+    for b in range(min(num_batches, fit)):
+        first = b * global_batch + process_index * per_process
+        batches.append(np.stack([source[i] for i in range(first, first + per_process)]))
+    return batches
 
 
 def describe(data_cfg: Any) -> str:
-  """One line for the progress output: source, file counts, token counts.
+    """One line for the progress output: source, file counts, token counts.
 
-  Loads (and caches) the splits; raises what :func:`load_tokens` raises.
-  """
-  key = _cache_key(data_cfg)
-  loaded = _load_splits(key)
-  n_train = sum(len(a) for a in loaded["train"])
-  n_val = sum(len(a) for a in loaded["val"])
-  c_train, c_val = loaded["counts"]
-  name = key[0]
-  if name == "tfds":
-    name = f"tfds:{key[1]}"
-  return (f"data {name}: {c_train} train / {c_val} val {loaded['unit']}, "
-          f"{n_train:,} train tokens, {n_val:,} val tokens")
+    Loads (and caches) the splits; raises what :func:`load_tokens` raises.
+    """
+    key = _cache_key(data_cfg)
+    loaded = _load_splits(key)
+    n_train = sum(len(a) for a in loaded["train"])
+    n_val = sum(len(a) for a in loaded["val"])
+    c_train, c_val = loaded["counts"]
+    name = key[0]
+    if name == "tfds":
+        name = f"tfds:{key[1]}"
+    return (
+        f"data {name}: {c_train} train / {c_val} val {loaded['unit']}, "
+        f"{n_train:,} train tokens, {n_val:,} val tokens"
+    )

@@ -68,9 +68,10 @@ def resolve(config, device_count: int) -> RunSpec:
         raise ValueError(f"config.workers={config.workers!r} must be a positive integer or 0 "
                          "(= every device).")
     if workers > device_count:
+        hint = (f", or simulate more CPU devices with --config.num_cpu_devices={workers}"
+                if jax.devices()[0].platform == "cpu" else "")
         raise ValueError(f"config.workers={workers} but only {device_count} devices are "
-                         f"available; lower --config.workers, or on a CPU simulate more with "
-                         f"--config.num_cpu_devices={workers}.")
+                         f"available; lower --config.workers (0 = every device){hint}.")
     if jax.process_count() > 1 and workers != device_count:
         raise ValueError(f"with several processes every device is a worker: set "
                          f"--config.workers=0 (got {workers} of {device_count}).")
@@ -175,7 +176,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     t_start = time.time()
     spec = resolve(config, jax.device_count())
     os.makedirs(workdir, exist_ok=True)
-    W, b, T = spec.workers, config.batch_per_worker, config.seq_len
+    W, T = spec.workers, config.seq_len
     devices = jax.devices()[:W]
     mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)
     mask = spec.recipe.matrix()

@@ -1,7 +1,6 @@
 """Masked mean over holders against a numpy reference (DESIGN.md invariant 2)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding

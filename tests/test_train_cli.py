@@ -8,7 +8,6 @@ import sys
 import jax
 import numpy as np
 import pytest
-from ml_collections import config_dict
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import trainer

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import train_step as ts
-from sdp_jax.models.llama import Llama, LlamaConfig, next_token_loss
+from sdp_jax.models.llama import LlamaConfig, next_token_loss
 
 W = 4
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
@@ -72,8 +72,8 @@ def test_bsdp_at_full_coverage_matches_ddp_after_three_steps(mesh, batches):
     s_ddp, l_ddp = run(builder(mesh, "ddp", 1.0), batches)
     for averaging in ("blockwise", "reference"):  # the general masked-mean paths, not pmean
         b = builder(mesh, "b-sdp", 1.0, averaging=averaging, scheme="random")
-        s, l = run(b, batches)
-        np.testing.assert_allclose(l, l_ddp, rtol=1e-6)
+        s, losses = run(b, batches)
+        np.testing.assert_allclose(losses, l_ddp, rtol=1e-6)
         leaves_close(s["params"], s_ddp["params"], rtol=1e-5, atol=1e-7)
 
 
