@@ -9,6 +9,7 @@ Several processes (TPU pod slice, multi-GPU hosts): see README.md, "Multi-host".
 """
 
 import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -37,6 +38,34 @@ def _multi_process_env() -> bool:
     return "," in env.get("TPU_WORKER_HOSTNAMES", "")
 
 
+def _config_path(argv):
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _parse_flags(argv):
+    """absl flag parsing with one-line errors (unknown config keys, missing config files)."""
+    path = _config_path(argv)
+    if path is not None and not os.path.isfile(path.split(":", 1)[0]):
+        print(f"error: config file {path!r} does not exist; see configs/ for the provided ones.",
+              file=sys.stderr)
+        sys.exit(2)
+    try:
+        return flags.FLAGS(argv)
+    except Exception as e:  # ml_collections raises KeyError/AttributeError/ValueError here
+        key_error = e if isinstance(e, KeyError) else e.__cause__ or e.__context__
+        if isinstance(key_error, KeyError):
+            msg = f"unknown config field {key_error.args[0]}"
+        else:
+            msg = str(e)
+        print(f"error: {msg}\nsee: python train.py --helpfull", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.FIELD=VALUE.")
@@ -53,16 +82,23 @@ def main(argv):
                           num_processes=int(env["JAX_NUM_PROCESSES"]),
                           process_id=int(env["JAX_PROCESS_ID"]))
         jax.distributed.initialize(**kwargs)
+    n_cpu = config.num_cpu_devices
+    if isinstance(n_cpu, bool) or not isinstance(n_cpu, int) or n_cpu < 1:
+        print(f"error: config.num_cpu_devices={n_cpu!r} must be a positive integer.",
+              file=sys.stderr)
+        sys.exit(2)
     # Simulated devices when the machine has only a CPU; ignored on GPU and TPU backends.
-    jax.config.update("jax_num_cpu_devices", int(config.num_cpu_devices))
+    jax.config.update("jax_num_cpu_devices", n_cpu)
 
     from sdp_jax.trainer import train
     try:
-        train(config, flags.FLAGS.workdir)
-    except (ValueError, FloatingPointError) as e:
+        summary = train(config, flags.FLAGS.workdir)
+    except (ValueError, FloatingPointError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if summary["interrupted_by"]:  # resumable, but not finished: tell the scheduler
+        sys.exit(128 + int(getattr(signal, summary["interrupted_by"])))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -23,8 +23,8 @@ import time
 
 def load_config(path: str):
     """Load a ``get_config()`` file. Raises FileNotFoundError / AttributeError with the path."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist.")
+    if not os.path.isfile(path) or not path.endswith(".py"):
+        raise FileNotFoundError(f"config file {path!r} does not exist or is not a .py file.")
     spec = importlib.util.spec_from_file_location("_sdp_bench_config", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -126,7 +126,15 @@ def main(argv=None) -> list[dict]:
 
     if args.workers < 1:
         p.error(f"--workers={args.workers} must be >= 1")
-    config = load_config(args.config)
+    for flag, v in (("--batch-per-worker", args.batch_per_worker), ("--seq-len", args.seq_len)):
+        if v is not None and v < 1:
+            p.error(f"{flag}={v} must be >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json!r}: its directory does not exist")
+    try:
+        config = load_config(args.config)
+    except (OSError, AttributeError, SyntaxError) as e:
+        p.error(str(e))
     from sdp_jax import train_step as ts
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in ts.VARIANTS]
@@ -134,9 +142,9 @@ def main(argv=None) -> list[dict]:
         p.error(f"unknown variants {bad or args.variants!r}; choose from {','.join(ts.VARIANTS)}")
     coverage = config.sdp.coverage if args.coverage is None else args.coverage
     with config.unlocked():
-        if args.batch_per_worker:
+        if args.batch_per_worker is not None:
             config.batch_per_worker = args.batch_per_worker
-        if args.seq_len:
+        if args.seq_len is not None:
             config.seq_len = args.seq_len
             config.model.max_seq_len = max(config.model.max_seq_len, args.seq_len)
 

@@ -50,8 +50,22 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
+    def _unreadable(self, step: int, what: str, err: Exception) -> ValueError:
+        older = [s for s in self._mngr.all_steps() if s < step]
+        fix = (f"delete {os.path.join(self.directory, str(step))} to resume from step "
+               f"{max(older)}" if older else
+               f"delete {os.path.join(self.directory, str(step))} to start afresh")
+        return ValueError(f"the checkpoint at step {step} in {self.directory} is unreadable "
+                          f"({what}: {type(err).__name__}: {str(err)[:300]}); {fix}, or use "
+                          "a new --workdir.")
+
     def read_meta(self, step: int) -> dict:
-        return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        """The ``meta`` item of ``step``. Raises ValueError naming the step if unreadable."""
+        try:
+            return self._mngr.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # orbax/json/OS errors of a damaged checkpoint
+            raise self._unreadable(step, "meta", e) from e
 
     def check_compatible(self, step: int, meta: dict) -> None:
         """Refuse a checkpoint written by a different run config.
@@ -81,12 +95,23 @@ class CheckpointManager:
 
     def restore(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
         """Restore the state into ``abstract_state``'s shapes and shardings and the iterator in
-        place. Returns the state."""
-        out = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(data_iter)))
+        place. Returns the state.
+
+        Raises:
+          ValueError: the checkpoint is damaged (names the step and how to fall back).
+        """
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=grain.checkpoint.CheckpointRestore(data_iter)))
+        except Exception as e:  # truncated tensors, missing items, bad iterator JSON
+            raise self._unreadable(step, "state or data iterator", e) from e
         return out["state"]
 
     def wait(self) -> None:
         """Block until asynchronous saves are complete."""
         self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release orbax's background threads."""
+        self._mngr.close()

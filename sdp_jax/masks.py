@@ -42,11 +42,20 @@ def valid_coverages(workers: int, components: int, *, allow_nonuniform: bool = F
     Returns:
       Sorted list of floats in (0, 1].
     """
+    _check_counts(workers, components)
     out = []
     for k in range(1, components + 1):
+        if workers * k < components:  # some component would be held by no worker
+            continue
         if allow_nonuniform or (workers * k) % components == 0:
             out.append(k / components)
     return out
+
+
+def _check_counts(workers, components) -> None:
+    for name, v in (("workers W", workers), ("components G", components)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer.")
 
 
 def _nearest(values: list[float], target: float, n: int = 3) -> list[float]:
@@ -72,21 +81,20 @@ def components_per_worker(workers: int, components: int, coverage: float, *,
         (0, 1], ``C * G`` is not whole, ``W * C`` is not whole (unless ``allow_nonuniform``), or
         ``W`` exceeds ``max_workers``.
     """
-    if not isinstance(workers, (int, np.integer)) or workers < 1:
-        raise ValueError(f"workers W={workers!r} must be a positive integer.")
-    if not isinstance(components, (int, np.integer)) or components < 1:
-        raise ValueError(f"components G={components!r} must be a positive integer.")
+    _check_counts(workers, components)
     if max_workers is not None and workers > max_workers:
         raise ValueError(
             f"workers W={workers} is larger than the {max_workers} devices available; use "
             f"W <= {max_workers} (on a CPU, simulate more devices with "
             f"--config.num_cpu_devices={workers}).")
     valid = valid_coverages(workers, components, allow_nonuniform=allow_nonuniform)
-    hint = f"nearest valid coverages for W={workers}, G={components}: {_nearest(valid, float(coverage))}"
-    try:
-        c = float(coverage)
-    except (TypeError, ValueError):
-        raise ValueError(f"coverage C={coverage!r} is not a number; {hint}.") from None
+    is_number = isinstance(coverage, (int, float, np.integer, np.floating)) and not isinstance(
+        coverage, bool)
+    target = float(coverage) if is_number and math.isfinite(coverage) else 0.5
+    hint = f"nearest valid coverages for W={workers}, G={components}: {_nearest(valid, target)}"
+    if not is_number:
+        raise ValueError(f"coverage C={coverage!r} must be a number; {hint}.")
+    c = float(coverage)
     if not (0.0 < c <= 1.0) or math.isnan(c):
         raise ValueError(f"coverage C={coverage!r} must lie in (0, 1]; {hint}.")
     k = round(c * components)
@@ -94,6 +102,10 @@ def components_per_worker(workers: int, components: int, coverage: float, *,
         raise ValueError(
             f"coverage C={c} gives C*G={c * components:g} components per worker for G={components}, "
             f"which is not a whole number; {hint}.")
+    if workers * k < components:
+        raise ValueError(
+            f"coverage C={c} with W={workers} workers gives W*C={workers * k / components:g} < 1: "
+            f"some components would be held by no worker; use C >= 1/W; {hint}.")
     if not allow_nonuniform and (workers * k) % components != 0:
         raise ValueError(
             f"coverage C={c} gives W*C={workers * k / components:g} holders per component for "
@@ -176,6 +188,10 @@ class MaskRecipe:
     allow_nonuniform: bool = False
 
     def __post_init__(self):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+                or self.seed < 0:
+            raise ValueError(f"mask seed={self.seed!r} must be a non-negative integer "
+                             "(--config.sdp.mask_seed).")
         if self.scheme not in SCHEMES:
             raise ValueError(f"unknown mask scheme {self.scheme!r}; choose one of {SCHEMES}.")
         components_per_worker(self.workers, self.components, self.coverage,
@@ -286,6 +302,9 @@ def spectral_gap(mask: np.ndarray) -> float:
     """Second-smallest eigenvalue of the normalized Laplacian ``I - D^-1/2 A D^-1/2`` of the
     mask graph; 0 when the workers split into groups that share no component. For ``W = 1``
     returns 1.0 by convention. An isolated worker (shares nothing) gives 0."""
+    mask = np.asarray(mask)
+    if mask.ndim != 2 or mask.size == 0:
+        raise ValueError(f"mask must be a non-empty 2-D array [W, G], got shape {mask.shape}.")
     a = mask_graph(mask).astype(np.float64)
     w = a.shape[0]
     if w == 1:
@@ -301,6 +320,7 @@ def spectral_gap(mask: np.ndarray) -> float:
 
 def summarize(mask: np.ndarray) -> dict[str, Any]:
     """Plain-JSON summary: W, G, k, multiplicity range and spectral gap."""
+    validate_mask(mask, require_uniform=False)
     mult = multiplicities(mask)
     return {
         "workers": int(mask.shape[0]),

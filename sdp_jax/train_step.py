@@ -51,6 +51,22 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
 
+    def __post_init__(self):
+        def check(name, ok, rule):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not ok(v):
+                raise ValueError(f"optim.{name}={v!r} must be {rule} "
+                                 f"(--config.optim.{name}=...).")
+        check("lr", lambda v: v > 0, "a finite number > 0")
+        check("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
+        check("warmup_steps", lambda v: v >= 0 and float(v).is_integer(), "an integer >= 0")
+        check("weight_decay", lambda v: v >= 0, ">= 0")
+        check("b1", lambda v: 0 <= v < 1, "in [0, 1)")
+        check("b2", lambda v: 0 <= v < 1, "in [0, 1)")
+        check("eps", lambda v: v > 0, "> 0")
+        check("grad_clip", lambda v: v >= 0, ">= 0 (0 = no clipping)")
+
     @classmethod
     def from_config(cls, cfg) -> "OptimConfig":
         d = dict(cfg)

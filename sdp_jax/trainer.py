@@ -13,6 +13,8 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -58,8 +60,17 @@ def resolve(config, device_count: int) -> RunSpec:
     """
     model = LlamaConfig.from_config(config.model)
     optim = ts.OptimConfig.from_config(config.optim)
-    for name in ("seq_len", "batch_per_worker", "steps", "eval_batches", "log_every"):
+    for name in ("seq_len", "batch_per_worker", "steps", "eval_batches", "log_every",
+                 "keep_checkpoints", "num_cpu_devices"):
         _positive_int(config, name)
+    for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed"):
+        v = config[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"config.{name}={v!r} must be an integer >= 0.")
+    wc = config.data.worker_count
+    if isinstance(wc, bool) or not isinstance(wc, int) or wc < 0:
+        raise ValueError(f"config.data.worker_count={wc!r} must be an integer >= 0 "
+                         "(0 = read data in the training process).")
     if config.seq_len > model.max_seq_len:
         raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
                          f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
@@ -91,6 +102,9 @@ def resolve(config, device_count: int) -> RunSpec:
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
         total = ts.flop_matched_steps(config.steps, recipe.coverage)
+    if optim.warmup_steps > total:
+        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
+                         f"({total} steps); lower --config.optim.warmup_steps.")
     byte_level = config.data.source != "llmc"
     if byte_level and model.vocab_size < data_lib.VOCAB_BYTES:
         raise ValueError(f"byte-level data needs model.vocab_size >= 256, got {model.vocab_size}.")
@@ -139,6 +153,33 @@ class _Metrics:
                 f.write(json.dumps(rec) + "\n")
 
 
+class _StopOnSignal:
+    """While active, SIGINT (Ctrl-C) and SIGTERM (preemption) ask the loop to stop after the
+    current step; the loop then saves a checkpoint and returns. A second signal aborts at once.
+    Only installed in the main thread."""
+
+    def __init__(self, flag: list):
+        self.flag, self.old = flag, {}
+
+    def _handler(self, signum, frame):
+        if self.flag:
+            raise KeyboardInterrupt
+        self.flag.append(signal.Signals(signum).name)
+        _log(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+             "(send again to abort without saving)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        return False
+
+
 def _progress(total: int, initial: int):
     from tqdm.auto import tqdm
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
@@ -175,7 +216,12 @@ def train(config, workdir: str) -> dict[str, Any]:
     """
     t_start = time.time()
     spec = resolve(config, jax.device_count())
-    os.makedirs(workdir, exist_ok=True)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ValueError(f"--workdir {workdir!r} exists and is not a directory; choose another.")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create --workdir {workdir!r}: {e}; choose another.") from e
     W, T = spec.workers, config.seq_len
     devices = jax.devices()[:W]
     mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)
@@ -198,7 +244,11 @@ def train(config, workdir: str) -> dict[str, Any]:
             "mask": mask.astype(int).tolist()}
     latest = manager.latest_step()
     if latest is not None:
-        manager.check_compatible(latest, meta)  # raises before any compute
+        try:
+            manager.check_compatible(latest, meta)  # raises before any compute
+        except ValueError:
+            manager.close()
+            raise
 
     builder = ts.StepBuilder(spec.model, spec.recipe, spec.optim, mesh, spec.total_steps,
                              averaging=config.sdp.averaging)
@@ -210,6 +260,19 @@ def train(config, workdir: str) -> dict[str, Any]:
          f"spectral gap {mask_info['spectral_gap']:.4f}; params: total {counts['total']:,}, "
          f"per device {builder.per_device_param_count():,}")
 
+    # Restore before compiling: an unreadable checkpoint is reported before any compute.
+    if latest is not None:
+        try:
+            state = manager.restore(latest, builder.abstract_state(), train_iter)
+        except ValueError:
+            manager.close()
+            raise
+        start = int(state["step"])
+        _log(f"resumed from {manager.directory} at step {start}")
+    else:
+        state = builder.init_state(config.seed)
+        start = 0
+
     batch_shape = (spec.global_batch, T + 1)
     t0 = time.time()
     step_fn = builder.compiled_train_step(batch_shape)
@@ -217,14 +280,6 @@ def train(config, workdir: str) -> dict[str, Any]:
     _log(f"compiled train step in {time.time() - t0:.1f}s: peak "
          f"{_fmt_bytes(mem['peak_bytes_per_device'])} per device")
     eval_fn = builder.eval_step_fn()
-
-    if latest is not None:
-        state = manager.restore(latest, builder.abstract_state(), train_iter)
-        start = int(state["step"])
-        _log(f"resumed from {manager.directory} at step {start}")
-    else:
-        state = builder.init_state(config.seed)
-        start = 0
     metrics_log = _Metrics(os.path.join(workdir, "metrics.jsonl"), start)
     batch_sharding = builder.batch_sharding()
 
@@ -240,46 +295,48 @@ def train(config, workdir: str) -> dict[str, Any]:
         return out
 
     stop = spec.total_steps
-    if config.stop_at_step and start < config.stop_at_step < stop:
-        stop = config.stop_at_step
+    if config.stop_at_step > 0:
+        stop = min(stop, config.stop_at_step)
     tokens_per_step = spec.global_batch * T
     last_val: dict[str, float] = {}
     bar = _progress(spec.total_steps, start)
     t_window, n_window = time.time(), 0
     step = start
-    try:
-        while step < stop:
-            batch = device_batch(next(train_iter))
-            state, m = step_fn(state, batch)
-            # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
-            rec = {k: float(v) for k, v in m.items()}
-            step += 1
-            n_window += 1
-            if not math.isfinite(rec["train_loss"]):
-                raise FloatingPointError(f"non-finite training loss {rec['train_loss']} at step "
-                                         f"{step}; lower --config.optim.lr.")
-            is_eval = step == spec.total_steps or (
-                config.eval_every > 0 and step % config.eval_every == 0)
-            if step % config.log_every == 0 or is_eval or step == stop:
-                dt = time.time() - t_window
-                rec["tokens_per_s"] = tokens_per_step * n_window / max(dt, 1e-9)
-                t_window, n_window = time.time(), 0
-                if is_eval:
-                    last_val = evaluate()
-                    rec.update(last_val)
-                rec["step"] = step
-                metrics_log.write(rec)
-                post = {"loss": f"{rec['train_loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
-                if "val_loss" in rec:
-                    post["val"] = f"{rec['val_loss']:.3f}"
-                bar.set_postfix(post, refresh=False)
-            bar.update(1)
-            every = config.checkpoint_every
-            if (every and step % every == 0) or step == stop:
-                manager.save(step, state, train_iter, meta)
-    finally:
-        bar.close()
-        manager.wait()
+    interrupted = []
+    with _StopOnSignal(interrupted):
+        try:
+            while step < stop and not interrupted:
+                batch = device_batch(next(train_iter))
+                state, m = step_fn(state, batch)
+                # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
+                rec = {k: float(v) for k, v in m.items()}
+                step += 1
+                n_window += 1
+                if not math.isfinite(rec["train_loss"]):
+                    raise FloatingPointError(f"non-finite training loss {rec['train_loss']} at step "
+                                             f"{step}; lower --config.optim.lr.")
+                is_eval = step == spec.total_steps or (
+                    config.eval_every > 0 and step % config.eval_every == 0)
+                if step % config.log_every == 0 or is_eval or step == stop or interrupted:
+                    dt = time.time() - t_window
+                    rec["tokens_per_s"] = tokens_per_step * n_window / max(dt, 1e-9)
+                    t_window, n_window = time.time(), 0
+                    if is_eval:
+                        last_val = evaluate()
+                        rec.update(last_val)
+                    rec["step"] = step
+                    metrics_log.write(rec)
+                    post = {"loss": f"{rec['train_loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+                    if "val_loss" in rec:
+                        post["val"] = f"{rec['val_loss']:.3f}"
+                    bar.set_postfix(post, refresh=False)
+                bar.update(1)
+                every = config.checkpoint_every
+                if (every and step % every == 0) or step == stop or interrupted:
+                    manager.save(step, state, train_iter, meta)
+        finally:
+            bar.close()
+            manager.close()  # waits for the last save
 
     done = step >= spec.total_steps
     if done and not last_val:
@@ -294,6 +351,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
         "params_total": counts["total"], "params_per_device": builder.per_device_param_count(),
         "mask": mask_info, "platform": devices[0].platform,
+        "interrupted_by": interrupted[0] if interrupted else None,
     }
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -304,6 +362,7 @@ def train(config, workdir: str) -> dict[str, Any]:
              f"{summary['final_val_loss']:.4f} nats/token{bpb}; summary in "
              f"{os.path.join(workdir, 'summary.json')}")
     else:
-        _log(f"stopped at step {step} of {spec.total_steps} (checkpoint saved); rerun the same "
+        why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
+        _log(f"{why} at step {step} of {spec.total_steps} (checkpoint saved); rerun the same "
              "command to resume.")
     return summary

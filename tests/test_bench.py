@@ -38,5 +38,9 @@ def test_bench_bad_input(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--config", TINY, "--workers", "4", "--coverage", "0.3"])
     assert "nearest valid coverages" in capsys.readouterr().err
-    with pytest.raises(FileNotFoundError, match="no_such.py"):
+    with pytest.raises(SystemExit):
         bench.main(["--config", "no_such.py"])
+    assert "no_such.py" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--workers", "4", "--seq-len", "-5"])
+    assert "--seq-len=-5 must be >= 1" in capsys.readouterr().err

@@ -118,3 +118,67 @@ def test_bad_config_raises_before_compute(tmp_path, overrides, fragment):
     with pytest.raises(ValueError, match=fragment.replace("*", r"\*").replace(".", r"\.")):
         trainer.train(tiny(**overrides), str(tmp_path / "bad"))
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def _cli(args, **kw):
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config",
+                           os.path.join(ROOT, "configs", "llama_tiny.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=300, **kw)
+
+
+def test_cli_config_mistakes_are_one_line_errors(tmp_path):
+    out = _cli(["--workdir", str(tmp_path / "a"), "--config.sdp.coverag=0.5"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "unknown config field 'coverag'" in out.stderr and 'Did you mean "coverage"' in out.stderr
+    out = _cli(["--workdir", str(tmp_path / "a"), "--config.optim.lr=-1"])
+    assert out.returncode == 2 and "optim.lr=-1.0 must be a finite number > 0" in out.stderr
+    (tmp_path / "file").write_text("x")
+    out = _cli(["--workdir", str(tmp_path / "file")])
+    assert out.returncode == 2 and "is not a directory" in out.stderr
+
+
+def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    import signal
+    import time
+    wd = tmp_path / "run"
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    args = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+            os.path.join(ROOT, "configs", "llama_tiny.py"), "--workdir", str(wd),
+            "--config.steps=400", "--config.checkpoint_every=0", "--config.eval_every=0"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    metrics = wd / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert "interrupted by SIGINT" in out
+    m = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
+    step = m.latest_step()
+    m.close()
+    assert step is not None and 3 <= step < 400
+    assert read_jsonl(metrics)[-1]["step"] == step
+    s = trainer.train(tiny(steps=400, checkpoint_every=0, eval_every=0, stop_at_step=step + 2),
+                      str(wd))
+    assert s["steps"] == step + 2
+    assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, step + 3))
+
+
+def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
+    wd = tmp_path / "run"
+    trainer.train(tiny(steps=4, checkpoint_every=2, eval_every=0), str(wd))
+    state_dir = wd / "checkpoints" / "4" / "state" / "d"
+    victim = sorted(state_dir.iterdir())[0]
+    with open(victim, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError) as e:
+        trainer.train(tiny(steps=4, checkpoint_every=2, eval_every=0), str(wd))
+    msg = str(e.value)
+    assert "checkpoint at step 4" in msg and "unreadable" in msg
+    assert f"delete {wd / 'checkpoints' / '4'} to resume from step 2" in msg
+    assert victim.stat().st_size == 100  # nothing rewritten

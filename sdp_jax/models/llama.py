@@ -59,6 +59,11 @@ class LlamaConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"model.{name}={v!r} must be a positive integer.")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v <= 0:
+                raise ValueError(f"model.{name}={v!r} must be a finite positive number.")
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} must be divisible by "
                              f"model.n_heads={self.n_heads}.")
