@@ -37,42 +37,44 @@ def measure(config, variant: str, workers: int, coverage: float, mesh) -> dict:
     """Compile one variant's train step and read its per-device memory and FLOPs.
 
     Returns:
-      row dict: ``variant``, ``coverage``, ``workers``, ``blocks_per_worker``,
+      row dict: ``variant``, ``regime``, ``coverage``, ``workers``, ``held_per_worker``,
       ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
       ``peak_bytes_per_device`` (bytes), ``flops_per_device`` (FLOPs per step, XLA's count on
-      the unrolled program), ``model_flops_per_device`` (``6N + 12 L T d`` per token times the
-      worker's tokens, :func:`sdp_jax.train_step.model_flops_per_token`),
+      the unrolled program), ``model_flops_per_device`` (ddp and b-sdp: ``6N + 12 L T d`` per
+      token times the worker's tokens, :func:`sdp_jax.train_step.model_flops_per_token`),
       ``params_per_device``, ``compile_s``.
     """
-    from sdp_jax import masks as masks_lib
     from sdp_jax import train_step as ts
     from sdp_jax.models.llama import LlamaConfig
 
     model = LlamaConfig.from_config(config.model)
     optim = ts.OptimConfig.from_config(config.optim)
-    cov = 1.0 if variant == "ddp" else coverage
-    uniform_ok = True
+    sdp = config.sdp
     try:
-        masks_lib.components_per_worker(workers, model.n_layers, cov)
-    except ValueError:
+        plan = ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed)
+        uniform_ok = True
+    except ValueError:  # e.g. W*C = 5.5 at 1B: near-uniform masks, as in the paper
+        plan = ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
+                            allow_nonuniform=True)
         uniform_ok = False
-    recipe = ts.make_mask(variant, workers, model.n_layers, cov, config.sdp.scheme,
-                          config.sdp.mask_seed, allow_nonuniform=not uniform_ok)
-    builder = ts.StepBuilder(model, recipe, optim, mesh, config.steps,
-                             averaging=config.sdp.averaging)
     batch_shape = (workers * config.batch_per_worker, config.seq_len + 1)
     t0 = time.time()
+    builder = ts.StepBuilder(model, plan, optim, mesh, config.steps, method=sdp.method)
     compiled = builder.compiled_train_step(batch_shape)
     # XLA's cost analysis counts a scan body once: count FLOPs on the unrolled program.
-    unrolled = ts.StepBuilder(model, recipe, optim, mesh, config.steps,
-                              averaging=config.sdp.averaging, unroll=True)
+    unrolled = ts.StepBuilder(model, plan, optim, mesh, config.steps, method=sdp.method,
+                              unroll=True)
     flops = ts.flops_per_device(unrolled.compiled_train_step(batch_shape))
     tokens = config.batch_per_worker * config.seq_len
-    row = {"variant": variant, "coverage": recipe.coverage, "workers": workers,
-           "blocks_per_worker": recipe.k, "uniform": uniform_ok,
-           **ts.memory_stats(compiled), "flops_per_device": flops,
-           "model_flops_per_device": ts.model_flops_per_token(model, config.seq_len, recipe.k)
-           * tokens,
+    held = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}
+    row = {"variant": variant, "regime": plan.regime, "coverage": plan.coverage,
+           "workers": workers,
+           "held_per_worker": ", ".join(f"{t.k}/{t.masks.shape[-1]} {held[k]}"
+                                        for k, t in plan.kinds.items()),
+           "uniform": uniform_ok, **ts.memory_stats(compiled), "flops_per_device": flops,
+           "model_flops_per_device": (
+               ts.model_flops_per_token(model, config.seq_len, plan.kinds["block"].k) * tokens
+               if variant in ("ddp", "b-sdp") else None),
            "params_per_device": builder.per_device_param_count(),
            "compile_s": round(time.time() - t0, 1)}
     return row
@@ -96,7 +98,7 @@ def _flops(n: float) -> str:
 def format_table(rows: list[dict]) -> str:
     """Markdown table of bench rows with ratios to the DDP row (if present)."""
     base = next((r for r in rows if r["variant"] == "ddp"), None)
-    head = ("| variant | C | W | blocks/worker | argument | temp | peak/device | peak / DDP | "
+    head = ("| variant | C | W | held per worker | argument | temp | peak/device | peak / DDP | "
             "FLOPs/device | FLOPs / DDP |")
     lines = [head, "|" + "---|" * 10]
     for r in rows:
@@ -104,7 +106,7 @@ def format_table(rows: list[dict]) -> str:
         fr = (f"{r['flops_per_device'] / base['flops_per_device']:.3f}"
               if base and base["flops_per_device"] else "-")
         lines.append(
-            f"| {r['variant']} | {r['coverage']:.4g} | {r['workers']} | {r['blocks_per_worker']} | "
+            f"| {r['variant']} | {r['coverage']:.4g} | {r['workers']} | {r['held_per_worker']} | "
             f"{_bytes(r['argument_bytes'])} | {_bytes(r['temp_bytes'])} | "
             f"{_bytes(r['peak_bytes_per_device'])} | {pr} | {_flops(r['flops_per_device'])} | "
             f"{fr} |")
@@ -116,7 +118,8 @@ def main(argv=None) -> list[dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/llama_1b.py", help="get_config() file")
     p.add_argument("--workers", type=int, default=8, help="W data-parallel workers (devices)")
-    p.add_argument("--variants", default="ddp,b-sdp", help="comma-separated: ddp,b-sdp")
+    p.add_argument("--variants", default="ddp,b-sdp",
+                   help="comma-separated: ddp,b-sdp,n-sdp,bb-sdp,nb-sdp")
     p.add_argument("--coverage", type=float, default=None,
                    help="C for the SDP variants (default: the config's sdp.coverage)")
     p.add_argument("--batch-per-worker", type=int, default=None, help="override config")
@@ -158,18 +161,15 @@ def main(argv=None) -> list[dict]:
                 f"{jax.devices()[0].platform} devices are present")
     mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[:args.workers])
 
-    from sdp_jax import masks as masks_lib
     from sdp_jax.models.llama import LlamaConfig
-    L = LlamaConfig.from_config(config.model).n_layers
-    try:
-        masks_lib.components_per_worker(args.workers, L, coverage, allow_nonuniform=True)
-    except ValueError as e:
-        p.error(str(e))
-    if (args.workers * round(coverage * L)) % L:
-        print(f"note: W*C = {args.workers * coverage:g} is not whole: masks are near-uniform "
-              f"(each block held by {int(args.workers * coverage)} or "
-              f"{int(args.workers * coverage) + 1} workers), as in the paper's 1B setting.")
-
+    model = LlamaConfig.from_config(config.model)
+    for v in variants:
+        try:
+            ts.make_plan(v, model, args.workers, coverage, config.sdp.scheme,
+                         config.sdp.mask_seed, allow_nonuniform=True)
+        except ValueError as e:
+            p.error(str(e))
+    L = model.n_layers
     rows = []
     print(f"{args.config}: {L} blocks, batch {config.batch_per_worker} x {config.seq_len} tokens "
           f"per worker, {args.workers} x {jax.devices()[0].platform}", flush=True)
@@ -178,6 +178,10 @@ def main(argv=None) -> list[dict]:
         rows.append(row)
         print(f"  compiled {v} in {row['compile_s']}s", flush=True)
     print(format_table(rows))
+    for r in rows:
+        if not r["uniform"]:
+            print(f"note: {r['variant']}: W*C is not whole for some component kind, so its masks "
+                  "are near-uniform (multiplicities differ by one), as in the paper's 1B setting.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -5,8 +5,8 @@ Each step directory holds three items:
 * ``state``: ``{params, opt_state, step}`` in the compact SDP layout (each worker's blocks; a
   block appears once per holder), saved and restored sharded by orbax;
 * ``data``: the grain iterator state, one JSON file per process (grain's own orbax handler);
-* ``meta``: JSON with the trajectory-defining config, the mask recipe and the mask matrix
-  (DESIGN.md invariant 7), checked before anything is restored.
+* ``meta``: JSON with the trajectory-defining config, the mask recipes and a SHA-256 of every
+  mask matrix (DESIGN.md invariant 7), checked before anything is restored.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run that dies
 while saving leaves the previous checkpoint intact.
@@ -76,9 +76,7 @@ class CheckpointManager:
         """
         saved = self.read_meta(step)
         diffs = _diff(saved.get("config", {}), meta["config"])
-        diffs += _diff(saved.get("mask_recipe", {}), meta["mask_recipe"], "mask_recipe.")
-        if saved.get("mask") != meta["mask"]:
-            diffs.append("mask matrix differs")
+        diffs += _diff(saved.get("masks", {}), meta["masks"], "masks.")
         if diffs:
             shown = "\n  ".join(diffs[:20])
             raise ValueError(

@@ -23,16 +23,18 @@ def base_config() -> ml_collections.ConfigDict:
         max_seq_len=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02))
     c.data = data.default_data_config()
     c.sdp = ml_collections.ConfigDict(dict(
-        variant="ddp",            # ddp | b-sdp
-        coverage=1.0,             # C: fraction of blocks each worker holds (ignored for ddp)
+        variant="ddp",            # ddp | b-sdp | n-sdp | bb-sdp | nb-sdp
+        coverage=1.0,             # C: fraction of blocks / neurons / heads each worker holds
         scheme="cyclic",          # cyclic | random
         mask_seed=0,              # seed of the random scheme
         allow_nonuniform=False,   # accept W*C not whole (near-uniform multiplicities)
         allow_disconnected=False, # accept a mask graph with spectral gap 0
-        averaging="auto",         # auto | blockwise | reference (see sdp_jax.sync)
+        average="gradients",      # gradients (every step) | parameters (every sync_every steps)
+        sync_every=1,             # H: steps between parameter averagings (average=parameters)
+        method="auto",            # block averaging: auto | blockwise | reference (sdp_jax.sync)
     ))
     c.optim = ml_collections.ConfigDict(dict(
-        lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
+        name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
         grad_clip=1.0))
     c.workers = 0               # W data-parallel workers; 0 = every device
     c.num_cpu_devices = 8       # simulated devices when only a CPU is present

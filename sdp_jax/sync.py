@@ -185,3 +185,94 @@ def compact_sq_norm(tree: Any, tables: CompactTables, axis: str = AXIS) -> jax.A
         per_slot = jnp.sum(jnp.square(x[0].astype(jnp.float32)).reshape(x.shape[1], -1), axis=1)
         local = local + jnp.sum(per_slot * w)
     return lax.psum(local, axis)
+
+
+# ------------------------------------------------------------------------------------------
+# Neuron-level components (N-SDP): one mask per layer, components along an axis of each leaf
+# ------------------------------------------------------------------------------------------
+
+class LayerTables:
+    """Static tables of a neuron-level leaf: which indices along its component axis each worker
+    holds in each layer.
+
+    Args:
+      indices: int32 [W, L, kc], held indices along the component axis (ascending per layer).
+      counts: int32 [L, Gc], holders of every index of the full axis.
+      axis: component axis of the *full* leaf (the layer axis is 0).
+    """
+
+    def __init__(self, indices: np.ndarray, counts: np.ndarray, axis: int):
+        self.indices = np.asarray(indices, np.int32)
+        self.counts = np.asarray(counts, np.int32)
+        self.axis = int(axis)
+        self.workers, self.layers, self.kc = self.indices.shape
+        self.size = self.counts.shape[1]
+        self.full = bool((self.counts == self.workers).all())
+
+
+def _layer_buffers(tree, tables, layer, axis_name):
+    """Per leaf: scatter this worker's layer slice into a zero full-size layer buffer."""
+    my = worker_index(axis_name)
+
+    def one(x, t):
+        idx = jnp.asarray(t.indices)[my, layer]                     # [kc]
+        xl = lax.dynamic_index_in_dim(x[0], layer, 0, keepdims=False)  # layer slice, compact
+        a = t.axis - 1
+        xm = jnp.moveaxis(xl, a, 0)
+        buf = jnp.zeros((t.size,) + xm.shape[1:], x.dtype).at[idx].set(xm)
+        return buf
+    return jax.tree.map(one, tree, tables)
+
+
+def layer_value(tree: Any, tables: Any, layer, axis_name: str = AXIS) -> Any:
+    """Full-size values of one layer of compact neuron-level leaves: for each index the mean over
+    the workers holding it (their copies agree after averaging, so this is *the* value).
+
+    Args:
+      tree: compact leaves, local shape ``[1, L, ...]``; tables: matching :class:`LayerTables`.
+      layer: int32 scalar (may be traced).
+    Returns:
+      leaves of the full layer shape with the component axis moved first, invariant over the axis.
+    """
+    bufs = _layer_buffers(tree, tables, layer, axis_name)
+    total = lax.psum(bufs, axis_name)
+
+    def div(t, tab):
+        c = jnp.asarray(tab.counts)[layer].astype(t.dtype)
+        return t / c.reshape((-1,) + (1,) * (t.ndim - 1))
+    return jax.tree.map(div, total, tables)
+
+
+def layer_masked_mean(tree: Any, tables: Any, axis_name: str = AXIS) -> Any:
+    """Masked mean over holders for compact neuron-level leaves, one layer at a time (temporary
+    memory: one full-size layer per leaf). Same contract as :func:`compact_masked_mean`."""
+    first = jax.tree.leaves(tables, is_leaf=lambda t: isinstance(t, LayerTables))[0]
+    if all(t.full for t in jax.tree.leaves(tables, is_leaf=lambda t: isinstance(t, LayerTables))):
+        return jax.tree.map(lambda x: lax.pmean(x, axis_name), tree)
+    my = worker_index(axis_name)
+
+    def body(layer, acc):
+        vals = layer_value(acc, tables, layer, axis_name)
+
+        def put(x, v, t):
+            idx = jnp.asarray(t.indices)[my, layer]
+            upd = jnp.moveaxis(v[idx], 0, t.axis - 1)
+            return lax.dynamic_update_index_in_dim(x, upd[None].astype(x.dtype), layer, 1)
+        return jax.tree.map(put, acc, vals, tables)
+
+    return lax.fori_loop(0, first.layers, body, tree)
+
+
+def layer_sq_norm(tree: Any, tables: Any, axis_name: str = AXIS) -> jax.Array:
+    """Squared norm of averaged compact neuron-level leaves, every index counted once
+    (weights ``1 / m``), identical on every worker. float32 scalar."""
+    my = worker_index(axis_name)
+    local = jnp.float32(0.0)
+    for x, t in zip(jax.tree.leaves(tree),
+                    jax.tree.leaves(tables, is_leaf=lambda t: isinstance(t, LayerTables))):
+        idx = jnp.asarray(t.indices)[my]                                  # [L, kc]
+        w = 1.0 / jnp.take_along_axis(jnp.asarray(t.counts, jnp.float32), idx, axis=1)
+        xm = jnp.moveaxis(x[0].astype(jnp.float32), t.axis, 1)            # [L, kc, ...]
+        per = jnp.sum(jnp.square(xm).reshape(xm.shape[0], xm.shape[1], -1), axis=2)
+        local = local + jnp.sum(per * w)
+    return lax.psum(local, axis_name)

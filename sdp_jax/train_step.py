@@ -1,25 +1,30 @@
-"""One builder for DDP and B-SDP training steps: pure, jitted ``train_step(state, batch)``.
+"""One builder for every variant's training step: pure, jitted ``train_step(state, batch)``.
 
 DDP is B-SDP with the all-ones mask (coverage 1): the same code path, layout and averaging
-(DESIGN.md invariant 1). The state layout on the mesh axis ``data`` (``W`` workers):
+(DESIGN.md invariant 1). State layout on the mesh axis ``data`` (``W`` workers), per leaf:
 
-* always-kept parameters (embedding, final norm, LM head): replicated, ``P()``;
-* block parameters: compact, a global ``[W, k, ...]`` array sharded ``P('data')``: device ``w``
-  stores only its worker's ``k = C * L`` blocks, in depth order (``held[w]`` from
-  :func:`sdp_jax.masks.held_table`). Parameters, gradients, AdamW moments and activations of
-  the per-device program are therefore all ``k``-block sized (invariant 4);
-* optimizer state mirrors the parameters; the step counter is a replicated int32.
+* ``R``: replicated, ``P()``: the full parameter (always-kept parameters; every parameter under
+  backward masking, where each worker runs the full model);
+* ``C``: compact, a global ``[W, ...]`` array sharded ``P('data')``: device ``w`` stores only its
+  worker's part: ``k = C * L`` blocks in depth order (block kinds), or ``C`` of every block's
+  MLP neurons / attention head groups (narrower matrices, N-SDP). Forward masking stores
+  parameters, optimizer state and (hence) gradients and activations compact (invariant 4);
+  backward masking stores optimizer state and gradients compact;
+* ``Rw``: a per-worker copy ``[W, ...]`` sharded ``P('data')`` of an always-kept parameter, used
+  by periodic parameter averaging, where workers drift apart between averaging steps.
 
-The step (inside ``jax.shard_map``): local loss and gradient on the worker's subnetwork and its
-own slice of the batch -> masked mean of block gradients over their holders and plain mean of
-always-kept gradients (:mod:`sdp_jax.sync`) -> global-norm clipping from the averaged gradient with
-each block counted once -> AdamW (optax) with warm-up and cosine decay.
+The step (inside ``jax.shard_map``): local loss and gradient of the worker's (sub)network on its
+own slice of the batch -> masked mean over holders (:mod:`sdp_jax.sync`) -> global-norm clipping
+from the averaged gradient with every component counted once (invariant 6) -> the optax
+optimizer (AdamW with warm-up and cosine decay, or SGD) on the compact parameters -> under
+backward masking, every worker's full parameters are refreshed from the holders.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +34,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import masks as masks_lib
 from sdp_jax import sync
 from sdp_jax.models.llama import BLOCK_KEY, Llama, LlamaConfig, block_apply_fn, next_token_loss
+from sdp_jax.plan import VARIANTS, Rule, SDPPlan  # noqa: F401  (VARIANTS re-exported)
 
-VARIANTS = ("ddp", "b-sdp")
 AXIS = sync.AXIS
+AVERAGING = ("gradients", "parameters")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,7 @@ class OptimConfig:
     """AdamW with linear warm-up and cosine decay (Loshchilov & Hutter 2019) and global-norm
     clipping. ``lr`` is the peak learning rate; it decays to ``lr * min_lr_ratio``."""
 
+    name: str = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -52,6 +58,9 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self):
+        if self.name not in ("adamw", "sgd"):
+            raise ValueError(f"optim.name={self.name!r}; choose adamw or sgd.")
+
         def check(name, ok, rule):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
@@ -92,38 +101,51 @@ def _decay_mask(params):
 
 
 def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW without clipping (clipping is done by the step from the holder-averaged norm)."""
-    return optax.adamw(lr_schedule(optim, total_steps), b1=optim.b1, b2=optim.b2, eps=optim.eps,
+    """AdamW (or plain SGD with decoupled weight decay) without clipping: clipping is done by the
+    step from the holder-averaged gradient norm."""
+    sched = lr_schedule(optim, total_steps)
+    if optim.name == "sgd":
+        return optax.chain(optax.add_decayed_weights(optim.weight_decay, mask=_decay_mask),
+                           optax.sgd(sched))
+    return optax.adamw(sched, b1=optim.b1, b2=optim.b2, eps=optim.eps,
                        weight_decay=optim.weight_decay, mask=_decay_mask)
 
 
-def make_mask(variant: str, workers: int, n_layers: int, coverage: float, scheme: str,
-              seed: int, allow_nonuniform: bool = False) -> masks_lib.MaskRecipe:
-    """The mask recipe of a variant: DDP is coverage 1 (all-ones), B-SDP masks blocks.
+def make_plan(variant: str, cfg: LlamaConfig, workers: int, coverage: float,
+              scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False) -> SDPPlan:
+    """The :class:`sdp_jax.plan.SDPPlan` of a variant (DDP: all-ones block mask).
 
     Raises:
-      ValueError: unknown variant, or an unrealizable coverage (see :mod:`sdp_jax.masks`).
+      ValueError: unknown variant, or a coverage not realizable for a component kind.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; this release supports {VARIANTS} "
-                         "(n-sdp, bb-sdp, nb-sdp are not built yet).")
-    if variant == "ddp":
-        coverage = 1.0
-    return masks_lib.MaskRecipe(scheme, workers, n_layers, float(coverage), seed, allow_nonuniform)
+    return SDPPlan(variant, cfg, workers, coverage, scheme, seed, allow_nonuniform)
 
 
-def _is_block_path(path) -> bool:
-    return len(path) > 0 and getattr(path[0], "key", None) == BLOCK_KEY
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", k)) for k in path)
 
 
-def _map_blocks(fn_block, fn_kept, tree):
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: fn_block(x) if _is_block_path(p) else fn_kept(x), tree)
+def _pmap_paths(fn, tree, *rest):
+    """``tree_map_with_path`` with the path as a tuple of dict keys."""
+    return jax.tree_util.tree_map_with_path(lambda p, *xs: fn(_keys(p), *xs), tree, *rest)
 
 
-def _split(tree):
-    kept = {k: v for k, v in tree.items() if k != BLOCK_KEY}
-    return kept, tree[BLOCK_KEY]
+def _select(tree, pred):
+    """Flat dict {path: leaf} of the leaves whose path satisfies ``pred``."""
+    out = {}
+    jax.tree_util.tree_map_with_path(
+        lambda p, x: out.__setitem__(_keys(p), x) if pred(_keys(p)) else None, tree)
+    return out
+
+
+def _merge(tree, flat):
+    """Replace the leaves of ``tree`` found in ``flat`` (path -> leaf)."""
+    return _pmap_paths(lambda p, x: flat.get(p, x), tree)
+
+
+def _take(x, idx, axis):
+    """Per-layer gather: x [L, ...], idx [L, k] -> x with ``axis`` (of x) narrowed to k."""
+    return jax.vmap(lambda xl, il: jnp.take(xl, il, axis=axis - 1))(x, idx)
 
 
 class StepBuilder:
@@ -131,52 +153,90 @@ class StepBuilder:
 
     Args:
       model_cfg: :class:`LlamaConfig`.
-      recipe: :class:`sdp_jax.masks.MaskRecipe` over the ``L`` blocks (``W`` = mesh size).
+      plan: :class:`sdp_jax.plan.SDPPlan` (``W`` = mesh size).
       optim: :class:`OptimConfig`.
       mesh: ``jax.sharding.Mesh`` with one axis ``data`` of size ``W``.
       total_steps: schedule length in optimizer steps.
-      averaging: method passed to :func:`sdp_jax.sync.compact_masked_mean`.
+      averaging: ``"gradients"`` (every step; C = 1 is DDP) or ``"parameters"`` (each worker
+        steps on its own gradient; parameters are averaged over holders every ``sync_every``
+        steps, forward-masking variants only).
+      sync_every: ``H`` for parameter averaging.
+      method: block averaging method for :func:`sdp_jax.sync.compact_masked_mean`.
       unroll: unroll the block scan (for FLOP counting; same results).
 
     Raises:
-      ValueError: mesh size differs from ``recipe.workers``, or recipe does not cover ``L`` blocks.
+      ValueError: mesh size differs from the plan's ``W``; parameter averaging with backward
+        masking; a bad ``averaging`` / ``sync_every`` / ``method``.
     """
 
-    def __init__(self, model_cfg: LlamaConfig, recipe: masks_lib.MaskRecipe, optim: OptimConfig,
-                 mesh, total_steps: int, averaging: str = "auto", unroll: bool = False):
-        if mesh.shape[AXIS] != recipe.workers:
-            raise ValueError(f"mesh axis '{AXIS}' has {mesh.shape[AXIS]} devices but the mask "
-                             f"recipe has W={recipe.workers} workers.")
-        if recipe.components != model_cfg.n_layers:
-            raise ValueError(f"mask covers G={recipe.components} blocks but the model has "
-                             f"L={model_cfg.n_layers}.")
-        self.model_cfg, self.recipe, self.optim, self.mesh = model_cfg, recipe, optim, mesh
+    def __init__(self, model_cfg: LlamaConfig, plan: SDPPlan, optim: OptimConfig, mesh,
+                 total_steps: int, averaging: str = "gradients", sync_every: int = 1,
+                 method: str = "auto", unroll: bool = False):
+        if mesh.shape[AXIS] != plan.workers:
+            raise ValueError(f"mesh axis '{AXIS}' has {mesh.shape[AXIS]} devices but the plan "
+                             f"has W={plan.workers} workers.")
+        if averaging not in AVERAGING:
+            raise ValueError(f"averaging={averaging!r}; choose one of {AVERAGING}.")
+        if averaging == "parameters" and plan.backward:
+            raise ValueError(f"periodic parameter averaging is not available for {plan.variant}: "
+                             "backward masking keeps every worker's full parameters identical "
+                             "after each step. Use a forward variant or averaging=gradients.")
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r} must be a positive integer.")
+        if method not in ("auto", "blockwise", "reference"):
+            raise ValueError(f"method={method!r}; use auto, blockwise or reference.")
+        self.model_cfg, self.plan, self.optim, self.mesh = model_cfg, plan, optim, mesh
         self.total_steps = int(total_steps)
-        self.averaging = averaging
-        self.unroll = unroll
-        self.mask = recipe.matrix()
-        self.tables = sync.CompactTables(self.mask)
+        self.averaging, self.sync_every, self.method, self.unroll = (
+            averaging, sync_every, method, unroll)
+        self.periodic = averaging == "parameters"
         self.optimizer = make_optimizer(optim, self.total_steps)
         self.schedule = lr_schedule(optim, self.total_steps)
         abstract_model = nnx.eval_shape(lambda: Llama(model_cfg, nnx.Rngs(0)))
         self.graphdef = nnx.graphdef(abstract_model)
         self._block_apply = block_apply_fn(abstract_model)
         full = nnx.to_pure_dict(nnx.state(abstract_model, nnx.Param))
-        self.full_param_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full)
-        W, k = self.tables.workers, self.tables.k
-        self.param_specs = _map_blocks(lambda x: P(AXIS), lambda x: P(), full)
-        local = _map_blocks(lambda x: jax.ShapeDtypeStruct((W, k) + x.shape[1:], x.dtype),
-                            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), full)
-        self.param_shapes = jax.tree.map(
-            lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                 sharding=NamedSharding(mesh, spec)),
-            local, self.param_specs)
-        abstract_opt = jax.eval_shape(self.optimizer.init, self.param_shapes)
+        self.full_param_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                              full)
+        self.rule_of = {p: plan.rule(p) for p in _select(full, lambda p: True)}
+        if "block" in plan.kinds:
+            self.block_tables = sync.CompactTables(plan.kinds["block"].masks[0])
+        self.layer_tables = {}
+        for p, r in self.rule_of.items():
+            if r is not None and r.kind != "block":
+                t = plan.kinds[r.kind]
+                counts = np.repeat(t.counts, r.expand, axis=1)
+                idx = np.stack([plan.indices(r, w) for w in range(plan.workers)])
+                self.layer_tables[p] = sync.LayerTables(idx, counts, r.axis)
+
+        W = plan.workers
+
+        def layout(p, stored):
+            if self.rule_of[p] is not None and (stored == "opt" or not plan.backward):
+                return "C"
+            return "Rw" if self.periodic else "R"
+        self.param_layout = {p: layout(p, "params") for p in self.rule_of}
+        self.compact_layout = {p: layout(p, "opt") for p in self.rule_of}
+
+        def shape(p, x, lay):
+            if lay[p] == "C":
+                return (W,) + plan.compact_shape(p, x.shape)
+            return ((W,) if lay[p] == "Rw" else ()) + tuple(x.shape)
+
+        def struct(lay):
+            specs = _pmap_paths(lambda p, x: P() if lay[p] == "R" else P(AXIS), full)
+            shapes = _pmap_paths(lambda p, x, s: jax.ShapeDtypeStruct(
+                shape(p, x, lay), x.dtype, sharding=NamedSharding(mesh, s)), full, specs)
+            return specs, shapes
+
+        self.param_specs, self.param_shapes = struct(self.param_layout)
+        self.compact_specs, self.compact_shapes = struct(self.compact_layout)
+        abstract_opt = jax.eval_shape(self.optimizer.init, self.compact_shapes)
         self.opt_specs = optax.tree_map_params(
-            self.optimizer, lambda _, spec: spec, abstract_opt, self.param_specs,
+            self.optimizer, lambda _, spec: spec, abstract_opt, self.compact_specs,
             transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
         self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs, "step": P()}
-        self._train_step = None
+        self._train_steps: dict[bool, Any] = {}
         self._eval_step = None
 
     # ---------------------------------------------------------------- layout
@@ -187,7 +247,7 @@ class StepBuilder:
 
     def abstract_state(self):
         """ShapeDtypeStruct tree (with shardings) of the train state, for compile and restore."""
-        opt = jax.eval_shape(self.optimizer.init, self.param_shapes)
+        opt = jax.eval_shape(self.optimizer.init, self.compact_shapes)
         shapes = {"params": self.param_shapes, "opt_state": opt,
                   "step": jax.ShapeDtypeStruct((), jnp.int32)}
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -197,113 +257,280 @@ class StepBuilder:
         return NamedSharding(self.mesh, P(AXIS))
 
     def per_device_param_count(self) -> int:
-        """Parameters stored per device (compact blocks + always-kept)."""
-        c = self.model_cfg.param_count()
-        return c["per_block"] * self.tables.k + c["always_kept"]
+        """Parameter elements stored per device (compact where the layout is compact)."""
+        return int(sum(np.prod(s.shape[1:] if self.param_layout[p] != "R" else s.shape)
+                       for p, s in _select(self.param_shapes, lambda p: True).items()))
+
+    # ---------------------------------------------------------------- pruning
+    def _prune_worker(self, p, x, w):
+        """Worker ``w``'s compact part of the full leaf ``x`` (``w`` may be traced)."""
+        r = self.rule_of[p]
+        if r is None:
+            return x
+        if r.kind == "block":
+            return x[jnp.asarray(self.block_tables.held)[w]]
+        return _take(x, jnp.asarray(self.layer_tables[p].indices)[w], r.axis)
+
+    def prune_all(self, full, layout=None):
+        """Full parameters -> the stored layout: compact ``[W, ...]`` for C leaves, per-worker
+        copies for Rw leaves, unchanged for R leaves."""
+        layout = self.param_layout if layout is None else layout
+        W = self.plan.workers
+
+        def one(p, x):
+            if layout[p] == "C":
+                return jnp.stack([self._prune_worker(p, x, w) for w in range(W)])
+            if layout[p] == "Rw":
+                return jnp.broadcast_to(x, (W,) + x.shape)
+            return x
+        return _pmap_paths(one, full)
 
     # ---------------------------------------------------------------- init
     def init_state(self, seed: int):
-        """Initialize the full model from ``seed`` and prune it to each worker's blocks.
+        """Initialize the full model from ``seed`` and prune it to each worker's part.
 
-        Every holder of a block starts from the same values (the full model's), so the copies
-        agree from step 0. Returns the sharded state dict ``{params, opt_state, step}``.
+        Every holder of a component starts from the same values (the full model's), so the
+        copies agree from step 0. Returns the sharded state dict ``{params, opt_state, step}``.
         """
-        held = jnp.asarray(self.tables.held)  # [W, k]
         cfg = self.model_cfg
 
         def init():
             model = Llama(cfg, nnx.Rngs(seed))
-            full = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-            return _map_blocks(lambda x: x[held], lambda x: x, full)
+            return self.prune_all(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
         params = jax.jit(init, out_shardings=self.shardings(self.param_specs))()
-        opt_state = jax.jit(self.optimizer.init,
-                            out_shardings=self.shardings(self.opt_specs))(params)
+        opt_init = self.optimizer.init
+        if self.plan.backward:  # optimizer state mirrors the compact parameters
+            opt_init = lambda full: self.optimizer.init(  # noqa: E731
+                self.prune_all(full, self.compact_layout))
+        opt_state = jax.jit(opt_init, out_shardings=self.shardings(self.opt_specs))(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
         return {"params": params, "opt_state": opt_state, "step": step}
 
-    # ---------------------------------------------------------------- step
-    def _model(self, params_local):
-        unstacked = _map_blocks(lambda x: x[0], lambda x: x, params_local)
-        return nnx.merge(self.graphdef, unstacked)
+    # ---------------------------------------------------------------- averaging
+    def _strip(self, tree, layout):
+        """Local view: drop the leading per-worker axis of C / Rw leaves."""
+        return _pmap_paths(lambda p, x: x if layout[p] == "R" else x[0], tree)
 
-    def _local_loss(self, params_local, batch):
-        model = self._model(params_local)
-        logits = model(batch[:, :-1], unroll=self.unroll)
-        return next_token_loss(logits, batch[:, 1:])
-
-    def average_grads(self, grads):
-        """Masked mean of compact block gradients over holders; plain mean for always-kept."""
-        kept, blocks = _split(grads)
-        kept = jax.tree.map(lambda g: jax.lax.pmean(g, AXIS), kept)
-        blocks = sync.compact_masked_mean(blocks, self.tables, AXIS, method=self.averaging)
-        return {**kept, BLOCK_KEY: blocks}
+    def average(self, tree):
+        """Masked mean over holders of local values in the compact layout (local shapes with
+        the leading 1): block leaves over block holders, neuron leaves over neuron holders,
+        always-kept leaves over all workers."""
+        blocks = _select(tree, lambda p: self.rule_of[p] is not None
+                         and self.rule_of[p].kind == "block")
+        neurons = _select(tree, lambda p: p in self.layer_tables)
+        kept = _select(tree, lambda p: self.rule_of[p] is None)
+        out = {p: jax.lax.pmean(x, AXIS) for p, x in kept.items()}
+        if blocks:
+            out.update(sync.compact_masked_mean(blocks, self.block_tables, AXIS,
+                                                method=self.method))
+        if neurons:
+            out.update(sync.layer_masked_mean(
+                neurons, {p: self.layer_tables[p] for p in neurons}, AXIS))
+        return _merge(tree, out)
 
     def grad_norm(self, grads):
         """Global L2 norm of the averaged gradient, each component counted once (invariant 6)."""
-        kept, blocks = _split(grads)
-        sq = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(kept)),
-                 jnp.float32(0.0))
-        return jnp.sqrt(sq + sync.compact_sq_norm(blocks, self.tables, AXIS))
+        kept = _select(grads, lambda p: self.rule_of[p] is None)
+        sq = jnp.float32(0.0)
+        for p, g in kept.items():
+            g = g[0] if self.compact_layout[p] == "Rw" else g
+            sq = sq + jnp.sum(jnp.square(g.astype(jnp.float32)))
+        blocks = _select(grads, lambda p: self.rule_of[p] is not None
+                         and self.rule_of[p].kind == "block")
+        if blocks:
+            sq = sq + sync.compact_sq_norm(blocks, self.block_tables, AXIS)
+        neurons = _select(grads, lambda p: p in self.layer_tables)
+        if neurons:
+            sq = sq + sync.layer_sq_norm(neurons, {p: self.layer_tables[p] for p in neurons}, AXIS)
+        return jnp.sqrt(sq)
+
+    # ---------------------------------------------------------------- losses
+    def _forward_loss(self, local, batch):
+        model = nnx.merge(self.graphdef, local)
+        return next_token_loss(model(batch[:, :-1], unroll=self.unroll), batch[:, 1:])
+
+    def _layer_params(self, get):
+        """Parameters of one block (no stack axis): ``get(path, rule)`` gives each leaf."""
+        blocks = _select(self.full_param_shapes, lambda p: p[0] == BLOCK_KEY)
+        flat = {p: get(p, self.rule_of[p]) for p in blocks}
+        tree = _merge(self.full_param_shapes[BLOCK_KEY],
+                      {p[1:]: v for p, v in flat.items()})
+        return tree
+
+    def _backward_loss(self, diff, full, batch):
+        """Full forward pass; gradients flow only into ``diff`` (this worker's compact part of
+        every masked leaf, and the always-kept leaves); the rest of the model is constant."""
+        my = sync.worker_index(AXIS)
+        frozen = _select(jax.lax.stop_gradient(full), lambda p: True)
+        mine = _select(diff, lambda p: True)
+        model = nnx.merge(self.graphdef, _merge(full, {
+            p: x for p, x in mine.items() if p[0] != BLOCK_KEY}))
+
+        def get(p, r, g):
+            if r is None:
+                return jax.lax.dynamic_index_in_dim(mine[p], g, 0, False)
+            base = jax.lax.dynamic_index_in_dim(frozen[p], g, 0, False)
+            if r.kind == "block":  # held: the differentiable copy; else the frozen block
+                s = jnp.asarray(self.block_tables.slot)[my, g]
+                own = jax.lax.dynamic_index_in_dim(mine[p], jnp.maximum(s, 0), 0, False)
+                return jnp.where(s >= 0, own, base)
+            idx = jnp.asarray(self.layer_tables[p].indices)[my, g]
+            own = jnp.moveaxis(jax.lax.dynamic_index_in_dim(mine[p], g, 0, False),
+                               r.axis - 1, 0)
+            base = jnp.moveaxis(base, r.axis - 1, 0).at[idx].set(own)
+            return jnp.moveaxis(base, 0, r.axis - 1)
+
+        h = model.embed_tokens(batch[:, :-1])
+
+        def body(h, g):
+            return self._block_apply(self._layer_params(lambda p, r: get(p, r, g)), h), None
+        h, _ = jax.lax.scan(body, h, jnp.arange(self.model_cfg.n_layers), unroll=self.unroll)
+        return next_token_loss(model.logits(h), batch[:, 1:])
+
+    # ---------------------------------------------------------------- step
+    def _local_grads(self, params, batch):
+        """(loss, local gradient in the compact layout with leading 1s, compact params)."""
+        if not self.plan.backward:
+            local = self._strip(params, self.param_layout)
+            local = _pmap_paths(lambda p, x: sync.to_varying(x)
+                                if self.param_layout[p] == "R" else x, local)
+            loss, g = jax.value_and_grad(self._forward_loss)(local, batch)
+            return loss, _pmap_paths(lambda p, x: x if self.param_layout[p] == "R" else x[None],
+                                     g), params
+        my = sync.worker_index(AXIS)
+        compact = _pmap_paths(lambda p, x: x if self.rule_of[p] is None
+                              else self._prune_worker(p, x, my), params)
+        diff = _pmap_paths(lambda p, x: sync.to_varying(x) if self.rule_of[p] is None else x,
+                           compact)  # local gradients for always-kept leaves too
+        loss, g = jax.value_and_grad(self._backward_loss)(diff, params, batch)
+        lead = lambda tree: _pmap_paths(  # noqa: E731
+            lambda p, x: x if self.compact_layout[p] == "R" else x[None], tree)
+        return loss, lead(g), lead(compact)
 
     def _averaged_grads(self, params, batch):
-        kept, blocks = _split(params)  # blocks are already varying (sharded P('data'))
-        local = {**sync.to_varying(kept), BLOCK_KEY: blocks}
-        loss, grads = jax.value_and_grad(self._local_loss)(local, batch)
-        return jax.lax.pmean(loss, AXIS), self.average_grads(grads)
+        loss, g, _ = self._local_grads(params, batch)
+        return jax.lax.pmean(loss, AXIS), self.average(g)
 
     def grads_fn(self):
-        """Jitted ``(params, batch) -> (loss, averaged gradient)`` in the state's layout: what the
-        optimizer sees (before clipping). For inspection and tests."""
+        """Jitted ``(params, batch) -> (loss, averaged gradient)``; the gradient is in the
+        compact layout (``compact_specs``). For inspection and tests."""
         fn = jax.shard_map(self._averaged_grads, mesh=self.mesh,
-                           in_specs=(self.param_specs, P(AXIS)), out_specs=(P(), self.param_specs))
+                           in_specs=(self.param_specs, P(AXIS)),
+                           out_specs=(P(), self.compact_specs))
         return jax.jit(fn)
 
-    def _local_step(self, state, batch):
+    def _writeback(self, full, compact):
+        """Backward masking: every worker's full parameters from the holders' new values."""
+        out = {}
+        kept = _select(compact, lambda p: self.rule_of[p] is None)
+        out.update(kept)
+        blocks = _select(compact, lambda p: self.rule_of[p] is not None
+                         and self.rule_of[p].kind == "block")
+        full_flat = _select(full, lambda p: True)
+        if blocks:
+            if self.block_tables.full:
+                out.update({p: jax.lax.pmean(x[0], AXIS) for p, x in blocks.items()})
+            else:
+                def body(g, acc):
+                    vals = sync.component_mean(blocks, g, self.block_tables, AXIS)
+                    return {p: jax.lax.dynamic_update_index_in_dim(a, vals[p].astype(a.dtype), g, 0)
+                            for p, a in acc.items()}
+                init = {p: full_flat[p] for p in blocks}
+                out.update(jax.lax.fori_loop(0, self.block_tables.components, body, init))
+        neurons = _select(compact, lambda p: p in self.layer_tables)
+        if neurons:
+            tabs = {p: self.layer_tables[p] for p in neurons}
+
+            def nbody(layer, acc):
+                vals = sync.layer_value(neurons, tabs, layer, AXIS)
+                return {p: jax.lax.dynamic_update_index_in_dim(
+                    a, jnp.moveaxis(vals[p], 0, tabs[p].axis - 1).astype(a.dtype), layer, 0)
+                    for p, a in acc.items()}
+            init = {p: full_flat[p] for p in neurons}
+            out.update(jax.lax.fori_loop(0, self.model_cfg.n_layers, nbody, init))
+        return _merge(full, out)
+
+    def _local_step(self, state, batch, sync_now: bool):
         params = state["params"]
-        loss, grads = self._averaged_grads(params, batch)
-        gnorm = self.grad_norm(grads)
+        loss, grads, compact = self._local_grads(params, batch)
+        if self.periodic:  # each worker on its own gradient; norm of its own subnetwork
+            gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                                 for g in jax.tree.leaves(grads)))
+        else:
+            grads = self.average(grads)
+            gnorm = self.grad_norm(grads)
         if self.optim.grad_clip > 0:
             scale = jnp.minimum(1.0, self.optim.grad_clip / (gnorm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
-        metrics = {"train_loss": loss, "grad_norm": gnorm,
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], compact)
+        new = optax.apply_updates(compact, updates)
+        if self.plan.backward:
+            new = self._writeback(params, new)
+        elif self.periodic and sync_now:
+            new = self.average(new)
+        if self.periodic:
+            gnorm = jax.lax.pmean(gnorm, AXIS)
+        metrics = {"train_loss": jax.lax.pmean(loss, AXIS), "grad_norm": gnorm,
                    "lr": self.schedule(state["step"])}
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        return {"params": new, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    def train_step_fn(self):
-        """The jitted step ``(state, batch int32 [W*b, T+1] sharded P('data')) -> (state, metrics)``.
-        ``state`` is donated. metrics: ``train_loss`` (nats/token, mean over workers),
-        ``grad_norm`` (before clipping), ``lr``."""
-        if self._train_step is None:
-            fn = jax.shard_map(self._local_step, mesh=self.mesh,
+    def train_step_fn(self, sync_now: bool = True):
+        """The jitted step ``(state, batch int32 [W*b, T+1] sharded P('data')) -> (state,
+        metrics)``; ``state`` is donated. metrics: ``train_loss`` (nats/token, mean over
+        workers), ``grad_norm`` (before clipping), ``lr``. With parameter averaging,
+        ``sync_now=False`` gives the step without the averaging."""
+        sync_now = bool(sync_now) or not self.periodic
+        if sync_now not in self._train_steps:
+            fn = jax.shard_map(lambda s, b: self._local_step(s, b, sync_now), mesh=self.mesh,
                                in_specs=(self.state_specs, P(AXIS)),
                                out_specs=(self.state_specs, P()))
-            self._train_step = jax.jit(fn, donate_argnums=0)
-        return self._train_step
+            self._train_steps[sync_now] = jax.jit(fn, donate_argnums=0)
+        return self._train_steps[sync_now]
+
+    def is_sync_step(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) ends with parameter averaging."""
+        return (not self.periodic or step % self.sync_every == 0
+                or step == self.total_steps)
 
     # ---------------------------------------------------------------- eval (full model)
     def _local_eval(self, params, batch):
-        model = self._model(params)
-        _, blocks = _split(params)
+        my_view = self._strip(params, self.param_layout)
+        kept = _select(my_view, lambda p: p[0] != BLOCK_KEY)
+        if self.periodic:  # evaluate the holders' average
+            kept = {p: jax.lax.pmean(x, AXIS) for p, x in kept.items()}
+        model = nnx.merge(self.graphdef, _merge(
+            {**self.full_param_shapes, BLOCK_KEY: jax.tree.map(
+                lambda s: jnp.zeros((0,) + s.shape[1:], s.dtype),
+                self.full_param_shapes[BLOCK_KEY])}, kept))
+        flat = _select(params, lambda p: p[0] == BLOCK_KEY)
+
+        def get(p, r, g):
+            lay = self.param_layout[p]
+            if lay == "R":
+                return jax.lax.dynamic_index_in_dim(flat[p], g, 0, False)
+            if r is None:  # Rw
+                return jax.lax.pmean(jax.lax.dynamic_index_in_dim(flat[p][0], g, 0, False),
+                                     AXIS)
+            if r.kind == "block":
+                if self.block_tables.full and not self.periodic:
+                    return jax.lax.dynamic_index_in_dim(flat[p][0], g, 0, False)
+                return sync.component_mean({p: flat[p]}, g, self.block_tables, AXIS)[p]
+            v = sync.layer_value({p: flat[p]}, {p: self.layer_tables[p]}, g, AXIS)[p]
+            return jnp.moveaxis(v, 0, r.axis - 1)
+
         h = model.embed_tokens(batch[:, :-1])
 
         def body(g, h):
-            if self.tables.full:  # every worker holds block g at slot g: no communication
-                bp = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x[0], g, 0, False),
-                                  blocks)
-            else:  # fetch block g from its holders (their copies agree)
-                bp = sync.component_mean(blocks, g, self.tables, AXIS)
-            return self._block_apply(bp, h)
-
-        h = jax.lax.fori_loop(0, self.tables.components, body, h)
+            return self._block_apply(self._layer_params(lambda p, r: get(p, r, g)), h)
+        h = jax.lax.fori_loop(0, self.model_cfg.n_layers, body, h)
         loss = next_token_loss(model.logits(h), batch[:, 1:])
         return jax.lax.pmean(loss, AXIS)
 
     def eval_step_fn(self):
-        """Jitted full-model loss ``(params, batch [W*b, T+1]) -> nats/token`` (all L blocks, each
-        block streamed from its holders, so no device stores the full model)."""
+        """Jitted full-model loss ``(params, batch [W*b, T+1]) -> nats/token``: all ``L``
+        blocks with all neurons and heads, each block's parameters fetched from their holders
+        when it is reached, so no device stores the full model."""
         if self._eval_step is None:
             fn = jax.shard_map(self._local_eval, mesh=self.mesh,
                                in_specs=(self.param_specs, P(AXIS)), out_specs=P())
@@ -312,15 +539,34 @@ class StepBuilder:
 
     # ---------------------------------------------------------------- export
     def full_params(self, params):
-        """Unprune: the full model's parameters (blocks ``[L, ...]``), taken from each block's
-        first holder. Returns a pytree of replicated arrays (gathers the whole model)."""
-        first = np.argmax(self.mask, axis=0)  # [L] first holder of each block
-        slot = self.tables.slot[first, np.arange(self.tables.components)]
-        w_idx, s_idx = jnp.asarray(first), jnp.asarray(slot)
-        rep = NamedSharding(self.mesh, P())
-        fn = jax.jit(lambda p: _map_blocks(lambda x: jax.reshard(x, rep)[w_idx, s_idx],
-                                           lambda x: x, p), out_shardings=rep)
-        return fn(params)
+        """Unprune: the full model's parameters (numpy, on the host), each component taken
+        from its first holder (for always-kept per-worker copies: worker 0's). Gathers the
+        whole model to the host."""
+        flat = _select(params, lambda p: True)
+        shapes = _select(self.full_param_shapes, lambda p: True)
+        out = {}
+        W = self.plan.workers
+        for p, x in flat.items():
+            x = np.asarray(jax.device_get(x))
+            lay, r = self.param_layout[p], self.rule_of[p]
+            if lay == "R":
+                out[p] = x
+            elif r is None:
+                out[p] = x[0]
+            elif r.kind == "block":
+                t = self.block_tables
+                first = np.argmax(t.mask, axis=0)
+                out[p] = x[first, t.slot[first, np.arange(t.components)]]
+            else:
+                t = self.layer_tables[p]
+                full = np.zeros(shapes[p].shape, x.dtype)
+                fm = np.moveaxis(full, r.axis, 1)
+                for w in range(W - 1, -1, -1):  # lower workers win: first holder
+                    xm = np.moveaxis(x[w], r.axis, 1)
+                    for layer in range(t.layers):
+                        fm[layer, t.indices[w, layer]] = xm[layer]
+                out[p] = np.moveaxis(fm, 1, r.axis)
+        return _pmap_paths(lambda p, s: out[p], self.full_param_shapes)
 
     def compiled_train_step(self, batch_shape):
         """Compile the train step for abstract inputs (no data, no device memory for the state).

@@ -23,7 +23,7 @@ import numpy as np
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import data as data_lib
-from sdp_jax import masks as masks_lib
+from sdp_jax import plan as plan_lib
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import LlamaConfig
 
@@ -34,7 +34,7 @@ class RunSpec:
 
     model: LlamaConfig
     optim: ts.OptimConfig
-    recipe: masks_lib.MaskRecipe
+    plan: plan_lib.SDPPlan
     workers: int
     total_steps: int
     global_batch: int
@@ -87,28 +87,36 @@ def resolve(config, device_count: int) -> RunSpec:
         raise ValueError(f"with several processes every device is a worker: set "
                          f"--config.workers=0 (got {workers} of {device_count}).")
     sdp = config.sdp
-    if sdp.averaging not in ("auto", "blockwise", "reference"):
-        raise ValueError(f"config.sdp.averaging={sdp.averaging!r}; use auto, blockwise or reference.")
-    recipe = ts.make_mask(sdp.variant, workers, model.n_layers, sdp.coverage, sdp.scheme,
-                          sdp.mask_seed, sdp.allow_nonuniform)
-    mask = recipe.matrix()
-    if workers > 1 and recipe.k < model.n_layers and masks_lib.spectral_gap(mask) < 1e-9 \
+    if sdp.method not in ("auto", "blockwise", "reference"):
+        raise ValueError(f"config.sdp.method={sdp.method!r}; use auto, blockwise or reference.")
+    if sdp.average not in ts.AVERAGING:
+        raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
+    if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
+            or sdp.sync_every < 1:
+        raise ValueError(f"config.sdp.sync_every={sdp.sync_every!r} must be a positive integer.")
+    if sdp.average == "parameters" and sdp.variant in plan_lib.BACKWARD_VARIANTS:
+        raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
+                         "(backward masking keeps every worker's full parameters identical); "
+                         "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
+    plan = ts.make_plan(sdp.variant, model, workers, sdp.coverage, sdp.scheme, sdp.mask_seed,
+                        sdp.allow_nonuniform)
+    if workers > 1 and plan.coverage < 1 and plan.summary()["spectral_gap"] < 1e-9 \
             and not sdp.allow_disconnected:
         raise ValueError(
-            f"the mask graph of {sdp.scheme} masks for W={workers}, L={model.n_layers}, "
-            f"C={recipe.coverage} is disconnected (spectral gap 0): some groups of workers share "
-            "no block, so their copies never mix. Choose a larger coverage, another scheme, or "
-            "set --config.sdp.allow_disconnected=True.")
+            f"the mask graph of {sdp.scheme} {sdp.variant} masks for W={workers}, "
+            f"C={plan.coverage} is disconnected (spectral gap 0): some groups of workers share "
+            "no component, so their copies never mix. Choose a larger coverage, another scheme, "
+            "or set --config.sdp.allow_disconnected=True.")
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
-        total = ts.flop_matched_steps(config.steps, recipe.coverage)
+        total = ts.flop_matched_steps(config.steps, plan.coverage)
     if optim.warmup_steps > total:
         raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
                          f"({total} steps); lower --config.optim.warmup_steps.")
     byte_level = config.data.source != "llmc"
     if byte_level and model.vocab_size < data_lib.VOCAB_BYTES:
         raise ValueError(f"byte-level data needs model.vocab_size >= 256, got {model.vocab_size}.")
-    return RunSpec(model, optim, recipe, workers, total, workers * config.batch_per_worker,
+    return RunSpec(model, optim, plan, workers, total, workers * config.batch_per_worker,
                    byte_level)
 
 
@@ -225,8 +233,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     W, T = spec.workers, config.seq_len
     devices = jax.devices()[:W]
     mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)
-    mask = spec.recipe.matrix()
-    mask_info = masks_lib.summarize(mask)
+    mask_info = spec.plan.summary()
 
     # Data first: a bad path or a split too small fails here, before any compile.
     _log(data_lib.describe(config.data))
@@ -240,8 +247,7 @@ def train(config, workdir: str) -> dict[str, Any]:
 
     manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                          keep=config.keep_checkpoints)
-    meta = {"config": trajectory_config(config), "mask_recipe": spec.recipe.to_dict(),
-            "mask": mask.astype(int).tolist()}
+    meta = {"config": trajectory_config(config), "masks": spec.plan.record()}
     latest = manager.latest_step()
     if latest is not None:
         try:
@@ -250,15 +256,17 @@ def train(config, workdir: str) -> dict[str, Any]:
             manager.close()
             raise
 
-    builder = ts.StepBuilder(spec.model, spec.recipe, spec.optim, mesh, spec.total_steps,
-                             averaging=config.sdp.averaging)
+    builder = ts.StepBuilder(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
+                             averaging=config.sdp.average, sync_every=config.sdp.sync_every,
+                             method=config.sdp.method)
     counts = spec.model.param_count()
     _log(f"devices: {W} x {devices[0].platform} ({jax.process_count()} process(es)); "
-         f"variant {config.sdp.variant}, coverage C={spec.recipe.coverage:g} "
-         f"({spec.recipe.k}/{spec.model.n_layers} blocks per worker), scheme {spec.recipe.scheme}")
-    _log(f"mask: multiplicity {mask_info['multiplicity_min']}..{mask_info['multiplicity_max']}, "
-         f"spectral gap {mask_info['spectral_gap']:.4f}; params: total {counts['total']:,}, "
-         f"per device {builder.per_device_param_count():,}")
+         f"{spec.plan.describe()}")
+    mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
+                     for k, v in mask_info["kinds"].items())
+    _log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
+         f"params: total {counts['total']:,}, stored per device "
+         f"{builder.per_device_param_count():,}")
 
     # Restore before compiling: an unreadable checkpoint is reported before any compute.
     if latest is not None:
@@ -276,6 +284,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     batch_shape = (spec.global_batch, T + 1)
     t0 = time.time()
     step_fn = builder.compiled_train_step(batch_shape)
+    step_fn_local = builder.train_step_fn(sync_now=False)  # = step_fn unless average=parameters
     mem = ts.memory_stats(step_fn)
     _log(f"compiled train step in {time.time() - t0:.1f}s: peak "
          f"{_fmt_bytes(mem['peak_bytes_per_device'])} per device")
@@ -307,7 +316,8 @@ def train(config, workdir: str) -> dict[str, Any]:
         try:
             while step < stop and not interrupted:
                 batch = device_batch(next(train_iter))
-                state, m = step_fn(state, batch)
+                sync_now = builder.is_sync_step(step + 1)
+                state, m = (step_fn if sync_now else step_fn_local)(state, batch)
                 # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
                 rec = {k: float(v) for k, v in m.items()}
                 step += 1
@@ -342,15 +352,17 @@ def train(config, workdir: str) -> dict[str, Any]:
     if done and not last_val:
         last_val = evaluate()
     summary = {
-        "variant": config.sdp.variant, "coverage": spec.recipe.coverage, "workers": W,
-        "scheme": spec.recipe.scheme, "blocks_per_worker": spec.recipe.k,
+        "variant": config.sdp.variant, "regime": spec.plan.regime,
+        "coverage": spec.plan.coverage, "workers": W, "scheme": config.sdp.scheme,
+        "average": config.sdp.average, "sync_every": config.sdp.sync_every,
         "n_layers": spec.model.n_layers, "steps": step, "total_steps": spec.total_steps,
         "completed": done, "tokens": step * tokens_per_step,
         "final_val_loss": last_val.get("val_loss"), "final_val_bpb": last_val.get("val_bpb"),
         "wall_s": time.time() - t_start,
         "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
         "params_total": counts["total"], "params_per_device": builder.per_device_param_count(),
-        "mask": mask_info, "platform": devices[0].platform,
+        "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
+        "platform": devices[0].platform,
         "interrupted_by": interrupted[0] if interrupted else None,
     }
     if jax.process_index() == 0:

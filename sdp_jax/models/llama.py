@@ -39,7 +39,14 @@ BLOCK_KEY = "blocks"
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Model shape. All sizes are counts of elements (not bytes)."""
+    """Model shape. All sizes are counts of elements (not bytes).
+
+    ``subnet_rescale``: when a layer runs with fewer attention heads or MLP neurons than
+    configured (a compact N-SDP subnetwork), multiply its output by (configured / held), as
+    inverted dropout does (Srivastava et al. 2014, Sec. 10): with every component equally likely
+    to be held, the subnetwork's output is then an unbiased estimate of the full layer's, so the
+    full model used for validation sees the scale it was trained at. Our default (the SDP paper
+    does not say); no effect on the full model or at C = 1."""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -52,6 +59,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    subnet_rescale: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -139,6 +147,7 @@ class Attention(nnx.Module):
         self.wk = _normal(rngs, (d, K, h), cfg.init_std)
         self.wv = _normal(rngs, (d, K, h), cfg.init_std)
         self.wo = _normal(rngs, (H, h, d), out_std)
+        self.n_heads, self.rescale = H, cfg.subnet_rescale
 
     def __call__(self, x, cos, sin):
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...])
@@ -146,7 +155,11 @@ class Attention(nnx.Module):
         v = jnp.einsum("btd,dnh->btnh", x, self.wv[...])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return jnp.einsum("btnh,nhd->btd", o, self.wo[...])
+        out = jnp.einsum("btnh,nhd->btd", o, self.wo[...])
+        held = q.shape[2]
+        if self.rescale and held != self.n_heads:
+            out = out * (self.n_heads / held)
+        return out
 
 
 class MLP(nnx.Module):
@@ -157,9 +170,14 @@ class MLP(nnx.Module):
         self.w_gate = _normal(rngs, (d, f), cfg.init_std)
         self.w_up = _normal(rngs, (d, f), cfg.init_std)
         self.w_down = _normal(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.d_ff, self.rescale = f, cfg.subnet_rescale
 
     def __call__(self, x):
-        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+        out = (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+        held = self.w_gate.shape[-1]
+        if self.rescale and held != self.d_ff:
+            out = out * (self.d_ff / held)
+        return out
 
 
 class Block(nnx.Module):
