@@ -226,10 +226,6 @@ def train(config, workdir: str) -> dict[str, Any]:
     spec = resolve(config, jax.device_count())
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir {workdir!r} exists and is not a directory; choose another.")
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create --workdir {workdir!r}: {e}; choose another.") from e
     W, T = spec.workers, config.seq_len
     devices = jax.devices()[:W]
     mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)
@@ -245,6 +241,10 @@ def train(config, workdir: str) -> dict[str, Any]:
         config.data, seq_len=T, global_batch=spec.global_batch, num_batches=config.eval_batches,
         vocab_size=spec.model.vocab_size, process_index=pidx, process_count=pcount)
 
+    try:  # only now: a run refused above leaves no empty workdir behind
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create --workdir {workdir!r}: {e}; choose another.") from e
     manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                          keep=config.keep_checkpoints)
     meta = {"config": trajectory_config(config), "masks": spec.plan.record()}
@@ -349,6 +349,19 @@ def train(config, workdir: str) -> dict[str, Any]:
             manager.close()  # waits for the last save
 
     done = step >= spec.total_steps
+    summary_path = os.path.join(workdir, "summary.json")
+    if start >= spec.total_steps and os.path.exists(summary_path):
+        with open(summary_path) as f:  # nothing trained now: keep the run's own figures
+            summary = json.load(f)
+        _log(f"already complete: {step} steps; final val loss {summary['final_val_loss']:.4f} "
+             f"nats/token (from {summary_path})")
+        return summary
+    prev_wall = 0.0  # a resumed run adds the wall time of the invocations before it
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            prev = json.load(f)
+        if prev.get("steps") == start:
+            prev_wall = float(prev.get("wall_s", 0.0))
     if done and not last_val:
         last_val = evaluate()
     summary = {
@@ -358,7 +371,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         "n_layers": spec.model.n_layers, "steps": step, "total_steps": spec.total_steps,
         "completed": done, "tokens": step * tokens_per_step,
         "final_val_loss": last_val.get("val_loss"), "final_val_bpb": last_val.get("val_bpb"),
-        "wall_s": time.time() - t_start,
+        "wall_s": prev_wall + time.time() - t_start,
         "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
         "params_total": counts["total"], "params_per_device": builder.per_device_param_count(),
         "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
@@ -366,7 +379,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         "interrupted_by": interrupted[0] if interrupted else None,
     }
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
+        with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
     if done:
         bpb = f", {summary['final_val_bpb']:.3f} bits/byte" if spec.byte_level else ""

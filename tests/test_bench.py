@@ -13,22 +13,31 @@ TINY = os.path.join(ROOT, "configs", "llama_tiny.py")
 
 def test_bench_rows_and_ratios(tmp_path, capsys):
     out = tmp_path / "out.json"
-    rows = bench.main(["--config", TINY, "--workers", "4", "--variants", "ddp,b-sdp",
-                       "--coverage", "0.5", "--json", str(out)])
+    rows = bench.main(["--config", TINY, "--workers", "4", "--variants",
+                       "ddp,b-sdp,n-sdp,bb-sdp,nb-sdp", "--coverage", "0.5", "--json", str(out)])
     saved = json.loads(out.read_text())
-    assert saved == rows and [r["variant"] for r in rows] == ["ddp", "b-sdp"]
-    ddp, sdp = rows
+    assert saved == rows
+    by = {r["variant"]: r for r in rows}
+    assert list(by) == ["ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp"]
+    ddp = by["ddp"]
     for key in ("variant", "coverage", "workers", "argument_bytes", "temp_bytes",
                 "peak_bytes_per_device", "flops_per_device"):
         assert key in ddp
-    assert sdp["coverage"] == 0.5 and sdp["blocks_per_worker"] == 2 and ddp["blocks_per_worker"] == 4
-    assert sdp["argument_bytes"] < ddp["argument_bytes"]
-    assert sdp["peak_bytes_per_device"] < ddp["peak_bytes_per_device"]
-    # the unrolled FLOP count sees every block: half the blocks, clearly fewer FLOPs
-    assert sdp["flops_per_device"] < 0.85 * ddp["flops_per_device"]
+    assert by["b-sdp"]["held_per_worker"] == "2/4 blocks" and ddp["held_per_worker"] == "4/4 blocks"
+    assert by["n-sdp"]["held_per_worker"] == "32/64 neurons, 1/2 kv-groups"
+    # forward masking: everything per device shrinks
+    for v in ("b-sdp", "n-sdp"):
+        assert by[v]["argument_bytes"] < 0.75 * ddp["argument_bytes"]
+        assert by[v]["peak_bytes_per_device"] < 0.8 * ddp["peak_bytes_per_device"]
+        # the unrolled FLOP count sees every block: half the blocks / neurons, fewer FLOPs
+        assert by[v]["flops_per_device"] < 0.8 * ddp["flops_per_device"]
+    # backward masking: full parameters, but compact optimizer state -> smaller arguments
+    for v in ("bb-sdp", "nb-sdp"):
+        assert by[v]["regime"] == "backward"
+        assert by[v]["argument_bytes"] < 0.85 * ddp["argument_bytes"]
     assert abs(ddp["flops_per_device"] / ddp["model_flops_per_device"] - 1) < 0.5
     table = capsys.readouterr().out
-    assert "| b-sdp | 0.5 | 4 | 2 |" in table and "peak / DDP" in table
+    assert "| b-sdp | 0.5 | 4 | 2/4 blocks |" in table and "peak / DDP" in table
 
 
 def test_bench_bad_input(capsys):

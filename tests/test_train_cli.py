@@ -182,3 +182,20 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     assert "checkpoint at step 4" in msg and "unreadable" in msg
     assert f"delete {wd / 'checkpoints' / '4'} to resume from step 2" in msg
     assert victim.stat().st_size == 100  # nothing rewritten
+
+
+@pytest.mark.parametrize("variant,extra", [
+    ("n-sdp", {}), ("bb-sdp", {}), ("nb-sdp", {}),
+    ("b-sdp", {"sdp.average": "parameters", "sdp.sync_every": 2}),
+])
+def test_trainer_runs_every_variant(tmp_path, variant, extra):
+    s = trainer.train(tiny(steps=3, eval_every=0, **{"sdp.variant": variant,
+                                                     "sdp.coverage": 0.5}, **extra),
+                      str(tmp_path / variant))
+    assert s["completed"] and s["variant"] == variant and s["coverage"] == 0.5
+    assert s["regime"] == ("backward" if variant in ("bb-sdp", "nb-sdp") else "forward")
+    assert s["spectral_gap"] > 0 and np.isfinite(s["final_val_loss"])
+    again = trainer.train(tiny(steps=3, eval_every=0, **{"sdp.variant": variant,
+                                                         "sdp.coverage": 0.5}, **extra),
+                          str(tmp_path / variant))
+    assert again == s  # a finished run is not redone and keeps its figures
