@@ -248,3 +248,20 @@ def test_periodic_averaging_h2_lets_workers_drift_then_agree(mesh, batches):
 def test_backward_variants_refuse_periodic_averaging(mesh):
     with pytest.raises(ValueError, match="not available for bb-sdp"):
         builder(mesh, "bb-sdp", 0.5, averaging="parameters", sync_every=2)
+
+
+def test_nsdp_holders_of_each_neuron_and_head_agree(mesh, batches):
+    opt = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)  # clipping active
+    b = builder(mesh, "n-sdp", 0.5, optim=opt, scheme="random")
+    s, _ = run(b, batches)
+    for path, t in b.layer_tables.items():
+        arr = np.moveaxis(np.asarray(s["params"][path[0]][path[1]][path[2]]), t.axis + 1, 2)
+        for layer in range(t.layers):
+            seen = {}
+            for w in range(W):
+                for j, i in enumerate(t.indices[w, layer]):
+                    v = arr[w, layer, j]
+                    if i in seen:
+                        np.testing.assert_array_equal(v, seen[i])  # bit-identical copies
+                    seen[i] = v
+            assert len(seen) == t.size  # every index held by someone
