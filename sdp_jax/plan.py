@@ -219,6 +219,8 @@ class SDPPlan:
 
     def describe(self) -> str:
         """One line for the run log."""
+        if self.variant == "ddp":
+            return "variant ddp: every worker holds the full model (coverage C=1)"
         parts = []
         for name, t in self.kinds.items():
             what = {"block": "blocks", "mlp": "MLP neurons/block", "heads": "kv-head groups/block"}

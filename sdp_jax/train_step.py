@@ -499,6 +499,8 @@ class StepBuilder:
         kept = _select(my_view, lambda p: p[0] != BLOCK_KEY)
         if self.periodic:  # evaluate the holders' average
             kept = {p: jax.lax.pmean(x, AXIS) for p, x in kept.items()}
+        # The merged model serves only the embedding and the head: its block stack is empty,
+        # the blocks are streamed below.
         model = nnx.merge(self.graphdef, _merge(
             {**self.full_param_shapes, BLOCK_KEY: jax.tree.map(
                 lambda s: jnp.zeros((0,) + s.shape[1:], s.dtype),
