@@ -127,9 +127,10 @@ class SDPPlan:
         if variant in BLOCK_VARIANTS:
             self.kinds["block"] = self._block_tables()
         else:
-            self.kinds["mlp"] = self._neuron_tables("mlp", cfg.d_ff, "MLP hidden neurons")
+            self.kinds["mlp"] = self._neuron_tables("mlp", cfg.d_ff,
+                                                    "MLP hidden neurons per block")
             self.kinds["heads"] = self._neuron_tables("heads", cfg.n_kv_heads,
-                                                      "key/value head groups")
+                                                      "key/value head groups per block")
         self._neuron = _neuron_rules(cfg)
 
     def _recipe(self, components: int, what: str) -> masks_lib.MaskRecipe:
@@ -137,7 +138,7 @@ class SDPPlan:
             return masks_lib.MaskRecipe(self.scheme, self.workers, components, self.coverage,
                                         self.seed, self.allow_nonuniform)
         except ValueError as e:
-            raise ValueError(f"{self.variant} masks {components} {what} per block: {e}") from None
+            raise ValueError(f"{self.variant} masks {components} {what}: {e}") from None
 
     def _block_tables(self) -> KindTables:
         recipe = self._recipe(self.cfg.n_layers, "blocks")

@@ -94,6 +94,10 @@ def resolve(config, device_count: int) -> RunSpec:
     if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
             or sdp.sync_every < 1:
         raise ValueError(f"config.sdp.sync_every={sdp.sync_every!r} must be a positive integer.")
+    if sdp.average == "gradients" and sdp.sync_every != 1:
+        raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
+                         "--config.sdp.average=parameters (gradients are averaged every step); "
+                         "set both or neither.")
     if sdp.average == "parameters" and sdp.variant in plan_lib.BACKWARD_VARIANTS:
         raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
                          "(backward masking keeps every worker's full parameters identical); "
@@ -261,7 +265,9 @@ def train(config, workdir: str) -> dict[str, Any]:
                              method=config.sdp.method)
     counts = spec.model.param_count()
     _log(f"devices: {W} x {devices[0].platform} ({jax.process_count()} process(es)); "
-         f"{spec.plan.describe()}")
+         f"{spec.plan.describe()}"
+         + (f"; parameters averaged over holders every {config.sdp.sync_every} steps"
+            if config.sdp.average == "parameters" else ""))
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
                      for k, v in mask_info["kinds"].items())
     _log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "

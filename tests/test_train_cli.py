@@ -199,3 +199,8 @@ def test_trainer_runs_every_variant(tmp_path, variant, extra):
                                                          "sdp.coverage": 0.5}, **extra),
                           str(tmp_path / variant))
     assert again == s  # a finished run is not redone and keeps its figures
+
+
+def test_sync_every_without_parameter_averaging_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="sync_every=3 only applies with"):
+        trainer.train(tiny(**{"sdp.sync_every": 3}), str(tmp_path / "x"))

@@ -156,7 +156,7 @@ def test_unknown_variant_and_bad_coverage():
     with pytest.raises(ValueError, match="nearest valid coverages"):
         ts.make_plan("b-sdp", CFG, W, 0.3)
     # 2 key/value groups cannot be split in thirds: the error names the component kind
-    with pytest.raises(ValueError, match="n-sdp masks 2 key/value head groups"):
+    with pytest.raises(ValueError, match="n-sdp masks 2 key/value head groups per block"):
         ts.make_plan("n-sdp", CFG, 3, 1 / 3)
 
 
