@@ -125,7 +125,7 @@ def _keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", k)) for k in path)
 
 
-def _pmap_paths(fn, tree, *rest):
+def _map_paths(fn, tree, *rest):
     """``tree_map_with_path`` with the path as a tuple of dict keys."""
     return jax.tree_util.tree_map_with_path(lambda p, *xs: fn(_keys(p), *xs), tree, *rest)
 
@@ -140,7 +140,7 @@ def _select(tree, pred):
 
 def _merge(tree, flat):
     """Replace the leaves of ``tree`` found in ``flat`` (path -> leaf)."""
-    return _pmap_paths(lambda p, x: flat.get(p, x), tree)
+    return _map_paths(lambda p, x: flat.get(p, x), tree)
 
 
 def _take(x, idx, axis):
@@ -224,8 +224,8 @@ class StepBuilder:
             return ((W,) if lay[p] == "Rw" else ()) + tuple(x.shape)
 
         def struct(lay):
-            specs = _pmap_paths(lambda p, x: P() if lay[p] == "R" else P(AXIS), full)
-            shapes = _pmap_paths(lambda p, x, s: jax.ShapeDtypeStruct(
+            specs = _map_paths(lambda p, x: P() if lay[p] == "R" else P(AXIS), full)
+            shapes = _map_paths(lambda p, x, s: jax.ShapeDtypeStruct(
                 shape(p, x, lay), x.dtype, sharding=NamedSharding(mesh, s)), full, specs)
             return specs, shapes
 
@@ -283,7 +283,7 @@ class StepBuilder:
             if layout[p] == "Rw":
                 return jnp.broadcast_to(x, (W,) + x.shape)
             return x
-        return _pmap_paths(one, full)
+        return _map_paths(one, full)
 
     # ---------------------------------------------------------------- init
     def init_state(self, seed: int):
@@ -310,7 +310,7 @@ class StepBuilder:
     # ---------------------------------------------------------------- averaging
     def _strip(self, tree, layout):
         """Local view: drop the leading per-worker axis of C / Rw leaves."""
-        return _pmap_paths(lambda p, x: x if layout[p] == "R" else x[0], tree)
+        return _map_paths(lambda p, x: x if layout[p] == "R" else x[0], tree)
 
     def average(self, tree):
         """Masked mean over holders of local values in the compact layout (local shapes with
@@ -393,18 +393,18 @@ class StepBuilder:
         """(loss, local gradient in the compact layout with leading 1s, compact params)."""
         if not self.plan.backward:
             local = self._strip(params, self.param_layout)
-            local = _pmap_paths(lambda p, x: sync.to_varying(x)
+            local = _map_paths(lambda p, x: sync.to_varying(x)
                                 if self.param_layout[p] == "R" else x, local)
             loss, g = jax.value_and_grad(self._forward_loss)(local, batch)
-            return loss, _pmap_paths(lambda p, x: x if self.param_layout[p] == "R" else x[None],
+            return loss, _map_paths(lambda p, x: x if self.param_layout[p] == "R" else x[None],
                                      g), params
         my = sync.worker_index(AXIS)
-        compact = _pmap_paths(lambda p, x: x if self.rule_of[p] is None
+        compact = _map_paths(lambda p, x: x if self.rule_of[p] is None
                               else self._prune_worker(p, x, my), params)
-        diff = _pmap_paths(lambda p, x: sync.to_varying(x) if self.rule_of[p] is None else x,
+        diff = _map_paths(lambda p, x: sync.to_varying(x) if self.rule_of[p] is None else x,
                            compact)  # local gradients for always-kept leaves too
         loss, g = jax.value_and_grad(self._backward_loss)(diff, params, batch)
-        lead = lambda tree: _pmap_paths(  # noqa: E731
+        lead = lambda tree: _map_paths(  # noqa: E731
             lambda p, x: x if self.compact_layout[p] == "R" else x[None], tree)
         return loss, lead(g), lead(compact)
 
@@ -568,7 +568,7 @@ class StepBuilder:
                     for layer in range(t.layers):
                         fm[layer, t.indices[w, layer]] = xm[layer]
                 out[p] = np.moveaxis(fm, 1, r.axis)
-        return _pmap_paths(lambda p, s: out[p], self.full_param_shapes)
+        return _map_paths(lambda p, s: out[p], self.full_param_shapes)
 
     def compiled_train_step(self, batch_shape):
         """Compile the train step for abstract inputs (no data, no device memory for the state).
