@@ -312,14 +312,20 @@ class StepBuilder:
         """Local view: drop the leading per-worker axis of C / Rw leaves."""
         return _map_paths(lambda p, x: x if layout[p] == "R" else x[0], tree)
 
+    def _by_kind(self, tree):
+        """Split a parameter-shaped tree into flat {path: leaf} dicts: always-kept leaves,
+        block-masked leaves, neuron-masked leaves."""
+        def kind(p):
+            r = self.rule_of[p]
+            return "kept" if r is None else ("block" if r.kind == "block" else "neuron")
+        return tuple(_select(tree, lambda p, k=k: kind(p) == k)
+                     for k in ("kept", "block", "neuron"))
+
     def average(self, tree):
         """Masked mean over holders of local values in the compact layout (local shapes with
         the leading 1): block leaves over block holders, neuron leaves over neuron holders,
         always-kept leaves over all workers."""
-        blocks = _select(tree, lambda p: self.rule_of[p] is not None
-                         and self.rule_of[p].kind == "block")
-        neurons = _select(tree, lambda p: p in self.layer_tables)
-        kept = _select(tree, lambda p: self.rule_of[p] is None)
+        kept, blocks, neurons = self._by_kind(tree)
         out = {p: jax.lax.pmean(x, AXIS) for p, x in kept.items()}
         if blocks:
             out.update(sync.compact_masked_mean(blocks, self.block_tables, AXIS,
@@ -331,16 +337,13 @@ class StepBuilder:
 
     def grad_norm(self, grads):
         """Global L2 norm of the averaged gradient, each component counted once (invariant 6)."""
-        kept = _select(grads, lambda p: self.rule_of[p] is None)
+        kept, blocks, neurons = self._by_kind(grads)
         sq = jnp.float32(0.0)
         for p, g in kept.items():
             g = g[0] if self.compact_layout[p] == "Rw" else g
             sq = sq + jnp.sum(jnp.square(g.astype(jnp.float32)))
-        blocks = _select(grads, lambda p: self.rule_of[p] is not None
-                         and self.rule_of[p].kind == "block")
         if blocks:
             sq = sq + sync.compact_sq_norm(blocks, self.block_tables, AXIS)
-        neurons = _select(grads, lambda p: p in self.layer_tables)
         if neurons:
             sq = sq + sync.layer_sq_norm(neurons, {p: self.layer_tables[p] for p in neurons}, AXIS)
         return jnp.sqrt(sq)
@@ -423,10 +426,8 @@ class StepBuilder:
     def _writeback(self, full, compact):
         """Backward masking: every worker's full parameters from the holders' new values."""
         out = {}
-        kept = _select(compact, lambda p: self.rule_of[p] is None)
+        kept, blocks, neurons = self._by_kind(compact)
         out.update(kept)
-        blocks = _select(compact, lambda p: self.rule_of[p] is not None
-                         and self.rule_of[p].kind == "block")
         full_flat = _select(full, lambda p: True)
         if blocks:
             if self.block_tables.full:
@@ -438,7 +439,6 @@ class StepBuilder:
                             for p, a in acc.items()}
                 init = {p: full_flat[p] for p in blocks}
                 out.update(jax.lax.fori_loop(0, self.block_tables.components, body, init))
-        neurons = _select(compact, lambda p: p in self.layer_tables)
         if neurons:
             tabs = {p: self.layer_tables[p] for p in neurons}
 
