@@ -1,14 +1,28 @@
-"""Per-device memory and FLOPs of compiled train steps, without training or an accelerator.
+"""Per-device memory, communication, FLOPs and step time of compiled train steps.
 
     python -m sdp_jax.bench --config configs/llama_1b.py --workers 8 --variants ddp,b-sdp \\
-        --coverage 0.6875 --json out.json
+        --coverage 0.6875 --dtype bf16 --fsdp --remat full --json out.json
+    python -m sdp_jax.bench --config configs/llama_tiny.py --variants ddp,b-sdp \\
+        --coverage 0.5 --measure-time
+    python -m sdp_jax.bench --paper --out bench_out
 
 For each variant the train step is lowered for abstract inputs (``jax.ShapeDtypeStruct`` with
 shardings: no parameter is materialized) on a mesh of ``--workers`` devices (simulated CPU
-devices when no accelerator is present) and compiled; ``compiled.memory_analysis()`` gives the
-per-device argument, output, alias and temporary bytes, and ``compiled.cost_analysis()`` the
-per-device FLOPs. peak = argument + temp + output - alias (the state is donated, so its output
-aliases its input). One JSON row per variant; a table with the ratio to DDP is printed.
+devices when no accelerator is present) and compiled:
+
+* memory: ``compiled.memory_analysis()``: argument, output, alias and temporary bytes per device;
+  peak = argument + temp + output - alias (the state is donated, so its output aliases its input);
+* communication: every collective of the compiled per-device program with its loop trip counts
+  (:mod:`sdp_jax.comm`), in bus bytes (nccl-tests convention: all-reduce ``2 (n-1)/n`` of its
+  buffer, all-gather / reduce-scatter / all-to-all ``(n-1)/n`` of the full buffer);
+* FLOPs: ``compiled.cost_analysis()`` of a second compile with the block scan unrolled;
+* ``--measure-time``: a few real steps on random tokens, median wall time per step, all variants
+  side by side in one process.
+
+``--paper`` reproduces the memory and communication comparison of Singh et al. (arXiv
+2507.09029, Sec. 5, 1B model on 8 GPUs): DDP, FSDP + AC, B-SDP C = 0.6875 and B-SDP + FSDP + AC
+at ``llama_1b``, bf16, 8 workers; it writes ``paper_table.md``, ``paper_chart.png`` and
+``paper_rows.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -17,8 +31,24 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
+
+# Singh et al., arXiv 2507.09029, Sec. 5 (LLaMA 1B, 8 GPUs): per-device peak memory (GB) and bytes
+# communicated per step (MB), as printed in the paper; None where the paper gives no figure.
+PAPER = {
+    "DDP": {"memory_gb": 70.9, "comm_mb": 3143.0},
+    "FSDP + AC": {"memory_gb": 11.0, "comm_mb": None},
+    "B-SDP C=0.6875": {"memory_gb": None, "comm_mb": 2253.0},
+    "B-SDP + FSDP + AC": {"memory_gb": 9.7, "comm_mb": None},
+}
+PAPER_SETTINGS = (  # label, variant, fsdp, remat
+    ("DDP", "ddp", False, "none"),
+    ("FSDP + AC", "ddp", True, "full"),
+    ("B-SDP C=0.6875", "b-sdp", False, "none"),
+    ("B-SDP + FSDP + AC", "b-sdp", True, "full"),
+)
 
 
 def load_config(path: str):
@@ -33,17 +63,7 @@ def load_config(path: str):
     return mod.get_config()
 
 
-def measure(config, variant: str, workers: int, coverage: float, mesh) -> dict:
-    """Compile one variant's train step and read its per-device memory and FLOPs.
-
-    Returns:
-      row dict: ``variant``, ``regime``, ``coverage``, ``workers``, ``held_per_worker``,
-      ``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
-      ``peak_bytes_per_device`` (bytes), ``flops_per_device`` (FLOPs per step, XLA's count on
-      the unrolled program), ``model_flops_per_device`` (ddp and b-sdp: ``6N + 12 L T d`` per
-      token times the worker's tokens, :func:`sdp_jax.train_step.model_flops_per_token`),
-      ``params_per_device``, ``compile_s``.
-    """
+def _builder(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unroll=False):
     from sdp_jax import train_step as ts
     from sdp_jax.models.llama import LlamaConfig
 
@@ -52,32 +72,106 @@ def measure(config, variant: str, workers: int, coverage: float, mesh) -> dict:
     sdp = config.sdp
     try:
         plan = ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed)
-        uniform_ok = True
+        uniform = True
     except ValueError:  # e.g. W*C = 5.5 at 1B: near-uniform masks, as in the paper
         plan = ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
                             allow_nonuniform=True)
-        uniform_ok = False
+        uniform = False
+    b = ts.StepBuilder(model, plan, optim, mesh, config.steps, method=sdp.method, unroll=unroll,
+                       fsdp=fsdp, remat=remat, dtype=dtype)
+    return b, uniform
+
+
+def setting_name(variant: str, fsdp: bool, remat: str) -> str:
+    """Row label, e.g. ``b-sdp+fsdp+ac`` (``ac``: full remat, ``ac-dots``: save matmuls)."""
+    return variant + ("+fsdp" if fsdp else "") + {"none": "", "full": "+ac", "dots": "+ac-dots"}[
+        remat]
+
+
+def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: bool = False,
+            remat: str = "none", dtype: str = "float32", flops: bool = True) -> dict:
+    """Compile one variant's train step and read its per-device memory, communication, FLOPs.
+
+    Returns:
+      row dict: ``variant``, ``setting``, ``fsdp``, ``remat``, ``dtype``, ``regime``,
+      ``coverage``, ``workers``, ``held_per_worker``, ``argument_bytes``, ``output_bytes``,
+      ``alias_bytes``, ``temp_bytes``, ``peak_bytes_per_device`` (bytes),
+      ``comm_bytes_per_device`` (bus bytes per step, loop trip counts included),
+      ``comm_by_op`` (bytes per collective kind), ``flops_per_device`` (FLOPs per step, XLA's
+      count on the unrolled program; None with ``flops=False``), ``model_flops_per_device``
+      (ddp and b-sdp: ``6N + 12 L T d`` per token times the worker's tokens),
+      ``params_per_device``, ``compile_s``.
+    """
+    from sdp_jax import comm
+    from sdp_jax import train_step as ts
+
     batch_shape = (workers * config.batch_per_worker, config.seq_len + 1)
     t0 = time.time()
-    builder = ts.StepBuilder(model, plan, optim, mesh, config.steps, method=sdp.method)
+    builder, uniform = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
+                                dtype=dtype)
     compiled = builder.compiled_train_step(batch_shape)
-    # XLA's cost analysis counts a scan body once: count FLOPs on the unrolled program.
-    unrolled = ts.StepBuilder(model, plan, optim, mesh, config.steps, method=sdp.method,
-                              unroll=True)
-    flops = ts.flops_per_device(unrolled.compiled_train_step(batch_shape))
+    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
+    n_flops = None
+    if flops:  # XLA's cost analysis counts a loop body once: count on the unrolled program
+        unrolled, _ = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
+                               dtype=dtype, unroll=True)
+        n_flops = ts.flops_per_device(unrolled.compiled_train_step(batch_shape))
+    plan = builder.plan
     tokens = config.batch_per_worker * config.seq_len
     held = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}
-    row = {"variant": variant, "regime": plan.regime, "coverage": plan.coverage,
-           "workers": workers,
-           "held_per_worker": ", ".join(f"{t.k}/{t.masks.shape[-1]} {held[k]}"
-                                        for k, t in plan.kinds.items()),
-           "uniform": uniform_ok, **ts.memory_stats(compiled), "flops_per_device": flops,
-           "model_flops_per_device": (
-               ts.model_flops_per_token(model, config.seq_len, plan.kinds["block"].k) * tokens
-               if variant in ("ddp", "b-sdp") else None),
-           "params_per_device": builder.per_device_param_count(),
-           "compile_s": round(time.time() - t0, 1)}
-    return row
+    return {"variant": variant, "setting": setting_name(variant, fsdp, remat), "fsdp": fsdp,
+            "remat": remat, "dtype": dtype, "regime": plan.regime, "coverage": plan.coverage,
+            "workers": workers,
+            "held_per_worker": ", ".join(f"{t.k}/{t.masks.shape[-1]} {held[k]}"
+                                         for k, t in plan.kinds.items()),
+            "uniform": uniform, **ts.memory_stats(compiled),
+            "comm_bytes_per_device": traffic["total"],
+            "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
+            "flops_per_device": n_flops,
+            "model_flops_per_device": (
+                ts.model_flops_per_token(builder.model_cfg, config.seq_len,
+                                         plan.kinds["block"].k) * tokens
+                if variant in ("ddp", "b-sdp") else None),
+            "params_per_device": builder.per_device_param_count(),
+            "compile_s": round(time.time() - t0, 1)}
+
+
+def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, remat="none",
+               dtype="float32", steps: int = 10, warmup: int = 2) -> list[list[float]]:
+    """Wall seconds of real train steps on random tokens for several variants, interleaved
+    (one step of each in turn, so that load from other processes hits all of them alike).
+
+    Args:
+      runs: dicts with ``variant`` and ``coverage``.
+      steps: timed steps per variant, after ``warmup`` untimed ones (which include the compile).
+    Returns:
+      per run, the list of step times in seconds. Each step is waited for before the next is
+      dispatched (one step in flight, see DESIGN.md on the CPU backend).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    jobs = []
+    for run in runs:
+        builder, _ = _builder(config, run["variant"], workers, run["coverage"], mesh, fsdp=fsdp,
+                              remat=remat, dtype=dtype)
+        batch = jax.device_put(jnp.asarray(rng.integers(
+            0, builder.model_cfg.vocab_size,
+            (workers * config.batch_per_worker, config.seq_len + 1)), jnp.int32),
+            builder.batch_sharding())
+        jobs.append([builder.train_step_fn(), builder.init_state(seed=0), batch, []])
+    for i in range(warmup + steps):
+        for job in jobs:
+            step, state, batch, times = job
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            job[1] = state
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    return [job[3] for job in jobs]
 
 
 def _bytes(n: float) -> str:
@@ -88,61 +182,228 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
-def _flops(n: float) -> str:
+def _flops(n: float | None) -> str:
+    if n is None:
+        return "-"
     for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
         if n >= scale or unit == "MFLOP":
             return f"{n / scale:.3f} {unit}"
     return str(n)
 
 
+def _baseline(rows: list[dict], r: dict) -> dict | None:
+    """The DDP row a row is compared with: DDP with the same FSDP / remat setting if present,
+    else the first DDP row."""
+    same = [b for b in rows if b["variant"] == "ddp" and b["fsdp"] == r["fsdp"]
+            and b["remat"] == r["remat"]]
+    anyd = [b for b in rows if b["variant"] == "ddp"]
+    return (same or anyd or [None])[0]
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.3f}" if (a is not None and b) else "-"
+
+
 def format_table(rows: list[dict]) -> str:
-    """Markdown table of bench rows with ratios to the DDP row (if present)."""
-    base = next((r for r in rows if r["variant"] == "ddp"), None)
-    head = ("| variant | C | W | held per worker | argument | temp | peak/device | peak / DDP | "
-            "FLOPs/device | FLOPs / DDP |")
-    lines = [head, "|" + "---|" * 10]
+    """Markdown table of bench rows with ratios to the matching DDP row (if present)."""
+    timed = any("step_time_s" in r for r in rows)
+    head = ("| setting | C | W | held per worker | argument | temp | peak/device | peak / DDP | "
+            "comm/device | comm / DDP | FLOPs/device | FLOPs / DDP |"
+            + (" step time | time / DDP |" if timed else ""))
+    lines = [head, "|" + "---|" * (12 + 2 * timed)]
     for r in rows:
-        pr = f"{r['peak_bytes_per_device'] / base['peak_bytes_per_device']:.3f}" if base else "-"
-        fr = (f"{r['flops_per_device'] / base['flops_per_device']:.3f}"
-              if base and base["flops_per_device"] else "-")
-        lines.append(
-            f"| {r['variant']} | {r['coverage']:.4g} | {r['workers']} | {r['held_per_worker']} | "
-            f"{_bytes(r['argument_bytes'])} | {_bytes(r['temp_bytes'])} | "
-            f"{_bytes(r['peak_bytes_per_device'])} | {pr} | {_flops(r['flops_per_device'])} | "
-            f"{fr} |")
+        b = _baseline(rows, r) or {}
+        line = (f"| {r['setting']} | {r['coverage']:.4g} | {r['workers']} | "
+                f"{r['held_per_worker']} | {_bytes(r['argument_bytes'])} | "
+                f"{_bytes(r['temp_bytes'])} | {_bytes(r['peak_bytes_per_device'])} | "
+                f"{_ratio(r['peak_bytes_per_device'], b.get('peak_bytes_per_device'))} | "
+                f"{_bytes(r['comm_bytes_per_device'])} | "
+                f"{_ratio(r['comm_bytes_per_device'], b.get('comm_bytes_per_device'))} | "
+                f"{_flops(r['flops_per_device'])} | "
+                f"{_ratio(r['flops_per_device'], b.get('flops_per_device'))} |")
+        if timed:
+            line += (f" {r['step_time_s'] * 1e3:.1f} ms | "
+                     f"{_ratio(r['step_time_s'], b.get('step_time_s'))} |")
+        lines.append(line)
     return "\n".join(lines)
+
+
+def paper_table(rows: list[dict]) -> str:
+    """Markdown: our ``--paper`` rows next to the paper's figures, with ratios to DDP."""
+    ours = {r["label"]: r for r in rows}
+    ddp = ours["DDP"]
+    lines = ["| setting | peak memory / device | vs DDP | paper | paper vs DDP | "
+             "comm / device / step | vs DDP | paper | paper vs DDP |", "|" + "---|" * 9]
+    for label, *_ in PAPER_SETTINGS:
+        r, p, pd = ours[label], PAPER[label], PAPER["DDP"]
+        mem, com = r["peak_bytes_per_device"], r["comm_bytes_per_device"]
+
+        def paper(v, unit, base):
+            if v is None:
+                return "-", "-"
+            return f"{v:,.1f} {unit}", f"{v / base:.3f}"
+        pm, pmr = paper(p["memory_gb"], "GB", pd["memory_gb"])
+        pc, pcr = paper(p["comm_mb"], "MB", pd["comm_mb"])
+        lines.append(f"| {label} | {mem / 2**30:.2f} GiB | {mem / ddp['peak_bytes_per_device']:.3f}"
+                     f" | {pm} | {pmr} | {com / 2**20:,.0f} MiB | "
+                     f"{com / ddp['comm_bytes_per_device']:.3f} | {pc} | {pcr} |")
+    fa, fb = ours["FSDP + AC"], ours["B-SDP + FSDP + AC"]
+    lines.append("")
+    lines.append(f"B-SDP + FSDP + AC vs FSDP + AC: peak memory "
+                 f"{fb['peak_bytes_per_device'] / fa['peak_bytes_per_device']:.3f} (paper "
+                 f"{PAPER['B-SDP + FSDP + AC']['memory_gb'] / PAPER['FSDP + AC']['memory_gb']:.3f}),"
+                 f" communication "
+                 f"{fb['comm_bytes_per_device'] / fa['comm_bytes_per_device']:.3f}.")
+    return "\n".join(lines)
+
+
+def paper_chart(rows: list[dict], path: str) -> None:
+    """Bar chart PNG: peak memory and communication per device, ours (ratio to our DDP) next to
+    the paper's (ratio to its DDP). Needs matplotlib (``pip install -e '.[bench]'``).
+
+    Raises:
+      ImportError: matplotlib is missing (with the install command).
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("--paper draws its chart with matplotlib: pip install -e '.[bench]'"
+                          ) from e
+    ours = {r["label"]: r for r in rows}
+    labels = [s[0] for s in PAPER_SETTINGS]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, pkey, title in (
+            (axes[0], "peak_bytes_per_device", "memory_gb", "peak memory per device"),
+            (axes[1], "comm_bytes_per_device", "comm_mb", "bytes communicated per device, step")):
+        base = ours["DDP"][key]
+        mine = [ours[lab][key] / base for lab in labels]
+        paper = [(PAPER[lab][pkey] / PAPER["DDP"][pkey]) if PAPER[lab][pkey] else 0.0
+                 for lab in labels]
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], mine, 0.4, label="sdp_jax (compiled, CPU)")
+        ax.bar([i + 0.2 for i in x], paper, 0.4, label="paper (Singh et al., 8 GPUs)")
+        for i, (m, p) in enumerate(zip(mine, paper)):
+            ax.text(i - 0.2, m, f"{m:.2f}", ha="center", va="bottom", fontsize=8)
+            ax.text(i + 0.2, p, f"{p:.2f}" if p else "n/a", ha="center", va="bottom",
+                    fontsize=8)
+        ax.set_xticks(list(x), labels, rotation=15, fontsize=8)
+        ax.set_ylabel("ratio to DDP")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("LLaMA 1B, 8 workers, bf16: SDP composed with FSDP and activation checkpointing")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
+    """The ``--paper`` comparison: four compiled settings at ``config_path`` (``llama_1b``),
+    bf16, coverage 0.6875; writes table, chart and rows to ``out_dir``. Returns the rows."""
+    import jax
+    config = load_config(config_path)
+    mesh = _mesh(workers)
+    rows = []
+    for label, variant, fsdp, remat in PAPER_SETTINGS:
+        cov = 1.0 if variant == "ddp" else 0.6875
+        row = measure(config, variant, workers, cov, mesh, fsdp=fsdp, remat=remat,
+                      dtype="bfloat16", flops=False)
+        row["label"] = label
+        rows.append(row)
+        print(f"  compiled {label} in {row['compile_s']}s", flush=True)
+    table = paper_table(rows)
+    header = (f"{config_path}, {workers} x {jax.devices()[0].platform}, bf16 compute, batch "
+              f"{config.batch_per_worker} x {config.seq_len} tokens per worker; memory in GiB "
+              "(2^30 bytes), communication in MiB of bus bytes per device per step.")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "paper_table.md"), "w") as f:
+        f.write(header + "\n\n" + table + "\n")
+    with open(os.path.join(out_dir, "paper_rows.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    paper_chart(rows, os.path.join(out_dir, "paper_chart.png"))
+    print(header)
+    print(table)
+    print(f"wrote {out_dir}/paper_table.md, paper_chart.png, paper_rows.json")
+    return rows
+
+
+def _mesh(workers: int):
+    import jax
+    # Simulated CPU devices (ignored on GPU/TPU); only raised, never lowered, so that a caller
+    # that already set more devices (tests) keeps them.
+    if workers > int(jax.config.jax_num_cpu_devices):
+        jax.config.update("jax_num_cpu_devices", workers)
+    if jax.device_count() < workers:
+        raise ValueError(f"--workers={workers} but only {jax.device_count()} "
+                         f"{jax.devices()[0].platform} devices are present")
+    return jax.make_mesh((workers,), ("data",), devices=jax.devices()[:workers])
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m sdp_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/llama_1b.py", help="get_config() file")
-    p.add_argument("--workers", type=int, default=8, help="W data-parallel workers (devices)")
+    p.add_argument("--config", default=None,
+                   help="get_config() file (default configs/llama_1b.py)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="W data-parallel workers (devices); default: the config's, else 8")
     p.add_argument("--variants", default="ddp,b-sdp",
                    help="comma-separated: ddp,b-sdp,n-sdp,bb-sdp,nb-sdp")
     p.add_argument("--coverage", type=float, default=None,
                    help="C for the SDP variants (default: the config's sdp.coverage)")
     p.add_argument("--batch-per-worker", type=int, default=None, help="override config")
     p.add_argument("--seq-len", type=int, default=None, help="override config")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state over the workers")
+    p.add_argument("--remat", default="none", help="activation checkpointing: none, full, dots")
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 (fp32), bf16")
+    p.add_argument("--no-flops", action="store_true",
+                   help="skip the second (unrolled) compile that counts FLOPs")
+    p.add_argument("--measure-time", action="store_true",
+                   help="also run real steps and report the median step time")
+    p.add_argument("--time-steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--paper", action="store_true",
+                   help="the paper's 1B comparison (DDP, FSDP+AC, B-SDP, B-SDP+FSDP+AC)")
+    p.add_argument("--out", default="bench_out", help="output folder of --paper")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = p.parse_args(argv)
 
-    if args.workers < 1:
+    from sdp_jax import train_step as ts
+    if args.workers is not None and args.workers < 1:
         p.error(f"--workers={args.workers} must be >= 1")
-    for flag, v in (("--batch-per-worker", args.batch_per_worker), ("--seq-len", args.seq_len)):
+    for flag, v in (("--batch-per-worker", args.batch_per_worker), ("--seq-len", args.seq_len),
+                    ("--time-steps", args.time_steps)):
         if v is not None and v < 1:
             p.error(f"{flag}={v} must be >= 1")
+    if args.remat not in ts.REMAT:
+        p.error(f"--remat={args.remat!r}; choose one of {', '.join(ts.REMAT)}")
+    if args.dtype not in ts.DTYPES:
+        p.error(f"--dtype={args.dtype!r}; choose float32, fp32, bfloat16 or bf16")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(args.dtype, args.dtype)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json!r}: its directory does not exist")
+    config_path = args.config or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama_1b.py")
+    if args.paper:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            p.error(f"--out {args.out!r} exists and is not a folder")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--paper draws a chart with matplotlib: pip install -e '.[bench]'")
+        try:
+            return run_paper(config_path, args.out, args.workers or 8)
+        except (OSError, AttributeError, SyntaxError, ValueError) as e:
+            p.error(str(e))
     try:
-        config = load_config(args.config)
+        config = load_config(config_path)
     except (OSError, AttributeError, SyntaxError) as e:
         p.error(str(e))
-    from sdp_jax import train_step as ts
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in ts.VARIANTS]
     if bad or not variants:
         p.error(f"unknown variants {bad or args.variants!r}; choose from {','.join(ts.VARIANTS)}")
+    workers = args.workers or config.workers or 8
     coverage = config.sdp.coverage if args.coverage is None else args.coverage
     with config.unlocked():
         if args.batch_per_worker is not None:
@@ -150,38 +411,45 @@ def main(argv=None) -> list[dict]:
         if args.seq_len is not None:
             config.seq_len = args.seq_len
             config.model.max_seq_len = max(config.model.max_seq_len, args.seq_len)
+    try:
+        mesh = _mesh(workers)
+    except ValueError as e:
+        p.error(str(e))
 
     import jax
-    # Simulated CPU devices (ignored on GPU/TPU); only raised, never lowered, so that a caller
-    # that already set more devices (tests) keeps them.
-    if args.workers > int(jax.config.jax_num_cpu_devices):
-        jax.config.update("jax_num_cpu_devices", args.workers)
-    if jax.device_count() < args.workers:
-        p.error(f"--workers={args.workers} but only {jax.device_count()} "
-                f"{jax.devices()[0].platform} devices are present")
-    mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[:args.workers])
 
     from sdp_jax.models.llama import LlamaConfig
     model = LlamaConfig.from_config(config.model)
     for v in variants:
         try:
-            ts.make_plan(v, model, args.workers, coverage, config.sdp.scheme,
+            ts.make_plan(v, model, workers, 1.0 if v == "ddp" else coverage, config.sdp.scheme,
                          config.sdp.mask_seed, allow_nonuniform=True)
         except ValueError as e:
             p.error(str(e))
-    L = model.n_layers
     rows = []
-    print(f"{args.config}: {L} blocks, batch {config.batch_per_worker} x {config.seq_len} tokens "
-          f"per worker, {args.workers} x {jax.devices()[0].platform}", flush=True)
+    print(f"{config_path}: {model.n_layers} blocks, batch {config.batch_per_worker} x "
+          f"{config.seq_len} tokens per worker, {workers} x {jax.devices()[0].platform}, "
+          f"{dtype}" + (", FSDP" if args.fsdp else "") + f", remat {args.remat}", flush=True)
+    kw = {"fsdp": args.fsdp, "remat": args.remat, "dtype": dtype}
     for v in variants:
-        row = measure(config, v, args.workers, coverage, mesh)
+        cov = 1.0 if v == "ddp" else coverage
+        row = measure(config, v, workers, cov, mesh, flops=not args.no_flops, **kw)
         rows.append(row)
         print(f"  compiled {v} in {row['compile_s']}s", flush=True)
+    if args.measure_time:
+        print(f"  timing {args.time_steps} steps of each variant, interleaved", flush=True)
+        for row, t in zip(rows, time_steps(config, rows, workers, mesh, steps=args.time_steps,
+                                           **kw)):
+            row["step_times_s"] = t
+            row["step_time_s"] = statistics.median(t)
     print(format_table(rows))
     for r in rows:
         if not r["uniform"]:
             print(f"note: {r['variant']}: W*C is not whole for some component kind, so its masks "
                   "are near-uniform (multiplicities differ by one), as in the paper's 1B setting.")
+    if jax.devices()[0].platform == "cpu" and dtype == "bfloat16":
+        print("note: XLA:CPU computes bf16 matmuls and collectives in float32, so bf16 memory "
+              "and bytes here are upper bounds of what a GPU or TPU would use.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

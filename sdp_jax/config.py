@@ -31,11 +31,14 @@ def base_config() -> ml_collections.ConfigDict:
         allow_disconnected=False, # accept a mask graph with spectral gap 0
         average="gradients",      # gradients (every step) | parameters (every sync_every steps)
         sync_every=1,             # H: steps between parameter averagings (average=parameters)
-        method="auto",            # block averaging: auto | blockwise | reference (sdp_jax.sync)
+        method="auto",            # averaging: auto | alltoall | blockwise | reference
     ))
     c.optim = ml_collections.ConfigDict(dict(
         name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
         grad_clip=1.0))
+    c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
+    c.remat = "none"            # activation checkpointing per block: none | full | dots
+    c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
     c.workers = 0               # W data-parallel workers; 0 = every device
     c.num_cpu_devices = 8       # simulated devices when only a CPU is present
     c.seq_len = 128             # tokens per sequence (T)

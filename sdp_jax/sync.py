@@ -20,6 +20,7 @@ Everything here must run inside ``jax.shard_map`` with the named axis bound.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -276,3 +277,319 @@ def layer_sq_norm(tree: Any, tables: Any, axis_name: str = AXIS) -> jax.Array:
         per = jnp.sum(jnp.square(xm).reshape(xm.shape[0], xm.shape[1], -1), axis=2)
         local = local + jnp.sum(per * w)
     return lax.psum(local, axis_name)
+
+
+# ------------------------------------------------------------------------------------------
+# Holder-only averaging and FSDP gathers: all_to_all with static tables
+# ------------------------------------------------------------------------------------------
+#
+# A masked leaf is viewed as *rows*: ``[Lg, Gc, r]`` with ``Lg`` groups (1 for block leaves, whose
+# components are the L blocks; L layers for neuron leaves), ``Gc`` components per group and ``r``
+# elements per component (the other axes, flattened). Its *shard* on device ``s`` is column piece
+# ``s`` of every row, ``[Lg, Gc, rs]`` with ``rs = ceil(r / W)`` (the last piece zero-padded): the
+# FSDP (ZeRO-3) layout of the full parameter, each element stored once.
+#
+# Gathering worker ``w``'s ``c`` rows (components ``idx[w]``) from the shards is one all_to_all:
+# owner ``s`` sends ``shard_s[idx[w]]`` to every ``w``, and ``w`` concatenates the ``W`` column
+# pieces. Its transpose sends each worker's rows back in pieces to their owners, which add them into
+# their shard: the sum over holders. Dividing by the multiplicity gives the masked mean (invariant
+# 2). Per device and per row this moves ``(W - 1) / W`` of the row's bytes each way, so averaging
+# the ``C * G`` rows a worker holds costs ``C`` times the bytes of an all-reduce of all ``G`` rows
+# (DESIGN.md, "Techniques that fit SPMD").
+
+
+class HolderTables:
+    """Static tables of one masked leaf in the rows view (host numpy).
+
+    Args:
+      indices: int32 ``[W, Lg, kc]``: the components each worker holds in each group, ascending.
+      counts: int32 ``[Lg, Gc]``: holders of every component (multiplicity ``m_g``).
+      axis: component axis of the *full* leaf (0 for block leaves, whose stack axis is the
+        component axis; the layer axis is 0 for neuron leaves).
+      grouped: False for block leaves (``Lg = 1``), True for neuron leaves (``Lg = L``).
+
+    Attributes:
+      full: every worker holds every component in order (DDP): plain collectives suffice.
+      held: bool ``[W, Lg, Gc]``.
+    """
+
+    def __init__(self, indices: np.ndarray, counts: np.ndarray, axis: int, grouped: bool):
+        self.indices = np.asarray(indices, np.int32)
+        self.counts = np.asarray(counts, np.int32)
+        self.axis, self.grouped = int(axis), bool(grouped)
+        self.workers, self.groups, self.kc = self.indices.shape
+        self.size = self.counts.shape[1]
+        self.held = np.zeros((self.workers, self.groups, self.size), bool)
+        for w in range(self.workers):
+            for g in range(self.groups):
+                self.held[w, g, self.indices[w, g]] = True
+        self.full = bool(self.held.all())
+
+    @classmethod
+    def for_blocks(cls, tables: CompactTables) -> "HolderTables":
+        return cls(tables.held[:, None, :], tables.counts[None, :], 0, False)
+
+    @classmethod
+    def for_layers(cls, tables: LayerTables) -> "HolderTables":
+        return cls(tables.indices, tables.counts, tables.axis, True)
+
+    def row_len(self, full_shape) -> int:
+        """``r``: elements per component of a leaf of this full shape."""
+        n = int(np.prod(full_shape))
+        return n // (full_shape[0] if not self.grouped else full_shape[0] * full_shape[self.axis])
+
+    def shard_len(self, full_shape) -> int:
+        """``rs = ceil(r / W)``: elements per component on each device."""
+        return -(-self.row_len(full_shape) // self.workers)
+
+
+def to_rows(x: jax.Array, tables: HolderTables) -> jax.Array:
+    """A (compact or full) leaf ``[L or k, ...]`` (no worker axis) -> rows ``[Lg, n, r]``."""
+    if not tables.grouped:
+        return x.reshape((1, x.shape[0], -1))
+    xm = jnp.moveaxis(x, tables.axis, 1)
+    return xm.reshape(xm.shape[:2] + (-1,))
+
+
+def from_rows(rows: jax.Array, shape, tables: HolderTables) -> jax.Array:
+    """Inverse of :func:`to_rows` for a leaf of ``shape`` (``rows`` may carry padding)."""
+    shape = tuple(shape)
+    if not tables.grouped:
+        n = int(np.prod(shape[1:]))
+        return rows[..., :n].reshape(shape)
+    a = tables.axis
+    moved = (shape[0], shape[a]) + shape[1:a] + shape[a + 1:]
+    n = int(np.prod(moved[2:]))
+    return jnp.moveaxis(rows[..., :n].reshape(moved), 1, a)
+
+
+def pad_last(x: jax.Array, size: int) -> jax.Array:
+    """Zero-pad the last axis of ``x`` to ``size``."""
+    extra = size - x.shape[-1]
+    if extra == 0:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def rows_to_owners(acc: jax.Array, vals: jax.Array, idx: jax.Array,
+                   axis: str = AXIS) -> jax.Array:
+    """Add every worker's rows into their owners' shards (the sum over holders), one all_to_all.
+
+    Args:
+      acc: this device's shard of one group, ``[Gc, rs]``.
+      vals: this worker's rows ``[c, r]`` (``r <= W * rs``).
+      idx: int32 ``[W, c]``: the components every worker's ``c`` rows belong to.
+    Returns:
+      ``acc`` plus, for every worker ``w`` and slot ``j``, column piece (this device) of
+      ``w``'s row ``j`` added at row ``idx[w, j]``. Bytes per device: ``(W-1)/W * c * r * itemsize``.
+    """
+    W, c = idx.shape
+    rs = acc.shape[-1]
+    send = pad_last(vals, W * rs).reshape(c, W, rs).transpose(1, 0, 2)  # send[s]: piece s
+    recv = lax.all_to_all(send, axis, 0, 0)                             # recv[w]: w's rows
+    return acc.at[idx.reshape(-1)].add(recv.reshape(W * c, rs).astype(acc.dtype))
+
+
+def rows_from_owners(shard: jax.Array, idx: jax.Array, r: int, axis: str = AXIS) -> jax.Array:
+    """This worker's rows ``idx[me]`` gathered from their owners' shards, one all_to_all.
+
+    Args:
+      shard: ``[Gc, rs]`` (one group); idx: int32 ``[W, c]``; r: row length without padding.
+    Returns:
+      ``[c, r]``, dtype of ``shard``. Bytes per device: ``(W-1)/W * c * r * itemsize``.
+    """
+    W, c = idx.shape
+    send = shard[idx]                                     # send[w]: the rows worker w needs
+    recv = lax.all_to_all(send, axis, 0, 0)               # recv[s]: piece s of my rows
+    return recv.transpose(1, 0, 2).reshape(c, -1)[:, :r]
+
+
+def _step_idx(tables: HolderTables, l, j0, c):
+    t = jnp.asarray(tables.indices)
+    return lax.dynamic_slice(t, (0, l, j0), (tables.workers, 1, c))[:, 0]
+
+
+def _fused_groups(tables: dict) -> list[list]:
+    """Paths whose tables hold the same components in every slot: their rows travel together,
+    concatenated, in one collective per loop step (each leaf keeps its own component axis)."""
+    groups: dict[bytes, list] = {}
+    for p, t in tables.items():
+        key = t.indices.tobytes() + t.counts.tobytes() + bytes([t.grouped])
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def _slots_per_step(tables: HolderTables, bytes_per_slot: int, budget: int | None) -> int:
+    """Block leaves: the most slots per loop step (a divisor of ``kc``) whose rows fit in
+    ``budget`` bytes (None: all at once). Neuron leaves: a whole group per step."""
+    if tables.grouped:
+        return tables.kc
+    if budget is None:
+        return tables.kc
+    fit = max(1, budget // max(bytes_per_slot, 1))
+    return max(c for c in range(1, tables.kc + 1) if tables.kc % c == 0 and c <= fit)
+
+
+def _split_rows(rows, W):
+    """rows ``[Lg, n, r]`` -> ``[Lg, n, W, rs]`` (column pieces, zero-padded)."""
+    rs = -(-rows.shape[-1] // W)
+    return pad_last(rows, W * rs).reshape(rows.shape[:2] + (W, rs))
+
+
+# Loop steps of holder averaging move at most this many bytes of rows per device (block leaves;
+# None = one step): temporary memory stays a few blocks even for billion-parameter models.
+STEP_BYTES = 256 * 2**20
+
+
+def holder_shards(tree: dict, tables: dict, axis: str = AXIS,
+                  step_bytes: int | None = STEP_BYTES) -> dict:
+    """Masked mean over holders, left in the shard layout.
+
+    Args:
+      tree: {path: this worker's compact leaf (no worker axis)}, components ``indices[me]``.
+      tables: {path: :class:`HolderTables`}; leaves with equal tables are sent together.
+      step_bytes: rows moved per loop step (block leaves are sent a few slots at a time).
+    Returns:
+      {path: ``[Lg, Gc, rs]``}: this device's column piece of the holder mean of every
+      component, float32 or the leaf's dtype if wider. Temporary memory: the shards plus one
+      step's rows; bytes on the wire per device: ``(W-1)/W`` of the worker's compact bytes.
+    """
+    out = {}
+    for paths in _fused_groups(tables):
+        t = tables[paths[0]]
+        W = t.workers
+        dt = jnp.result_type(jnp.float32, *[tree[p].dtype for p in paths])
+        rows = [_split_rows(to_rows(tree[p], tables[p]).astype(dt), W)  # [Lg, kc, W, rs]
+                for p in paths]
+        widths = [x.shape[-1] for x in rows]
+        c = _slots_per_step(t, W * sum(widths) * jnp.dtype(dt).itemsize, step_bytes)
+        steps = t.groups if t.grouped else t.kc // c
+        acc = to_varying(jnp.zeros((t.groups, t.size, sum(widths)), dt), axis)
+
+        def body(i, acc, t=t, rows=rows, c=c):
+            l, j0 = (i, 0) if t.grouped else (0, i * c)
+            vals = jnp.concatenate([lax.dynamic_slice_in_dim(
+                lax.dynamic_index_in_dim(x, l, 0, False), j0, c, 0) for x in rows], axis=-1)
+            recv = lax.all_to_all(vals.transpose(1, 0, 2), axis, 0, 0)  # recv[w]: w's rows
+            a = lax.dynamic_index_in_dim(acc, l, 0, False)
+            a = a.at[_step_idx(t, l, j0, c).reshape(-1)].add(recv.reshape(-1, recv.shape[-1]))
+            return lax.dynamic_update_index_in_dim(acc, a, l, 0)
+        acc = lax.fori_loop(0, steps, body, acc)
+        acc = acc / jnp.asarray(t.counts, dt)[..., None]
+        off = 0
+        for p, wdt in zip(paths, widths):
+            out[p] = acc[..., off:off + wdt]
+            off += wdt
+    return out
+
+
+def shards_to_compact(shards: dict, like: dict, tables: dict, axis: str = AXIS,
+                      step_bytes: int | None = STEP_BYTES) -> dict:
+    """Each worker's compact leaves gathered from shard-layout values (inverse direction of
+    :func:`holder_shards`). ``like``: {path: compact leaf} giving shapes and dtypes."""
+    out = {}
+    for paths in _fused_groups(tables):
+        t = tables[paths[0]]
+        W = t.workers
+        shard = jnp.concatenate([shards[p] for p in paths], axis=-1)  # [Lg, Gc, RS]
+        widths = [shards[p].shape[-1] for p in paths]
+        # The loop writes every slot; starting from ``like``'s buffers (dead after averaging)
+        # lets XLA update them in place instead of allocating another compact-sized copy.
+        rows = {p: _split_rows(to_rows(like[p], tables[p]).astype(shard.dtype), W)
+                for p in paths}
+        c = _slots_per_step(t, W * shard.shape[-1] * shard.dtype.itemsize, step_bytes)
+        steps = t.groups if t.grouped else t.kc // c
+
+        def body(i, rows, t=t, shard=shard, c=c, paths=paths, widths=widths):
+            l, j0 = (i, 0) if t.grouped else (0, i * c)
+            sh = lax.dynamic_index_in_dim(shard, l, 0, False)
+            recv = lax.all_to_all(sh[_step_idx(t, l, j0, c)], axis, 0, 0)  # recv[s]: piece s
+            recv = recv.transpose(1, 0, 2)                                   # [c, W, RS]
+            new, off = {}, 0
+            for p, wdt in zip(paths, widths):
+                grp = lax.dynamic_index_in_dim(rows[p], l, 0, False)
+                grp = lax.dynamic_update_slice_in_dim(grp, recv[..., off:off + wdt], j0, 0)
+                new[p] = lax.dynamic_update_index_in_dim(rows[p], grp, l, 0)
+                off += wdt
+            return new
+        rows = lax.fori_loop(0, steps, body, rows)
+        for p in paths:
+            x = rows[p]
+            x = from_rows(x.reshape(x.shape[:2] + (-1,)), like[p].shape, tables[p])
+            out[p] = x.astype(like[p].dtype)
+    return out
+
+
+def holder_mean(tree: dict, tables: dict, axis: str = AXIS,
+                step_bytes: int | None = STEP_BYTES) -> dict:
+    """Masked mean over holders of compact leaves, moving only held bytes (issue 4).
+
+    Same contract as :func:`compact_masked_mean` / :func:`layer_masked_mean` (leaves without the
+    worker axis here): every worker gets, for each component it holds, the mean over all its
+    holders. Two all_to_all passes (to the owners, and back) over the worker's ``C * G``
+    components: ``2 (W-1)/W`` times the compact bytes per device, ``C`` times an all-reduce.
+    """
+    return shards_to_compact(holder_shards(tree, tables, axis, step_bytes), tree, tables, axis,
+                             step_bytes)
+
+
+def shards_sq_norm(shards: dict, axis: str = AXIS) -> jax.Array:
+    """Squared L2 norm of shard-layout values: every element lives on exactly one device, so the
+    psum counts each component once (DESIGN.md invariant 6). float32 scalar, invariant."""
+    local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in shards.values())
+    return lax.psum(jnp.float32(local), axis)
+
+
+# ---------------------------------------------------------------- FSDP gathers (differentiable)
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gather_rows(shard, idx, keep, r, dtype):
+    return _gather_rows_fwd(shard, idx, keep, r, dtype)[0]
+
+
+def _gather_rows_fwd(shard, idx, keep, r, dtype):
+    x = shard.astype(dtype)  # communicate in the compute dtype
+    if idx is None:
+        out = lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)[..., :r]
+    else:
+        out = rows_from_owners(x, idx, r, AXIS)
+    return out, (idx, keep, jnp.zeros((0,) + shard.shape, shard.dtype))
+
+
+def _gather_rows_bwd(r, dtype, res, ct):
+    idx, keep, probe = res  # probe: empty array carrying the shard's shape and master dtype
+    shape = probe.shape[1:]
+    ct = ct.astype(probe.dtype)  # gradients are reduced in the master dtype (float32)
+    if keep is not None:
+        ct = ct * keep.reshape(keep.shape + (1,) * (ct.ndim - keep.ndim)).astype(ct.dtype)
+    W = lax.axis_size(AXIS)
+    if idx is None:
+        g = lax.psum_scatter(pad_last(ct, W * shape[-1]), AXIS,
+                             scatter_dimension=ct.ndim - 1, tiled=True)
+    else:
+        g = rows_to_owners(to_varying(jnp.zeros(shape, ct.dtype)), ct, idx, AXIS)
+    return g, None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def fsdp_gather(shard: jax.Array, r: int, dtype, idx: jax.Array | None = None,
+                keep: jax.Array | None = None) -> jax.Array:
+    """Gather rows of an FSDP-sharded leaf for compute; its gradient is the masked sum.
+
+    Args:
+      shard: this device's column piece ``[n, rs]`` (float32 master values).
+      r: row length without padding.
+      dtype: compute dtype; the gather moves ``dtype`` bytes (bf16: half of float32).
+      idx: int32 ``[W, c]``: gather worker-specific rows ``idx[me]`` by all_to_all (SDP: only the
+        components this worker holds); None: every row by all_gather (DDP-FSDP, or the full
+        forward pass of the backward variants).
+      keep: optional bool ``[n]`` (rows of this worker whose gradient counts: backward masking).
+    Returns:
+      ``[c or n, r]`` in ``dtype``. Backward: the cotangent (cast to the master dtype, masked by
+      ``keep``) goes back to the owners by the transposed collective (all_to_all + scatter-add,
+      or reduce-scatter), so the gradient of ``shard`` is the sum over the workers that use each
+      row; divide by the multiplicity for the masked mean.
+    """
+    return _gather_rows(shard, idx, keep, int(r), jnp.dtype(dtype))

@@ -11,13 +11,23 @@ DDP is B-SDP with the all-ones mask (coverage 1): the same code path, layout and
   parameters, optimizer state and (hence) gradients and activations compact (invariant 4);
   backward masking stores optimizer state and gradients compact;
 * ``Rw``: a per-worker copy ``[W, ...]`` sharded ``P('data')`` of an always-kept parameter, used
-  by periodic parameter averaging, where workers drift apart between averaging steps.
+  by periodic parameter averaging, where workers drift apart between averaging steps;
+* ``S`` (``fsdp=True``, ZeRO-3): the *full* parameter, each element stored once, in the rows view
+  of :mod:`sdp_jax.sync` (``[n]``, ``[L, r]`` or ``[L, Gc, r]``, zero-padded) and sharded over
+  ``data`` on its last axis. Parameters, gradients and optimizer state all use it. The same
+  devices are SDP workers and FSDP shards: worker ``w`` gathers only the blocks (neurons, heads)
+  it holds, one block per scan step (an all_to_all with static tables), and the transpose sends
+  its gradients back to their owners (the masked sum over holders).
 
 The step (inside ``jax.shard_map``): local loss and gradient of the worker's (sub)network on its
 own slice of the batch -> masked mean over holders (:mod:`sdp_jax.sync`) -> global-norm clipping
 from the averaged gradient with every component counted once (invariant 6) -> the optax
 optimizer (AdamW with warm-up and cosine decay, or SGD) on the compact parameters -> under
 backward masking, every worker's full parameters are refreshed from the holders.
+
+Composes with activation checkpointing of each block (``remat``: ``none``, ``full``, or ``dots``:
+save the outputs of matmuls against weights) and mixed precision (``dtype="bfloat16"``: compute
+and FSDP gathers in bf16; master parameters, optimizer state and gradient averaging in float32).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,6 +51,12 @@ from sdp_jax.plan import VARIANTS, Rule, SDPPlan  # noqa: F401  (VARIANTS re-exp
 
 AXIS = sync.AXIS
 AVERAGING = ("gradients", "parameters")
+REMAT = ("none", "full", "dots")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
+          "bf16": jnp.bfloat16}
+METHODS = ("auto", "alltoall", "blockwise", "reference")
+LOSS_CHUNKS = 8  # sequence pieces of the head and loss under activation checkpointing
+_GATHERED = "fsdp_gathered"  # checkpoint_name of FSDP-gathered parameters (never saved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +160,16 @@ def _merge(tree, flat):
     return _map_paths(lambda p, x: flat.get(p, x), tree)
 
 
+def _all_gather_invariant(x):
+    """Tiled all-gather of shards ``[..., rs]`` along the last axis; the result is the same on
+    every worker (typed invariant, so it may leave ``shard_map`` replicated)."""
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        return jax.lax.psum(jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
+                            / jax.lax.axis_size(AXIS), AXIS)
+    return gather(x, AXIS, axis=x.ndim - 1, tiled=True)
+
+
 def _take(x, idx, axis):
     """Per-layer gather: x [L, ...], idx [L, k] -> x with ``axis`` (of x) narrowed to k."""
     return jax.vmap(lambda xl, il: jnp.take(xl, il, axis=axis - 1))(x, idx)
@@ -161,17 +188,27 @@ class StepBuilder:
         steps on its own gradient; parameters are averaged over holders every ``sync_every``
         steps, forward-masking variants only).
       sync_every: ``H`` for parameter averaging.
-      method: block averaging method for :func:`sdp_jax.sync.compact_masked_mean`.
+      method: averaging of masked leaves: ``auto`` (= ``alltoall``: only held bytes move,
+        :func:`sdp_jax.sync.holder_mean`; a plain mean when every worker holds everything),
+        ``blockwise`` or ``reference`` (full-size psums, :func:`sdp_jax.sync.compact_masked_mean`).
       unroll: unroll the block scan (for FLOP counting; same results).
+      fsdp: shard parameters, gradients and optimizer state over the workers (ZeRO-3, layout
+        ``S``); every variant composes with it.
+      remat: activation checkpointing of each block: ``none``, ``full`` (save only the block
+        input) or ``dots`` (also save matmul outputs against weights).
+      dtype: compute dtype, ``float32`` or ``bfloat16`` (master parameters and optimizer state
+        stay float32).
 
     Raises:
       ValueError: mesh size differs from the plan's ``W``; parameter averaging with backward
-        masking; a bad ``averaging`` / ``sync_every`` / ``method``.
+        masking or with FSDP; a bad ``averaging`` / ``sync_every`` / ``method`` / ``remat`` /
+        ``dtype``.
     """
 
     def __init__(self, model_cfg: LlamaConfig, plan: SDPPlan, optim: OptimConfig, mesh,
                  total_steps: int, averaging: str = "gradients", sync_every: int = 1,
-                 method: str = "auto", unroll: bool = False):
+                 method: str = "auto", unroll: bool = False, fsdp: bool = False,
+                 remat: str = "none", dtype: str = "float32"):
         if mesh.shape[AXIS] != plan.workers:
             raise ValueError(f"mesh axis '{AXIS}' has {mesh.shape[AXIS]} devices but the plan "
                              f"has W={plan.workers} workers.")
@@ -181,14 +218,25 @@ class StepBuilder:
             raise ValueError(f"periodic parameter averaging is not available for {plan.variant}: "
                              "backward masking keeps every worker's full parameters identical "
                              "after each step. Use a forward variant or averaging=gradients.")
+        if averaging == "parameters" and fsdp:
+            raise ValueError("periodic parameter averaging needs per-worker copies of the "
+                             "parameters, but FSDP stores one sharded copy: use "
+                             "averaging=gradients with fsdp, or fsdp=False.")
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be a positive integer.")
-        if method not in ("auto", "blockwise", "reference"):
-            raise ValueError(f"method={method!r}; use auto, blockwise or reference.")
+        if method not in METHODS:
+            raise ValueError(f"method={method!r}; use one of {', '.join(METHODS)}.")
+        if remat not in REMAT:
+            raise ValueError(f"remat={remat!r}; use one of {', '.join(REMAT)}.")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}; use float32 or bfloat16.")
+        if not isinstance(fsdp, bool):
+            raise ValueError(f"fsdp={fsdp!r} must be True or False.")
         self.model_cfg, self.plan, self.optim, self.mesh = model_cfg, plan, optim, mesh
         self.total_steps = int(total_steps)
         self.averaging, self.sync_every, self.method, self.unroll = (
             averaging, sync_every, method, unroll)
+        self.fsdp, self.remat, self.dtype = fsdp, remat, jnp.dtype(DTYPES[dtype])
         self.periodic = averaging == "parameters"
         self.optimizer = make_optimizer(optim, self.total_steps)
         self.schedule = lr_schedule(optim, self.total_steps)
@@ -199,8 +247,11 @@ class StepBuilder:
         self.full_param_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                               full)
         self.rule_of = {p: plan.rule(p) for p in _select(full, lambda p: True)}
+        self.full_param_shapes_flat = _select(self.full_param_shapes, lambda p: True)
+        self.holder_tables = {}  # masked leaves: rows view, for holder-only averaging and FSDP
         if "block" in plan.kinds:
             self.block_tables = sync.CompactTables(plan.kinds["block"].masks[0])
+            blocks = sync.HolderTables.for_blocks(self.block_tables)
         self.layer_tables = {}
         for p, r in self.rule_of.items():
             if r is not None and r.kind != "block":
@@ -208,23 +259,48 @@ class StepBuilder:
                 counts = np.repeat(t.counts, r.expand, axis=1)
                 idx = np.stack([plan.indices(r, w) for w in range(plan.workers)])
                 self.layer_tables[p] = sync.LayerTables(idx, counts, r.axis)
+                self.holder_tables[p] = sync.HolderTables.for_layers(self.layer_tables[p])
+            elif r is not None:
+                self.holder_tables[p] = blocks
+        L = model_cfg.n_layers
+        every = sync.HolderTables(np.tile(np.arange(L), (plan.workers, 1, 1)),
+                                  np.full((1, L), plan.workers), 0, False)
+        for p, r in self.rule_of.items():  # held by all, but stacked per block (N-SDP norms)
+            if r is None and p[0] == BLOCK_KEY:
+                self.holder_tables[p] = every
 
         W = plan.workers
 
         def layout(p, stored):
+            if fsdp:
+                return "S"
             if self.rule_of[p] is not None and (stored == "opt" or not plan.backward):
                 return "C"
             return "Rw" if self.periodic else "R"
         self.param_layout = {p: layout(p, "params") for p in self.rule_of}
         self.compact_layout = {p: layout(p, "opt") for p in self.rule_of}
 
+        def shard_shape(p, full_shape):
+            t = self.holder_tables.get(p)
+            if t is None:
+                return (W * -(-int(np.prod(full_shape)) // W),)
+            rows = (full_shape[0],) if not t.grouped else (full_shape[0], full_shape[t.axis])
+            return rows + (W * t.shard_len(full_shape),)
+
         def shape(p, x, lay):
+            if lay[p] == "S":
+                return shard_shape(p, x.shape)
             if lay[p] == "C":
                 return (W,) + plan.compact_shape(p, x.shape)
             return ((W,) if lay[p] == "Rw" else ()) + tuple(x.shape)
 
+        def spec(p, x, lay):
+            if lay[p] == "S":
+                return P(*([None] * (len(shard_shape(p, x.shape)) - 1) + [AXIS]))
+            return P() if lay[p] == "R" else P(AXIS)
+
         def struct(lay):
-            specs = _map_paths(lambda p, x: P() if lay[p] == "R" else P(AXIS), full)
+            specs = _map_paths(lambda p, x: spec(p, x, lay), full)
             shapes = _map_paths(lambda p, x, s: jax.ShapeDtypeStruct(
                 shape(p, x, lay), x.dtype, sharding=NamedSharding(mesh, s)), full, specs)
             return specs, shapes
@@ -257,9 +333,44 @@ class StepBuilder:
         return NamedSharding(self.mesh, P(AXIS))
 
     def per_device_param_count(self) -> int:
-        """Parameter elements stored per device (compact where the layout is compact)."""
-        return int(sum(np.prod(s.shape[1:] if self.param_layout[p] != "R" else s.shape)
+        """Parameter elements stored per device (compact where the layout is compact; a 1/W
+        shard under FSDP, padding included)."""
+        def per_device(p, s):
+            lay = self.param_layout[p]
+            if lay == "S":
+                return np.prod(s.shape) // self.plan.workers
+            return np.prod(s.shape[1:] if lay != "R" else s.shape)
+        return int(sum(per_device(p, s)
                        for p, s in _select(self.param_shapes, lambda p: True).items()))
+
+    def _rows_len(self, p) -> int:
+        """``r``: elements per row of leaf ``p`` in the rows view (all of it if always-kept)."""
+        shape = self.full_param_shapes_flat[p].shape
+        t = self.holder_tables.get(p)
+        return int(np.prod(shape)) if t is None else t.row_len(shape)
+
+    def _to_shards(self, p, x):
+        """Full leaf -> the FSDP layout ``S`` (rows view, padded to a multiple of W)."""
+        W = self.plan.workers
+        t = self.holder_tables.get(p)
+        rows = x.reshape(-1) if t is None else sync.to_rows(x, t)
+        if t is not None and not t.grouped:
+            rows = rows[0]
+        return sync.pad_last(rows, W * -(-rows.shape[-1] // W))
+
+    def _from_shards(self, p, x):
+        """Inverse of :meth:`_to_shards` (works on numpy and jax arrays)."""
+        shape = self.full_param_shapes_flat[p].shape
+        t = self.holder_tables.get(p)
+        if t is None:
+            return x[:int(np.prod(shape))].reshape(shape)
+        if not t.grouped:
+            return x[:, :t.row_len(shape)].reshape(shape)
+        r = t.row_len(shape)
+        a = t.axis
+        moved = (shape[0], shape[a]) + shape[1:a] + shape[a + 1:]
+        return np.moveaxis(np.asarray(x)[..., :r].reshape(moved), 1, a) if isinstance(
+            x, np.ndarray) else jnp.moveaxis(x[..., :r].reshape(moved), 1, a)
 
     # ---------------------------------------------------------------- pruning
     def _prune_worker(self, p, x, w):
@@ -278,6 +389,8 @@ class StepBuilder:
         W = self.plan.workers
 
         def one(p, x):
+            if layout[p] == "S":
+                return self._to_shards(p, x)
             if layout[p] == "C":
                 return jnp.stack([self._prune_worker(p, x, w) for w in range(W)])
             if layout[p] == "Rw":
@@ -300,7 +413,7 @@ class StepBuilder:
 
         params = jax.jit(init, out_shardings=self.shardings(self.param_specs))()
         opt_init = self.optimizer.init
-        if self.plan.backward:  # optimizer state mirrors the compact parameters
+        if self.plan.backward and not self.fsdp:  # opt state mirrors the compact parameters
             opt_init = lambda full: self.optimizer.init(  # noqa: E731
                 self.prune_all(full, self.compact_layout))
         opt_state = jax.jit(opt_init, out_shardings=self.shardings(self.opt_specs))(params)
@@ -310,7 +423,7 @@ class StepBuilder:
     # ---------------------------------------------------------------- averaging
     def _strip(self, tree, layout):
         """Local view: drop the leading per-worker axis of C / Rw leaves."""
-        return _map_paths(lambda p, x: x if layout[p] == "R" else x[0], tree)
+        return _map_paths(lambda p, x: x if layout[p] in ("R", "S") else x[0], tree)
 
     def _by_kind(self, tree):
         """Split a parameter-shaped tree into flat {path: leaf} dicts: always-kept leaves,
@@ -324,15 +437,28 @@ class StepBuilder:
     def average(self, tree):
         """Masked mean over holders of local values in the compact layout (local shapes with
         the leading 1): block leaves over block holders, neuron leaves over neuron holders,
-        always-kept leaves over all workers."""
+        always-kept leaves over all workers.
+
+        Bytes per device: an all-reduce of the always-kept leaves, plus (``method`` auto or
+        alltoall) ``2 (W-1)/W`` times the worker's compact bytes of masked leaves: ``C`` times
+        DDP's all-reduce of them."""
         kept, blocks, neurons = self._by_kind(tree)
         out = {p: jax.lax.pmean(x, AXIS) for p, x in kept.items()}
-        if blocks:
-            out.update(sync.compact_masked_mean(blocks, self.block_tables, AXIS,
-                                                method=self.method))
-        if neurons:
-            out.update(sync.layer_masked_mean(
-                neurons, {p: self.layer_tables[p] for p in neurons}, AXIS))
+        for group in (blocks, neurons):
+            if not group:
+                continue
+            tabs = {p: self.holder_tables[p] for p in group}
+            if all(t.full for t in tabs.values()):
+                out.update({p: jax.lax.pmean(x, AXIS) for p, x in group.items()})
+            elif self.method in ("auto", "alltoall"):
+                mean = sync.holder_mean({p: x[0] for p, x in group.items()}, tabs, AXIS)
+                out.update({p: x[None] for p, x in mean.items()})
+            elif group is blocks:
+                out.update(sync.compact_masked_mean(blocks, self.block_tables, AXIS,
+                                                    method=self.method))
+            else:
+                out.update(sync.layer_masked_mean(
+                    neurons, {p: self.layer_tables[p] for p in neurons}, AXIS))
         return _merge(tree, out)
 
     def grad_norm(self, grads):
@@ -349,9 +475,17 @@ class StepBuilder:
         return jnp.sqrt(sq)
 
     # ---------------------------------------------------------------- losses
-    def _forward_loss(self, local, batch):
-        model = nnx.merge(self.graphdef, local)
-        return next_token_loss(model(batch[:, :-1], unroll=self.unroll), batch[:, 1:])
+    def _cast(self, x):
+        """To the compute dtype (floating leaves only)."""
+        return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    def _head_model(self, kept):
+        """The model with an empty block stack: it serves the embedding and the head, the blocks
+        are run by :meth:`_run_stack`. ``kept``: {path: value} of every always-kept leaf."""
+        empty = {**self.full_param_shapes, BLOCK_KEY: jax.tree.map(
+            lambda s: jnp.zeros((0,) + s.shape[1:], self.dtype),
+            self.full_param_shapes[BLOCK_KEY])}
+        return nnx.merge(self.graphdef, _merge(empty, {p: self._cast(x) for p, x in kept.items()}))
 
     def _layer_params(self, get):
         """Parameters of one block (no stack axis): ``get(path, rule)`` gives each leaf."""
@@ -361,39 +495,159 @@ class StepBuilder:
                       {p[1:]: v for p, v in flat.items()})
         return tree
 
+    def _remat_body(self, body):
+        """Activation checkpointing of one block (Chen et al. 2016, "Training deep nets with
+        sublinear memory cost"): ``full`` saves only the block input, ``dots`` also the outputs of
+        matmuls against weights. Under FSDP the gathered parameters are never saved: the
+        backward pass gathers them again, as FSDP does."""
+        cp = jax.checkpoint_policies
+        if self.remat == "full":
+            policy = cp.nothing_saveable
+        elif self.remat == "dots":
+            policy = cp.dots_with_no_batch_dims_saveable
+        elif self.fsdp:
+            policy = cp.save_anything_except_these_names(_GATHERED)
+        else:
+            return body
+        return jax.checkpoint(body, policy=policy, prevent_cse=False)
+
+    def _run_stack(self, h, n, get, train=True, xs=None):
+        """Apply ``n`` blocks in order; ``get(path, rule, i, x)`` gives leaf ``path`` of block
+        ``i`` (traced) in the compute dtype; ``x`` is slice ``i`` of ``xs`` (a dict of stacked
+        leaves scanned over: their gradients are then stacked, not accumulated in a carry)."""
+        def body(h, ix):
+            i, x = ix
+            return self._block_apply(self._layer_params(lambda p, r: get(p, r, i, x)), h), None
+        if train:
+            body = self._remat_body(body)
+        h, _ = jax.lax.scan(body, h, (jnp.arange(n), xs), unroll=self.unroll if train else 1)
+        return h
+
+    def _tokens_loss(self, kept, n, get, batch, train=True, xs=None):
+        """Next-token loss (nats/token) of embedding -> ``n`` blocks from ``get`` -> head."""
+        model = self._head_model(kept)
+        h = self._run_stack(model.embed_tokens(batch[:, :-1]), n, get, train, xs)
+        return self._head_loss(model, h, batch[:, 1:], train)
+
+    def _head_loss(self, model, h, targets, train):
+        """Head and cross-entropy. With activation checkpointing the sequence is cut into
+        up to ``LOSS_CHUNKS`` equal pieces whose logits ``[B, T / pieces, V]`` are recomputed in
+        the backward pass instead of stored (with a large vocabulary the logits are the largest
+        activation of a language model)."""
+        T = h.shape[1]
+        chunks = 1
+        if train and self.remat != "none":
+            chunks = max(c for c in range(1, LOSS_CHUNKS + 1) if T % c == 0)
+        if chunks == 1:
+            return next_token_loss(model.logits(h), targets)
+        B = h.shape[0]
+        hs = h.reshape(B, chunks, T // chunks, h.shape[2]).swapaxes(0, 1)
+        ts_ = targets.reshape(B, chunks, T // chunks).swapaxes(0, 1)
+
+        def body(total, piece):
+            return total + next_token_loss(model.logits(piece[0]), piece[1]), None
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
+                              prevent_cse=False)
+        total, _ = jax.lax.scan(body, sync.to_varying(jnp.zeros((), jnp.float32)), (hs, ts_),
+                                unroll=self.unroll)
+        return total / chunks
+
+    def _forward_loss(self, local, batch):
+        """Forward masking without FSDP: the worker's compact subnetwork alone."""
+        flat = _select(local, lambda p: True)
+        kept = {p: x for p, x in flat.items() if p[0] != BLOCK_KEY}
+        blocks = {p: x for p, x in flat.items() if p[0] == BLOCK_KEY}
+        n = next(iter(blocks.values())).shape[0]
+        return self._tokens_loss(kept, n, lambda p, r, i, x: self._cast(x[p]), batch,
+                                 xs=blocks)
+
     def _backward_loss(self, diff, full, batch):
         """Full forward pass; gradients flow only into ``diff`` (this worker's compact part of
         every masked leaf, and the always-kept leaves); the rest of the model is constant."""
         my = sync.worker_index(AXIS)
         frozen = _select(jax.lax.stop_gradient(full), lambda p: True)
         mine = _select(diff, lambda p: True)
-        model = nnx.merge(self.graphdef, _merge(full, {
-            p: x for p, x in mine.items() if p[0] != BLOCK_KEY}))
 
-        def get(p, r, g):
+        def get(p, r, g, _):
             if r is None:
-                return jax.lax.dynamic_index_in_dim(mine[p], g, 0, False)
+                return self._cast(jax.lax.dynamic_index_in_dim(mine[p], g, 0, False))
             base = jax.lax.dynamic_index_in_dim(frozen[p], g, 0, False)
             if r.kind == "block":  # held: the differentiable copy; else the frozen block
                 s = jnp.asarray(self.block_tables.slot)[my, g]
                 own = jax.lax.dynamic_index_in_dim(mine[p], jnp.maximum(s, 0), 0, False)
-                return jnp.where(s >= 0, own, base)
+                return self._cast(jnp.where(s >= 0, own, base))
             idx = jnp.asarray(self.layer_tables[p].indices)[my, g]
             own = jnp.moveaxis(jax.lax.dynamic_index_in_dim(mine[p], g, 0, False),
                                r.axis - 1, 0)
             base = jnp.moveaxis(base, r.axis - 1, 0).at[idx].set(own)
-            return jnp.moveaxis(base, 0, r.axis - 1)
+            return self._cast(jnp.moveaxis(base, 0, r.axis - 1))
 
-        h = model.embed_tokens(batch[:, :-1])
+        kept = {p: x for p, x in mine.items() if p[0] != BLOCK_KEY}
+        return self._tokens_loss(kept, self.model_cfg.n_layers, get, batch)
 
-        def body(h, g):
-            return self._block_apply(self._layer_params(lambda p, r: get(p, r, g)), h), None
-        h, _ = jax.lax.scan(body, h, jnp.arange(self.model_cfg.n_layers), unroll=self.unroll)
-        return next_token_loss(model.logits(h), batch[:, 1:])
+    def _fsdp_loss(self, shards, batch, mode="train"):
+        """Loss from FSDP shards (layout ``S``): each leaf is gathered, in the compute dtype,
+        when it is used. ``mode="train"``: forward variants gather only the worker's held
+        blocks / neurons / heads (all_to_all); backward variants gather whole blocks and keep
+        gradients of the held parts only. ``mode="eval"``: the full model."""
+        flat = _select(shards, lambda p: True)
+        my = sync.worker_index(AXIS)
+        pruned = mode == "train" and not self.plan.backward
+        masked_grads = mode == "train" and self.plan.backward
+        kept = {p: self._from_shards(p, sync.fsdp_gather(x[None], self._rows_len(p),
+                                                         self.dtype)[0])
+                for p, x in flat.items() if p[0] != BLOCK_KEY}
+        L = self.model_cfg.n_layers
+        n = self.plan.kinds["block"].k if pruned and "block" in self.plan.kinds else L
+
+        def get(p, r, i, _):
+            x, t = flat[p], self.holder_tables[p]
+            shape, rlen = self.full_param_shapes_flat[p].shape, self._rows_len(p)
+            if t.grouped:  # neuron leaf: layer i, [Gc, rs]
+                sh = jax.lax.dynamic_index_in_dim(x, i, 0, False)
+                if pruned and not t.full:
+                    rows = sync.fsdp_gather(sh, rlen, self.dtype,
+                                            idx=sync._step_idx(t, i, 0, t.kc))
+                else:
+                    keep = (jnp.asarray(t.held)[my, i] if masked_grads and not t.full
+                            else None)
+                    rows = sync.fsdp_gather(sh, rlen, self.dtype, keep=keep)
+                leaf = list((1,) + shape[1:])
+                leaf[t.axis] = rows.shape[0]
+                val = sync.from_rows(rows[None], leaf, t)[0]
+            else:  # block leaf: block (or slot) i, [L, rs]
+                if pruned and not t.full:
+                    rows = sync.fsdp_gather(x, rlen, self.dtype,
+                                            idx=sync._step_idx(t, 0, i, 1))
+                else:
+                    keep = (jnp.asarray(t.held)[my, 0, i][None] if masked_grads and not t.full
+                            else None)
+                    rows = sync.fsdp_gather(jax.lax.dynamic_slice_in_dim(x, i, 1, 0), rlen,
+                                            self.dtype, keep=keep)
+                val = rows.reshape(shape[1:])
+            return checkpoint_name(val, _GATHERED)
+
+        return self._tokens_loss(kept, n, get, batch, train=mode == "train")
+
+    def _divide_counts(self, grads):
+        """FSDP: masked sums in layout ``S`` -> masked means (multiplicity of every row)."""
+        W = self.plan.workers
+
+        def one(p, g):
+            t = self.holder_tables.get(p)
+            if t is None:
+                return g / W
+            c = t.counts[0][:, None] if not t.grouped else t.counts[..., None]
+            return g / jnp.asarray(c, g.dtype)
+        return _map_paths(one, grads)
 
     # ---------------------------------------------------------------- step
     def _local_grads(self, params, batch):
-        """(loss, local gradient in the compact layout with leading 1s, compact params)."""
+        """(loss, local gradient in the compact layout with leading 1s, compact params).
+        Under FSDP the gradient is already the masked mean, in layout ``S``."""
+        if self.fsdp:
+            loss, g = jax.value_and_grad(self._fsdp_loss)(params, batch)
+            return loss, self._divide_counts(g), params
         if not self.plan.backward:
             local = self._strip(params, self.param_layout)
             local = _map_paths(lambda p, x: sync.to_varying(x)
@@ -413,48 +667,41 @@ class StepBuilder:
 
     def _averaged_grads(self, params, batch):
         loss, g, _ = self._local_grads(params, batch)
-        return jax.lax.pmean(loss, AXIS), self.average(g)
+        return jax.lax.pmean(loss, AXIS), (g if self.fsdp else self.average(g))
 
     def grads_fn(self):
         """Jitted ``(params, batch) -> (loss, averaged gradient)``; the gradient is in the
-        compact layout (``compact_specs``). For inspection and tests."""
+        compact layout (``compact_specs``; layout ``S`` under FSDP). For inspection and tests."""
         fn = jax.shard_map(self._averaged_grads, mesh=self.mesh,
                            in_specs=(self.param_specs, P(AXIS)),
                            out_specs=(P(), self.compact_specs))
         return jax.jit(fn)
 
     def _writeback(self, full, compact):
-        """Backward masking: every worker's full parameters from the holders' new values."""
+        """Backward masking: every worker's full parameters from the holders' new values: the
+        holder mean sent to the owners (all_to_all of held bytes), then an all-gather."""
         out = {}
         kept, blocks, neurons = self._by_kind(compact)
         out.update(kept)
-        full_flat = _select(full, lambda p: True)
-        if blocks:
-            if self.block_tables.full:
-                out.update({p: jax.lax.pmean(x[0], AXIS) for p, x in blocks.items()})
-            else:
-                def body(g, acc):
-                    vals = sync.component_mean(blocks, g, self.block_tables, AXIS)
-                    return {p: jax.lax.dynamic_update_index_in_dim(a, vals[p].astype(a.dtype), g, 0)
-                            for p, a in acc.items()}
-                init = {p: full_flat[p] for p in blocks}
-                out.update(jax.lax.fori_loop(0, self.block_tables.components, body, init))
-        if neurons:
-            tabs = {p: self.layer_tables[p] for p in neurons}
-
-            def nbody(layer, acc):
-                vals = sync.layer_value(neurons, tabs, layer, AXIS)
-                return {p: jax.lax.dynamic_update_index_in_dim(
-                    a, jnp.moveaxis(vals[p], 0, tabs[p].axis - 1).astype(a.dtype), layer, 0)
-                    for p, a in acc.items()}
-            init = {p: full_flat[p] for p in neurons}
-            out.update(jax.lax.fori_loop(0, self.model_cfg.n_layers, nbody, init))
+        for group in (blocks, neurons):
+            if not group:
+                continue
+            tabs = {p: self.holder_tables[p] for p in group}
+            if all(t.full for t in tabs.values()):
+                out.update({p: jax.lax.pmean(x[0], AXIS) for p, x in group.items()})
+                continue
+            shards = sync.holder_shards({p: x[0] for p, x in group.items()}, tabs, AXIS)
+            for p, sh in shards.items():
+                g = _all_gather_invariant(sh.astype(self.full_param_shapes_flat[p].dtype))
+                out[p] = sync.from_rows(g, self.full_param_shapes_flat[p].shape, tabs[p])
         return _merge(full, out)
 
     def _local_step(self, state, batch, sync_now: bool):
         params = state["params"]
         loss, grads, compact = self._local_grads(params, batch)
-        if self.periodic:  # each worker on its own gradient; norm of its own subnetwork
+        if self.fsdp:  # every element of the averaged gradient lives on one device
+            gnorm = jnp.sqrt(sync.shards_sq_norm(_select(grads, lambda p: True), AXIS))
+        elif self.periodic:  # each worker on its own gradient; norm of its own subnetwork
             gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                                  for g in jax.tree.leaves(grads)))
         else:
@@ -465,7 +712,7 @@ class StepBuilder:
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], compact)
         new = optax.apply_updates(compact, updates)
-        if self.plan.backward:
+        if self.plan.backward and not self.fsdp:
             new = self._writeback(params, new)
         elif self.periodic and sync_now:
             new = self.average(new)
@@ -495,44 +742,37 @@ class StepBuilder:
 
     # ---------------------------------------------------------------- eval (full model)
     def _local_eval(self, params, batch):
+        if self.fsdp:
+            return jax.lax.pmean(self._fsdp_loss(params, batch, mode="eval"), AXIS)
         my_view = self._strip(params, self.param_layout)
         kept = _select(my_view, lambda p: p[0] != BLOCK_KEY)
         if self.periodic:  # evaluate the holders' average
             kept = {p: jax.lax.pmean(x, AXIS) for p, x in kept.items()}
-        # The merged model serves only the embedding and the head: its block stack is empty,
-        # the blocks are streamed below.
-        model = nnx.merge(self.graphdef, _merge(
-            {**self.full_param_shapes, BLOCK_KEY: jax.tree.map(
-                lambda s: jnp.zeros((0,) + s.shape[1:], s.dtype),
-                self.full_param_shapes[BLOCK_KEY])}, kept))
         flat = _select(params, lambda p: p[0] == BLOCK_KEY)
 
-        def get(p, r, g):
+        def get(p, r, g, _):
             lay = self.param_layout[p]
             if lay == "R":
-                return jax.lax.dynamic_index_in_dim(flat[p], g, 0, False)
-            if r is None:  # Rw
-                return jax.lax.pmean(jax.lax.dynamic_index_in_dim(flat[p][0], g, 0, False),
-                                     AXIS)
-            if r.kind == "block":
+                v = jax.lax.dynamic_index_in_dim(flat[p], g, 0, False)
+            elif r is None:  # Rw
+                v = jax.lax.pmean(jax.lax.dynamic_index_in_dim(flat[p][0], g, 0, False), AXIS)
+            elif r.kind == "block":
                 if self.block_tables.full and not self.periodic:
-                    return jax.lax.dynamic_index_in_dim(flat[p][0], g, 0, False)
-                return sync.component_mean({p: flat[p]}, g, self.block_tables, AXIS)[p]
-            v = sync.layer_value({p: flat[p]}, {p: self.layer_tables[p]}, g, AXIS)[p]
-            return jnp.moveaxis(v, 0, r.axis - 1)
+                    v = jax.lax.dynamic_index_in_dim(flat[p][0], g, 0, False)
+                else:
+                    v = sync.component_mean({p: flat[p]}, g, self.block_tables, AXIS)[p]
+            else:
+                v = jnp.moveaxis(sync.layer_value({p: flat[p]}, {p: self.layer_tables[p]}, g,
+                                                  AXIS)[p], 0, r.axis - 1)
+            return self._cast(v)
 
-        h = model.embed_tokens(batch[:, :-1])
-
-        def body(g, h):
-            return self._block_apply(self._layer_params(lambda p, r: get(p, r, g)), h)
-        h = jax.lax.fori_loop(0, self.model_cfg.n_layers, body, h)
-        loss = next_token_loss(model.logits(h), batch[:, 1:])
+        loss = self._tokens_loss(kept, self.model_cfg.n_layers, get, batch, train=False)
         return jax.lax.pmean(loss, AXIS)
 
     def eval_step_fn(self):
         """Jitted full-model loss ``(params, batch [W*b, T+1]) -> nats/token``: all ``L``
         blocks with all neurons and heads, each block's parameters fetched from their holders
-        when it is reached, so no device stores the full model."""
+        (or FSDP owners) when it is reached, so no device stores the full model."""
         if self._eval_step is None:
             fn = jax.shard_map(self._local_eval, mesh=self.mesh,
                                in_specs=(self.param_specs, P(AXIS)), out_specs=P())
@@ -551,7 +791,9 @@ class StepBuilder:
         for p, x in flat.items():
             x = np.asarray(jax.device_get(x))
             lay, r = self.param_layout[p], self.rule_of[p]
-            if lay == "R":
+            if lay == "S":
+                out[p] = self._from_shards(p, x)
+            elif lay == "R":
                 out[p] = x
             elif r is None:
                 out[p] = x[0]

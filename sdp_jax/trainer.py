@@ -87,8 +87,18 @@ def resolve(config, device_count: int) -> RunSpec:
         raise ValueError(f"with several processes every device is a worker: set "
                          f"--config.workers=0 (got {workers} of {device_count}).")
     sdp = config.sdp
-    if sdp.method not in ("auto", "blockwise", "reference"):
-        raise ValueError(f"config.sdp.method={sdp.method!r}; use auto, blockwise or reference.")
+    if sdp.method not in ts.METHODS:
+        raise ValueError(f"config.sdp.method={sdp.method!r}; use one of {', '.join(ts.METHODS)}.")
+    if not isinstance(config.fsdp, bool):
+        raise ValueError(f"config.fsdp={config.fsdp!r} must be True or False.")
+    if config.remat not in ts.REMAT:
+        raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(ts.REMAT)}.")
+    if config.dtype not in ts.DTYPES:
+        raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
+    if config.fsdp and sdp.average == "parameters":
+        raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, but "
+                         "--config.fsdp=True stores one sharded copy; use average=gradients "
+                         "or fsdp=False.")
     if sdp.average not in ts.AVERAGING:
         raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
     if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
@@ -126,7 +136,7 @@ def resolve(config, device_count: int) -> RunSpec:
 
 # Fields that change the training trajectory: a checkpoint written under other values is refused.
 _RUN_CONTROL = ("eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints",
-                "stop_at_step", "num_cpu_devices")
+                "stop_at_step", "num_cpu_devices", "remat")  # remat: same results, may change
 
 
 def trajectory_config(config) -> dict[str, Any]:
@@ -262,12 +272,17 @@ def train(config, workdir: str) -> dict[str, Any]:
 
     builder = ts.StepBuilder(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
                              averaging=config.sdp.average, sync_every=config.sdp.sync_every,
-                             method=config.sdp.method)
+                             method=config.sdp.method, fsdp=config.fsdp,
+                             remat=config.remat, dtype=config.dtype)
     counts = spec.model.param_count()
     _log(f"devices: {W} x {devices[0].platform} ({jax.process_count()} process(es)); "
          f"{spec.plan.describe()}"
          + (f"; parameters averaged over holders every {config.sdp.sync_every} steps"
-            if config.sdp.average == "parameters" else ""))
+            if config.sdp.average == "parameters" else "")
+         + (f"; FSDP (ZeRO-3) over the {W} workers" if config.fsdp else "")
+         + (f"; activation checkpointing: {config.remat}" if config.remat != "none" else "")
+         + (f"; compute dtype {config.dtype}" if config.dtype not in ("float32", "fp32")
+            else ""))
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
                      for k, v in mask_info["kinds"].items())
     _log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
@@ -374,6 +389,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         "variant": config.sdp.variant, "regime": spec.plan.regime,
         "coverage": spec.plan.coverage, "workers": W, "scheme": config.sdp.scheme,
         "average": config.sdp.average, "sync_every": config.sdp.sync_every,
+        "fsdp": config.fsdp, "remat": config.remat, "dtype": config.dtype,
         "n_layers": spec.model.n_layers, "steps": step, "total_steps": spec.total_steps,
         "completed": done, "tokens": step * tokens_per_step,
         "final_val_loss": last_val.get("val_loss"), "final_val_bpb": last_val.get("val_bpb"),

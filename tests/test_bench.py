@@ -36,8 +36,45 @@ def test_bench_rows_and_ratios(tmp_path, capsys):
         assert by[v]["regime"] == "backward"
         assert by[v]["argument_bytes"] < 0.85 * ddp["argument_bytes"]
     assert abs(ddp["flops_per_device"] / ddp["model_flops_per_device"] - 1) < 0.5
+    # communication: forward variants exchange only what they hold (issue 4)
+    for v in ("b-sdp", "n-sdp"):
+        assert by[v]["comm_bytes_per_device"] < 0.8 * ddp["comm_bytes_per_device"]
+        assert by[v]["comm_by_op"]["all-to-all"] > 0
+    assert set(ddp["comm_by_op"]) == {"all-reduce"}
     table = capsys.readouterr().out
-    assert "| b-sdp | 0.5 | 4 | 2/4 blocks |" in table and "peak / DDP" in table
+    assert "| b-sdp | 0.5 | 4 | 2/4 blocks |" in table and "comm / DDP" in table
+
+
+def test_bench_fsdp_remat_bf16_and_measured_time(capsys):
+    rows = bench.main(["--config", TINY, "--variants", "ddp,b-sdp", "--coverage", "0.5",
+                       "--fsdp", "--remat", "full", "--dtype", "bf16", "--no-flops",
+                       "--measure-time", "--time-steps", "3"])
+    by = {r["variant"]: r for r in rows}
+    assert [r["setting"] for r in rows] == ["ddp+fsdp+ac", "b-sdp+fsdp+ac"]
+    assert all(r["workers"] == 4 and r["dtype"] == "bfloat16" for r in rows)  # config's W
+    # FSDP: DDP's baseline all-gathers and reduce-scatters; B-SDP gathers its held blocks
+    assert {"all-gather", "reduce-scatter"} <= set(by["ddp"]["comm_by_op"])
+    assert by["b-sdp"]["comm_by_op"]["all-to-all"] > 0
+    assert by["b-sdp"]["comm_bytes_per_device"] < by["ddp"]["comm_bytes_per_device"]
+    for r in rows:
+        assert len(r["step_times_s"]) == 3 and r["step_time_s"] > 0
+        assert r["flops_per_device"] is None
+    out = capsys.readouterr().out
+    assert "time / DDP" in out and "| ddp+fsdp+ac |" in out
+
+
+def test_paper_table_and_chart(tmp_path):
+    rows = []
+    for (label, variant, fsdp, remat), peak, comm in zip(
+            bench.PAPER_SETTINGS, (70e9, 11e9, 49e9, 9.5e9), (3.1e9, 4.4e9, 2.2e9, 3.1e9)):
+        rows.append({"label": label, "variant": variant, "fsdp": fsdp, "remat": remat,
+                     "peak_bytes_per_device": peak, "comm_bytes_per_device": comm})
+    table = bench.paper_table(rows)
+    assert "| B-SDP + FSDP + AC |" in table and "9.7 GB" in table and "2,253.0 MB" in table
+    assert "B-SDP + FSDP + AC vs FSDP + AC: peak memory 0.864 (paper 0.882)" in table
+    png = tmp_path / "chart.png"
+    bench.paper_chart(rows, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_bench_bad_input(capsys):
@@ -53,3 +90,9 @@ def test_bench_bad_input(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--config", TINY, "--workers", "4", "--seq-len", "-5"])
     assert "--seq-len=-5 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--remat", "everything"])
+    assert "--remat='everything'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--dtype", "fp16"])
+    assert "--dtype='fp16'" in capsys.readouterr().err

@@ -84,3 +84,84 @@ def test_compact_sq_norm_counts_each_component_once(mesh):
         full[w, tables.held[w]] = xc[w]
     ref = float((numpy_masked_mean(full, mask) ** 2).sum())
     np.testing.assert_allclose(out, ref, rtol=1e-5)  # identical on every worker
+
+
+@pytest.mark.parametrize("step_bytes", [None, 1])  # all slots in one all_to_all; one per step
+def test_holder_mean_moves_held_rows_and_matches_numpy(mesh, step_bytes):
+    hand = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 0], [0, 0, 1, 1]], bool)
+    tables, xc = _compact(hand, rows=5, seed=4)
+    ht = sync.HolderTables.for_blocks(tables)
+
+    def fn(t):  # two leaves with equal tables travel fused; the second is a multiple
+        out = sync.holder_mean({"a": t[0], "b": 3 * t[0]}, {"a": ht, "b": ht},
+                               step_bytes=step_bytes)
+        return out["a"][None], out["b"][None]
+    out, out3 = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("data"),
+                                      out_specs=(P("data"), P("data"))))(
+        jax.device_put(xc, NamedSharding(mesh, P("data"))))
+    full = np.zeros((W, 4, 5), np.float32)
+    for w in range(W):
+        full[w, tables.held[w]] = xc[w]
+    ref = numpy_masked_mean(full, hand)
+    for w in range(W):
+        np.testing.assert_allclose(np.asarray(out)[w], ref[tables.held[w]], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(out3)[w], 3 * ref[tables.held[w]], rtol=1e-6)
+    # component 1 is held by worker 0 alone: its own value comes back exactly
+    np.testing.assert_array_equal(np.asarray(out)[0, 1], xc[0, 1])
+
+
+def test_holder_mean_neuron_leaves_match_layer_reference(mesh):
+    L, F, rng = 3, 8, np.random.default_rng(5)
+    perms = [rng.permutation(F) for _ in range(L)]  # every neuron held by exactly 2 workers
+    idx = np.array([[np.sort(perms[layer][(2 * w + np.arange(4)) % F]) for layer in range(L)]
+                    for w in range(W)])
+    counts = np.full((L, F), 2, np.int32)
+    # two leaves with the same components on different axes (like w_gate and w_down): they
+    # travel fused, each with its own axis
+    lt, lt1 = sync.LayerTables(idx, counts, 2), sync.LayerTables(idx, counts, 1)
+    ht, ht1 = sync.HolderTables.for_layers(lt), sync.HolderTables.for_layers(lt1)
+    x = rng.normal(size=(W, L, 6, 4)).astype(np.float32)   # [L, d=6, kc=4] per worker
+    y = rng.normal(size=(W, L, 4, 5)).astype(np.float32)   # [L, kc=4, 5] per worker
+
+    def fn(t, u):
+        out = sync.holder_mean({"a": t[0], "b": u[0]}, {"a": ht, "b": ht1})
+        return (out["a"][None], out["b"][None],
+                sync.layer_masked_mean({"a": t}, {"a": lt})["a"],
+                sync.layer_masked_mean({"b": u}, {"b": lt1})["b"])
+    a, b, ra, rb = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P("data")),
+                                         out_specs=(P("data"),) * 4))(
+        jax.device_put(x, NamedSharding(mesh, P("data"))),
+        jax.device_put(y, NamedSharding(mesh, P("data"))))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(ra), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(rb), rtol=1e-6, atol=1e-7)
+    assert not np.allclose(np.asarray(a), x)  # something was averaged
+
+
+def test_fsdp_gather_gives_held_rows_and_masked_sum_gradient(mesh):
+    mask = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
+    tables = sync.CompactTables(mask)
+    rng = np.random.default_rng(6)
+    G, r = 4, 7                     # r not a multiple of W: the last piece is padded
+    rs = -(-r // W)
+    full = rng.normal(size=(G, r)).astype(np.float32)
+    wts = rng.normal(size=(W, tables.k, r)).astype(np.float32)
+
+    def fn(sh, wl):
+        idx = jax.numpy.asarray(tables.held)
+
+        def loss(sh):
+            return jax.numpy.sum(sync.fsdp_gather(sh, r, jax.numpy.float32, idx=idx) * wl[0])
+        rows = sync.fsdp_gather(sh, r, jax.numpy.float32, idx=idx)
+        return rows[None], jax.grad(loss)(sh)
+    rows, grad = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "data"), P("data")),
+                                       out_specs=(P("data"), P(None, "data"))))(
+        jax.device_put(np.pad(full, ((0, 0), (0, W * rs - r))), NamedSharding(mesh, P(None, "data"))),
+        jax.device_put(wts, NamedSharding(mesh, P("data"))))
+    for w in range(W):
+        np.testing.assert_array_equal(np.asarray(rows)[w], full[tables.held[w]])
+    ref = np.zeros((G, r), np.float32)
+    for w in range(W):
+        for j in range(tables.k):
+            ref[tables.held[w, j]] += wts[w, j]
+    np.testing.assert_allclose(np.asarray(grad)[:, :r], ref, rtol=1e-6)
+    assert np.all(np.asarray(grad)[:, r:] == 0)
