@@ -361,7 +361,7 @@ def main(argv=None) -> list[dict]:
                    help="skip the second (unrolled) compile that counts FLOPs")
     p.add_argument("--measure-time", action="store_true",
                    help="also run real steps and report the median step time")
-    p.add_argument("--time-steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--time-steps", type=int, default=50, help="timed steps per variant")
     p.add_argument("--paper", action="store_true",
                    help="the paper's 1B comparison (DDP, FSDP+AC, B-SDP, B-SDP+FSDP+AC)")
     p.add_argument("--out", default="bench_out", help="output folder of --paper")

@@ -162,12 +162,18 @@ def _merge(tree, flat):
 
 def _all_gather_invariant(x):
     """Tiled all-gather of shards ``[..., rs]`` along the last axis; the result is the same on
-    every worker (typed invariant, so it may leave ``shard_map`` replicated)."""
+    every worker and typed invariant, so it may leave ``shard_map`` replicated (``P()``)."""
+    for to in ("invarying", "invariant"):  # the spelling of jax 0.10; a later one
+        try:
+            return jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True, to=to)
+        except (TypeError, ValueError):
+            continue
     gather = getattr(jax.lax, "all_gather_invariant", None)
-    if gather is None:
-        return jax.lax.psum(jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
-                            / jax.lax.axis_size(AXIS), AXIS)
-    return gather(x, AXIS, axis=x.ndim - 1, tiled=True)
+    if gather is not None:
+        return gather(x, AXIS, axis=x.ndim - 1, tiled=True)
+    # Last resort (correct, but an all-reduce more on the wire): make it invariant by a psum.
+    return jax.lax.psum(jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
+                        / jax.lax.axis_size(AXIS), AXIS)
 
 
 def _take(x, idx, axis):
