@@ -96,6 +96,28 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-8)
 
 
+def test_fsdp_bf16_run_resumes_with_another_remat_and_refuses_another_layout(tmp_path):
+    common = {"sdp.variant": "n-sdp", "sdp.coverage": 0.5, "fsdp": True, "dtype": "bfloat16",
+              "steps": 4, "eval_every": 2, "checkpoint_every": 0}
+    full = trainer.train(tiny(remat="full", **common), str(tmp_path / "full"))
+    assert full["fsdp"] and full["dtype"] == "bfloat16" and full["remat"] == "full"
+    part = trainer.train(tiny(remat="full", stop_at_step=2, **common), str(tmp_path / "res"))
+    assert part["steps"] == 2 and not part["completed"]
+    # activation checkpointing changes no result, so it may change on resume
+    done = trainer.train(tiny(remat="dots", **common), str(tmp_path / "res"))
+    assert done["completed"] and done["steps"] == 4
+    a = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    b = read_jsonl(tmp_path / "res" / "metrics.jsonl")
+    np.testing.assert_allclose([r["train_loss"] for r in b], [r["train_loss"] for r in a],
+                               rtol=1e-4)
+    assert np.isfinite(done["final_val_loss"])
+    # the state layout differs without FSDP: refused before compute, nothing overwritten
+    ckpts = sorted(os.listdir(tmp_path / "res" / "checkpoints"))
+    with pytest.raises(ValueError, match="fsdp: checkpoint has True, this run has False"):
+        trainer.train(tiny(remat="full", **{**common, "fsdp": False}), str(tmp_path / "res"))
+    assert sorted(os.listdir(tmp_path / "res" / "checkpoints")) == ckpts
+
+
 def test_checkpoint_from_other_config_is_refused(tmp_path):
     wd = str(tmp_path / "run")
     trainer.train(tiny(steps=2, eval_every=2), wd)
@@ -112,6 +134,10 @@ def test_checkpoint_from_other_config_is_refused(tmp_path):
     ({"seq_len": 1000}, "exceeds model.max_seq_len"),
     ({"sdp.variant": "x-sdp"}, "unknown variant"),
     ({"sdp.variant": "b-sdp", "sdp.coverage": 0.25}, "disconnected"),
+    ({"remat": "some"}, "config.remat='some'"),
+    ({"dtype": "float16"}, "config.dtype='float16'"),
+    ({"fsdp": True, "sdp.variant": "b-sdp", "sdp.coverage": 0.5, "sdp.average": "parameters",
+      "sdp.sync_every": 2}, "one sharded copy"),
     ({"data.source": "text", "data.train_files": "/nonexistent/*.txt"}, "/nonexistent/*.txt"),
 ])
 def test_bad_config_raises_before_compute(tmp_path, overrides, fragment):
