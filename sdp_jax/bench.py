@@ -40,7 +40,8 @@ import time
 PAPER = {
     "DDP": {"memory_gb": 70.9, "comm_mb": 3143.0},
     "FSDP + AC": {"memory_gb": 11.0, "comm_mb": None},
-    "B-SDP C=0.6875": {"memory_gb": None, "comm_mb": 2253.0},
+    # the paper states B-SDP's memory at 1B only as a saving: 28% less than DDP
+    "B-SDP C=0.6875": {"memory_gb": None, "memory_vs_ddp": 0.72, "comm_mb": 2253.0},
     "B-SDP + FSDP + AC": {"memory_gb": 9.7, "comm_mb": None},
 }
 PAPER_SETTINGS = (  # label, variant, fsdp, remat
@@ -238,11 +239,11 @@ def paper_table(rows: list[dict]) -> str:
         r, p, pd = ours[label], PAPER[label], PAPER["DDP"]
         mem, com = r["peak_bytes_per_device"], r["comm_bytes_per_device"]
 
-        def paper(v, unit, base):
+        def paper(v, unit, base, ratio=None):
             if v is None:
-                return "-", "-"
+                return "-", (f"{ratio:.2f}" if ratio else "-")
             return f"{v:,.1f} {unit}", f"{v / base:.3f}"
-        pm, pmr = paper(p["memory_gb"], "GB", pd["memory_gb"])
+        pm, pmr = paper(p["memory_gb"], "GB", pd["memory_gb"], p.get("memory_vs_ddp"))
         pc, pcr = paper(p["comm_mb"], "MB", pd["comm_mb"])
         lines.append(f"| {label} | {mem / 2**30:.2f} GiB | {mem / ddp['peak_bytes_per_device']:.3f}"
                      f" | {pm} | {pmr} | {com / 2**20:,.0f} MiB | "
@@ -251,13 +252,14 @@ def paper_table(rows: list[dict]) -> str:
     lines.append("")
     lines.append(f"B-SDP + FSDP + AC vs FSDP + AC: peak memory "
                  f"{fb['peak_bytes_per_device'] / fa['peak_bytes_per_device']:.3f} (paper "
-                 f"{PAPER['B-SDP + FSDP + AC']['memory_gb'] / PAPER['FSDP + AC']['memory_gb']:.3f}),"
+                 f"{PAPER['B-SDP + FSDP + AC']['memory_gb'] / PAPER['FSDP + AC']['memory_gb']:.3f}"
+                 "),"
                  f" communication "
                  f"{fb['comm_bytes_per_device'] / fa['comm_bytes_per_device']:.3f}.")
     return "\n".join(lines)
 
 
-def paper_chart(rows: list[dict], path: str) -> None:
+def paper_chart(rows: list[dict], path: str, title: str = "LLaMA 1B") -> None:
     """Bar chart PNG: peak memory and communication per device, ours (ratio to our DDP) next to
     the paper's (ratio to its DDP). Needs matplotlib (``pip install -e '.[bench]'``).
 
@@ -279,7 +281,8 @@ def paper_chart(rows: list[dict], path: str) -> None:
             (axes[1], "comm_bytes_per_device", "comm_mb", "bytes communicated per device, step")):
         base = ours["DDP"][key]
         mine = [ours[lab][key] / base for lab in labels]
-        paper = [(PAPER[lab][pkey] / PAPER["DDP"][pkey]) if PAPER[lab][pkey] else 0.0
+        paper = [(PAPER[lab][pkey] / PAPER["DDP"][pkey]) if PAPER[lab][pkey]
+                 else PAPER[lab].get("memory_vs_ddp" if pkey == "memory_gb" else "", 0.0)
                  for lab in labels]
         x = range(len(labels))
         ax.bar([i - 0.2 for i in x], mine, 0.4, label="sdp_jax (compiled, CPU)")
@@ -292,7 +295,7 @@ def paper_chart(rows: list[dict], path: str) -> None:
         ax.set_ylabel("ratio to DDP")
         ax.set_title(title)
     axes[0].legend(fontsize=8)
-    fig.suptitle("LLaMA 1B, 8 workers, bf16: SDP composed with FSDP and activation checkpointing")
+    fig.suptitle(f"{title}: SDP composed with FSDP and activation checkpointing")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -302,7 +305,13 @@ def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
     """The ``--paper`` comparison: four compiled settings at ``config_path`` (``llama_1b``),
     bf16, coverage 0.6875; writes table, chart and rows to ``out_dir``. Returns the rows."""
     import jax
+
+    from sdp_jax import train_step as ts
+    from sdp_jax.models.llama import LlamaConfig
     config = load_config(config_path)
+    model = LlamaConfig.from_config(config.model)
+    ts.make_plan("b-sdp", model, workers, 0.6875, config.sdp.scheme, config.sdp.mask_seed,
+                 allow_nonuniform=True)  # raises before any compile if C = 0.6875 is impossible
     mesh = _mesh(workers)
     rows = []
     for label, variant, fsdp, remat in PAPER_SETTINGS:
@@ -313,7 +322,9 @@ def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
         rows.append(row)
         print(f"  compiled {label} in {row['compile_s']}s", flush=True)
     table = paper_table(rows)
-    header = (f"{config_path}, {workers} x {jax.devices()[0].platform}, bf16 compute, batch "
+    shown = os.path.relpath(config_path) if not os.path.relpath(config_path).startswith("..") \
+        else config_path
+    header = (f"{shown}, {workers} x {jax.devices()[0].platform}, bf16 compute, batch "
               f"{config.batch_per_worker} x {config.seq_len} tokens per worker; memory in GiB "
               "(2^30 bytes), communication in MiB of bus bytes per device per step.")
     os.makedirs(out_dir, exist_ok=True)
@@ -321,7 +332,9 @@ def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
         f.write(header + "\n\n" + table + "\n")
     with open(os.path.join(out_dir, "paper_rows.json"), "w") as f:
         json.dump(rows, f, indent=2)
-    paper_chart(rows, os.path.join(out_dir, "paper_chart.png"))
+    name = os.path.splitext(os.path.basename(config_path))[0]
+    paper_chart(rows, os.path.join(out_dir, "paper_chart.png"),
+                f"{name}, {workers} workers, bf16")
     print(header)
     print(table)
     print(f"wrote {out_dir}/paper_table.md, paper_chart.png, paper_rows.json")
@@ -353,10 +366,16 @@ def main(argv=None) -> list[dict]:
                    help="C for the SDP variants (default: the config's sdp.coverage)")
     p.add_argument("--batch-per-worker", type=int, default=None, help="override config")
     p.add_argument("--seq-len", type=int, default=None, help="override config")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard parameters, gradients and optimizer state over the workers")
-    p.add_argument("--remat", default="none", help="activation checkpointing: none, full, dots")
-    p.add_argument("--dtype", default="float32", help="compute dtype: float32 (fp32), bf16")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard parameters, gradients and optimizer state over the workers "
+                        "(default: the config's fsdp)")
+    p.add_argument("--remat", default=None,
+                   help="activation checkpointing: none, full, dots (default: the config's)")
+    p.add_argument("--dtype", default=None,
+                   help="compute dtype: float32 (fp32), bfloat16 (bf16) (default: the config's)")
+    p.add_argument("--method", default=None,
+                   help="averaging: auto, alltoall, blockwise, reference (default: the config's "
+                        "sdp.method)")
     p.add_argument("--no-flops", action="store_true",
                    help="skip the second (unrolled) compile that counts FLOPs")
     p.add_argument("--measure-time", action="store_true",
@@ -375,16 +394,26 @@ def main(argv=None) -> list[dict]:
                     ("--time-steps", args.time_steps)):
         if v is not None and v < 1:
             p.error(f"{flag}={v} must be >= 1")
-    if args.remat not in ts.REMAT:
+    if args.remat is not None and args.remat not in ts.REMAT:
         p.error(f"--remat={args.remat!r}; choose one of {', '.join(ts.REMAT)}")
-    if args.dtype not in ts.DTYPES:
+    if args.dtype is not None and args.dtype not in ts.DTYPES:
         p.error(f"--dtype={args.dtype!r}; choose float32, fp32, bfloat16 or bf16")
-    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(args.dtype, args.dtype)
+    if args.method is not None and args.method not in ts.METHODS:
+        p.error(f"--method={args.method!r}; choose one of {', '.join(ts.METHODS)}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json!r}: its directory does not exist")
     config_path = args.config or os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama_1b.py")
     if args.paper:
+        fixed = [flag for flag, v in (
+            ("--variants", args.variants != "ddp,b-sdp"), ("--coverage", args.coverage),
+            ("--fsdp", args.fsdp), ("--remat", args.remat), ("--dtype", args.dtype),
+            ("--method", args.method), ("--measure-time", args.measure_time),
+            ("--batch-per-worker", args.batch_per_worker), ("--seq-len", args.seq_len),
+            ("--json", args.json)) if v not in (None, False)]
+        if fixed:
+            p.error(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
+                    f"FSDP + AC, bf16); drop {', '.join(fixed)}")
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             p.error(f"--out {args.out!r} exists and is not a folder")
         try:
@@ -405,7 +434,13 @@ def main(argv=None) -> list[dict]:
         p.error(f"unknown variants {bad or args.variants!r}; choose from {','.join(ts.VARIANTS)}")
     workers = args.workers or config.workers or 8
     coverage = config.sdp.coverage if args.coverage is None else args.coverage
+    fsdp = bool(config.get("fsdp", False)) if args.fsdp is None else args.fsdp
+    remat = args.remat or config.get("remat", "none")
+    dtype = args.dtype or config.get("dtype", "float32")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
     with config.unlocked():
+        if args.method is not None:
+            config.sdp.method = args.method
         if args.batch_per_worker is not None:
             config.batch_per_worker = args.batch_per_worker
         if args.seq_len is not None:
@@ -429,8 +464,9 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(f"{config_path}: {model.n_layers} blocks, batch {config.batch_per_worker} x "
           f"{config.seq_len} tokens per worker, {workers} x {jax.devices()[0].platform}, "
-          f"{dtype}" + (", FSDP" if args.fsdp else "") + f", remat {args.remat}", flush=True)
-    kw = {"fsdp": args.fsdp, "remat": args.remat, "dtype": dtype}
+          f"{dtype}" + (", FSDP" if fsdp else "") + f", remat {remat}, averaging "
+          f"{config.sdp.method}", flush=True)
+    kw = {"fsdp": fsdp, "remat": remat, "dtype": dtype}
     for v in variants:
         cov = 1.0 if v == "ddp" else coverage
         row = measure(config, v, workers, cov, mesh, flops=not args.no_flops, **kw)
@@ -448,8 +484,9 @@ def main(argv=None) -> list[dict]:
             print(f"note: {r['variant']}: W*C is not whole for some component kind, so its masks "
                   "are near-uniform (multiplicities differ by one), as in the paper's 1B setting.")
     if jax.devices()[0].platform == "cpu" and dtype == "bfloat16":
-        print("note: XLA:CPU computes bf16 matmuls and collectives in float32, so bf16 memory "
-              "and bytes here are upper bounds of what a GPU or TPU would use.")
+        print("note: XLA:CPU computes bf16 matmuls and collectives in float32 (converting back "
+              "and forth), so bf16 memory and bytes here are upper bounds of what a GPU or TPU "
+              "would use, and can exceed the float32 figures.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -15,6 +15,10 @@ Two layouts exist:
   (a global ``[W, k, ...]`` array sharded ``P('data')``), with static tables from
   :mod:`sdp_jax.masks` mapping slots to global components (:func:`compact_masked_mean`).
 
+Holder-only averaging (:func:`holder_mean`) and the FSDP gathers (:func:`fsdp_gather`) use a third,
+*shard* layout and ``all_to_all`` so that a worker moves only the bytes of what it holds; see the
+section below.
+
 Everything here must run inside ``jax.shard_map`` with the named axis bound.
 """
 
@@ -136,7 +140,7 @@ def compact_masked_mean(tree: Any, tables: CompactTables, axis: str = AXIS, *,
       component ``held[w, j]``.
 
     Communication: every method moves ``G`` components' bytes per device through all-reduce (as
-    many as DDP); moving only held bytes is future work (issue 4).
+    many as DDP); :func:`holder_mean` moves only the held bytes.
     """
     if method == "auto":
         method = "mean" if tables.full else "blockwise"
@@ -381,7 +385,8 @@ def rows_to_owners(acc: jax.Array, vals: jax.Array, idx: jax.Array,
       idx: int32 ``[W, c]``: the components every worker's ``c`` rows belong to.
     Returns:
       ``acc`` plus, for every worker ``w`` and slot ``j``, column piece (this device) of
-      ``w``'s row ``j`` added at row ``idx[w, j]``. Bytes per device: ``(W-1)/W * c * r * itemsize``.
+      ``w``'s row ``j`` added at row ``idx[w, j]``. Bytes per device:
+      ``(W-1)/W * c * r * itemsize``.
     """
     W, c = idx.shape
     rs = acc.shape[-1]
@@ -404,9 +409,11 @@ def rows_from_owners(shard: jax.Array, idx: jax.Array, r: int, axis: str = AXIS)
     return recv.transpose(1, 0, 2).reshape(c, -1)[:, :r]
 
 
-def _step_idx(tables: HolderTables, l, j0, c):
+def slot_indices(tables: HolderTables, group, first, count):
+    """int32 ``[W, count]``: the components every worker holds in slots ``first ..
+    first + count - 1`` of ``group`` (``group`` and ``first`` may be traced)."""
     t = jnp.asarray(tables.indices)
-    return lax.dynamic_slice(t, (0, l, j0), (tables.workers, 1, c))[:, 0]
+    return lax.dynamic_slice(t, (0, group, first), (tables.workers, 1, count))[:, 0]
 
 
 def _fused_groups(tables: dict) -> list[list]:
@@ -472,7 +479,7 @@ def holder_shards(tree: dict, tables: dict, axis: str = AXIS,
                 lax.dynamic_index_in_dim(x, l, 0, False), j0, c, 0) for x in rows], axis=-1)
             recv = lax.all_to_all(vals.transpose(1, 0, 2), axis, 0, 0)  # recv[w]: w's rows
             a = lax.dynamic_index_in_dim(acc, l, 0, False)
-            a = a.at[_step_idx(t, l, j0, c).reshape(-1)].add(recv.reshape(-1, recv.shape[-1]))
+            a = a.at[slot_indices(t, l, j0, c).reshape(-1)].add(recv.reshape(-1, recv.shape[-1]))
             return lax.dynamic_update_index_in_dim(acc, a, l, 0)
         acc = lax.fori_loop(0, steps, body, acc)
         acc = acc / jnp.asarray(t.counts, dt)[..., None]
@@ -503,7 +510,7 @@ def shards_to_compact(shards: dict, like: dict, tables: dict, axis: str = AXIS,
         def body(i, rows, t=t, shard=shard, c=c, paths=paths, widths=widths):
             l, j0 = (i, 0) if t.grouped else (0, i * c)
             sh = lax.dynamic_index_in_dim(shard, l, 0, False)
-            recv = lax.all_to_all(sh[_step_idx(t, l, j0, c)], axis, 0, 0)  # recv[s]: piece s
+            recv = lax.all_to_all(sh[slot_indices(t, l, j0, c)], axis, 0, 0)  # recv[s]: piece s
             recv = recv.transpose(1, 0, 2)                                   # [c, W, RS]
             new, off = {}, 0
             for p, wdt in zip(paths, widths):
@@ -522,7 +529,7 @@ def shards_to_compact(shards: dict, like: dict, tables: dict, axis: str = AXIS,
 
 def holder_mean(tree: dict, tables: dict, axis: str = AXIS,
                 step_bytes: int | None = STEP_BYTES) -> dict:
-    """Masked mean over holders of compact leaves, moving only held bytes (issue 4).
+    """Masked mean over holders of compact leaves, moving only held bytes.
 
     Same contract as :func:`compact_masked_mean` / :func:`layer_masked_mean` (leaves without the
     worker axis here): every worker gets, for each component it holds, the mean over all its

@@ -613,7 +613,7 @@ class StepBuilder:
                 sh = jax.lax.dynamic_index_in_dim(x, i, 0, False)
                 if pruned and not t.full:
                     rows = sync.fsdp_gather(sh, rlen, self.dtype,
-                                            idx=sync._step_idx(t, i, 0, t.kc))
+                                            idx=sync.slot_indices(t, i, 0, t.kc))
                 else:
                     keep = (jnp.asarray(t.held)[my, i] if masked_grads and not t.full
                             else None)
@@ -624,7 +624,7 @@ class StepBuilder:
             else:  # block leaf: block (or slot) i, [L, rs]
                 if pruned and not t.full:
                     rows = sync.fsdp_gather(x, rlen, self.dtype,
-                                            idx=sync._step_idx(t, 0, i, 1))
+                                            idx=sync.slot_indices(t, 0, i, 1))
                 else:
                     keep = (jnp.asarray(t.held)[my, 0, i][None] if masked_grads and not t.full
                             else None)

@@ -221,6 +221,14 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _canonical_dtype(config) -> None:
+    """``bf16`` / ``fp32`` -> ``bfloat16`` / ``float32``, so that checkpoints record one name."""
+    alias = {"bf16": "bfloat16", "fp32": "float32"}
+    if config.dtype in alias:
+        with config.unlocked():
+            config.dtype = alias[config.dtype]
+
+
 def train(config, workdir: str) -> dict[str, Any]:
     """Train (or resume) the run described by ``config`` in ``workdir``.
 
@@ -237,6 +245,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         (raised before any training step).
     """
     t_start = time.time()
+    _canonical_dtype(config)
     spec = resolve(config, jax.device_count())
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir {workdir!r} exists and is not a directory; choose another.")
@@ -398,7 +407,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         "params_total": counts["total"], "params_per_device": builder.per_device_param_count(),
         "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
         "platform": devices[0].platform,
-        "interrupted_by": interrupted[0] if interrupted else None,
+        "interrupted_by": interrupted[0] if interrupted and not done else None,
     }
     if jax.process_index() == 0:
         with open(summary_path, "w") as f:
@@ -410,6 +419,7 @@ def train(config, workdir: str) -> dict[str, Any]:
              f"{os.path.join(workdir, 'summary.json')}")
     else:
         why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
-        _log(f"{why} at step {step} of {spec.total_steps} (checkpoint saved); rerun the same "
-             "command to resume.")
+        how = ("rerun the same command" if interrupted else
+               "rerun without --config.stop_at_step (or with a later step)")
+        _log(f"{why} at step {step} of {spec.total_steps} (checkpoint saved); {how} to resume.")
     return summary

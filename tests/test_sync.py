@@ -155,7 +155,8 @@ def test_fsdp_gather_gives_held_rows_and_masked_sum_gradient(mesh):
         return rows[None], jax.grad(loss)(sh)
     rows, grad = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "data"), P("data")),
                                        out_specs=(P("data"), P(None, "data"))))(
-        jax.device_put(np.pad(full, ((0, 0), (0, W * rs - r))), NamedSharding(mesh, P(None, "data"))),
+        jax.device_put(np.pad(full, ((0, 0), (0, W * rs - r))),
+                       NamedSharding(mesh, P(None, "data"))),
         jax.device_put(wts, NamedSharding(mesh, P("data"))))
     for w in range(W):
         np.testing.assert_array_equal(np.asarray(rows)[w], full[tables.held[w]])
