@@ -310,8 +310,12 @@ def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
     from sdp_jax.models.llama import LlamaConfig
     config = load_config(config_path)
     model = LlamaConfig.from_config(config.model)
-    ts.make_plan("b-sdp", model, workers, 0.6875, config.sdp.scheme, config.sdp.mask_seed,
-                 allow_nonuniform=True)  # raises before any compile if C = 0.6875 is impossible
+    try:  # before any compile: C = 0.6875 must be realizable for this model
+        ts.make_plan("b-sdp", model, workers, 0.6875, config.sdp.scheme, config.sdp.mask_seed,
+                     allow_nonuniform=True)
+    except ValueError as e:
+        raise ValueError(f"--paper runs B-SDP at the paper's C = 0.6875, which needs 0.6875 x "
+                         f"n_layers whole (llama_1b: 16 blocks): {e}") from None
     mesh = _mesh(workers)
     rows = []
     for label, variant, fsdp, remat in PAPER_SETTINGS:
@@ -400,8 +404,14 @@ def main(argv=None) -> list[dict]:
         p.error(f"--dtype={args.dtype!r}; choose float32, fp32, bfloat16 or bf16")
     if args.method is not None and args.method not in ts.METHODS:
         p.error(f"--method={args.method!r}; choose one of {', '.join(ts.METHODS)}")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        p.error(f"--json {args.json!r}: its directory does not exist")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            p.error(f"--json {args.json!r} is a folder; give a file name, e.g. {args.json}/rows.json")
+        if not os.path.isdir(folder):
+            p.error(f"--json {args.json!r}: its folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            p.error(f"--json {args.json!r}: its folder {folder} is not writable")
     config_path = args.config or os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama_1b.py")
     if args.paper:
@@ -414,8 +424,12 @@ def main(argv=None) -> list[dict]:
         if fixed:
             p.error(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
                     f"FSDP + AC, bf16); drop {', '.join(fixed)}")
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            p.error(f"--out {args.out!r} exists and is not a folder")
+        try:  # before minutes of compiling
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            p.error(f"--out {args.out!r}: cannot create the folder ({e.strerror})")
+        if not os.access(args.out, os.W_OK):
+            p.error(f"--out {args.out!r}: the folder is not writable")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -429,6 +443,8 @@ def main(argv=None) -> list[dict]:
     except (OSError, AttributeError, SyntaxError) as e:
         p.error(str(e))
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if len(set(variants)) != len(variants):
+        p.error(f"--variants {args.variants!r} names a variant twice")
     bad = [v for v in variants if v not in ts.VARIANTS]
     if bad or not variants:
         p.error(f"unknown variants {bad or args.variants!r}; choose from {','.join(ts.VARIANTS)}")

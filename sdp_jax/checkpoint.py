@@ -67,15 +67,19 @@ class CheckpointManager:
         except Exception as e:  # orbax/json/OS errors of a damaged checkpoint
             raise self._unreadable(step, "meta", e) from e
 
-    def check_compatible(self, step: int, meta: dict) -> None:
+    def check_compatible(self, step: int, meta: dict, defaults: dict | None = None) -> None:
         """Refuse a checkpoint written by a different run config.
+
+        Args:
+          defaults: top-level config fields newer than some checkpoints, with the value the older
+            runs implicitly used (a field missing from the saved config is taken as this).
 
         Raises:
           ValueError: listing every differing field, with the fix (another ``--workdir``, or
             the original values).
         """
         saved = self.read_meta(step)
-        diffs = _diff(saved.get("config", {}), meta["config"])
+        diffs = _diff({**(defaults or {}), **saved.get("config", {})}, meta["config"])
         diffs += _diff(saved.get("masks", {}), meta["masks"], "masks.")
         if diffs:
             shown = "\n  ".join(diffs[:20])

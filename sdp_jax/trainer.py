@@ -134,6 +134,9 @@ def resolve(config, device_count: int) -> RunSpec:
                    byte_level)
 
 
+# Config fields added after checkpoints were first written, with the value that older runs used.
+_ADDED_FIELDS = {"fsdp": False, "dtype": "float32"}
+
 # Fields that change the training trajectory: a checkpoint written under other values is refused.
 _RUN_CONTROL = ("eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints",
                 "stop_at_step", "num_cpu_devices", "remat")  # remat: same results, may change
@@ -221,6 +224,25 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _check_finite(rec: dict, step: int, manager) -> None:
+    """Stop before a non-finite state is checkpointed.
+
+    Raises:
+      FloatingPointError: naming the value, the step and the last checkpoint (which is kept).
+    """
+    bad = {k: v for k, v in rec.items() if k in ("train_loss", "grad_norm", "val_loss")
+           and not math.isfinite(v)}
+    if bad:
+        last = manager.latest_step()
+        kept = (f"the last checkpoint (step {last}) is kept" if last is not None
+                else "no checkpoint was written")
+        what = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise FloatingPointError(
+            f"non-finite {what} at step {step}: stopped without saving this state; {kept}. "
+            "Lower --config.optim.lr (or keep --config.optim.grad_clip > 0) and start in a new "
+            "--workdir: a changed optimizer is another trajectory.")
+
+
 def _canonical_dtype(config) -> None:
     """``bf16`` / ``fp32`` -> ``bfloat16`` / ``float32``, so that checkpoints record one name."""
     alias = {"bf16": "bfloat16", "fp32": "float32"}
@@ -274,7 +296,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     latest = manager.latest_step()
     if latest is not None:
         try:
-            manager.check_compatible(latest, meta)  # raises before any compute
+            manager.check_compatible(latest, meta, defaults=_ADDED_FIELDS)  # before compute
         except ValueError:
             manager.close()
             raise
@@ -352,9 +374,7 @@ def train(config, workdir: str) -> dict[str, Any]:
                 rec = {k: float(v) for k, v in m.items()}
                 step += 1
                 n_window += 1
-                if not math.isfinite(rec["train_loss"]):
-                    raise FloatingPointError(f"non-finite training loss {rec['train_loss']} at step "
-                                             f"{step}; lower --config.optim.lr.")
+                _check_finite(rec, step, manager)
                 is_eval = step == spec.total_steps or (
                     config.eval_every > 0 and step % config.eval_every == 0)
                 if step % config.log_every == 0 or is_eval or step == stop or interrupted:
@@ -364,6 +384,7 @@ def train(config, workdir: str) -> dict[str, Any]:
                     if is_eval:
                         last_val = evaluate()
                         rec.update(last_val)
+                        _check_finite(rec, step, manager)
                     rec["step"] = step
                     metrics_log.write(rec)
                     post = {"loss": f"{rec['train_loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}

@@ -96,3 +96,15 @@ def test_bench_bad_input(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--config", TINY, "--dtype", "fp16"])
     assert "--dtype='fp16'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--json", os.path.dirname(TINY)])
+    assert "is a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--variants", "ddp,ddp"])
+    assert "names a variant twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # before any compile
+        bench.main(["--paper", "--config", TINY, "--out", os.path.dirname(TINY)])
+    assert "needs 0.6875 x n_layers whole" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--paper", "--fsdp"])
+    assert "drop --fsdp" in capsys.readouterr().err

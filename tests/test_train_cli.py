@@ -118,6 +118,33 @@ def test_fsdp_bf16_run_resumes_with_another_remat_and_refuses_another_layout(tmp
     assert sorted(os.listdir(tmp_path / "res" / "checkpoints")) == ckpts
 
 
+def test_non_finite_state_is_never_checkpointed(tmp_path):
+    wd = tmp_path / "nan"
+    cfg = tiny(steps=6, checkpoint_every=1, keep_checkpoints=1, eval_every=0,
+               **{"optim.lr": 1e8, "optim.grad_clip": 0.0})
+    with pytest.raises(FloatingPointError, match="non-finite .* stopped without saving"):
+        trainer.train(cfg, str(wd))
+    m = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
+    step = m.latest_step()
+    if step is not None:  # whatever was kept is a finite state
+        import orbax.checkpoint as ocp
+        out = m._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(out["state"]))
+    m.close()
+
+
+def test_checkpoint_from_before_fsdp_and_dtype_existed_resumes(tmp_path):
+    wd = tmp_path / "old"
+    trainer.train(tiny(stop_at_step=2, eval_every=2), str(wd))
+    meta_file = wd / "checkpoints" / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    for key in ("fsdp", "dtype"):  # what a run of an earlier release recorded
+        del meta["config"][key]
+    meta_file.write_text(json.dumps(meta))
+    done = trainer.train(tiny(eval_every=2), str(wd))
+    assert done["completed"] and done["steps"] == 6
+
+
 def test_checkpoint_from_other_config_is_refused(tmp_path):
     wd = str(tmp_path / "run")
     trainer.train(tiny(steps=2, eval_every=2), wd)
