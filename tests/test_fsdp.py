@@ -125,7 +125,7 @@ def test_bad_fsdp_remat_dtype_settings(mesh):
 
 def _comm_bound(b, variant):
     """C x DDP's all-reduce bytes of the masked leaves + DDP's bytes of the always-kept ones."""
-    cfg, n = b.model_cfg, b.model_cfg.param_count()
+    n = b.model_cfg.param_count()
     ring = 2 * (W - 1) / W * 4  # fp32 all-reduce bus bytes per element
     masked = sum(int(np.prod(s.shape)) for p, s in b.full_param_shapes_flat.items()
                  if b.rule_of[p] is not None)
