@@ -375,38 +375,47 @@ def pad_last(x: jax.Array, size: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def rows_to_owners(acc: jax.Array, vals: jax.Array, idx: jax.Array,
-                   axis: str = AXIS) -> jax.Array:
+def pieces_to_owners(acc: jax.Array, pieces: jax.Array, idx: jax.Array,
+                     axis: str = AXIS) -> jax.Array:
     """Add every worker's rows into their owners' shards (the sum over holders), one all_to_all.
 
     Args:
       acc: this device's shard of one group, ``[Gc, rs]``.
-      vals: this worker's rows ``[c, r]`` (``r <= W * rs``).
+      pieces: this worker's rows cut into column pieces, ``[c, W, rs]`` (piece ``s`` belongs to
+        device ``s``).
       idx: int32 ``[W, c]``: the components every worker's ``c`` rows belong to.
     Returns:
-      ``acc`` plus, for every worker ``w`` and slot ``j``, column piece (this device) of
-      ``w``'s row ``j`` added at row ``idx[w, j]``. Bytes per device:
-      ``(W-1)/W * c * r * itemsize``.
+      ``acc`` plus, for every worker ``w`` and slot ``j``, this device's piece of ``w``'s row
+      ``j`` added at row ``idx[w, j]``. Bytes per device: ``(W-1)/W`` of ``pieces``.
     """
-    W, c = idx.shape
-    rs = acc.shape[-1]
-    send = pad_last(vals, W * rs).reshape(c, W, rs).transpose(1, 0, 2)  # send[s]: piece s
-    recv = lax.all_to_all(send, axis, 0, 0)                             # recv[w]: w's rows
-    return acc.at[idx.reshape(-1)].add(recv.reshape(W * c, rs).astype(acc.dtype))
+    recv = lax.all_to_all(pieces.transpose(1, 0, 2), axis, 0, 0)  # recv[w]: w's pieces for me
+    return acc.at[idx.reshape(-1)].add(recv.reshape(-1, recv.shape[-1]).astype(acc.dtype))
+
+
+def pieces_from_owners(shard: jax.Array, idx: jax.Array, axis: str = AXIS) -> jax.Array:
+    """This worker's rows ``idx[me]`` fetched from their owners' shards, one all_to_all.
+
+    Args:
+      shard: ``[Gc, rs]`` (one group); idx: int32 ``[W, c]``.
+    Returns:
+      ``[c, W, rs]`` column pieces, dtype of ``shard``. Bytes per device: ``(W-1)/W`` of it.
+    """
+    recv = lax.all_to_all(shard[idx], axis, 0, 0)  # send[w]: rows w needs; recv[s]: piece s
+    return recv.transpose(1, 0, 2)
+
+
+def rows_to_owners(acc: jax.Array, vals: jax.Array, idx: jax.Array,
+                   axis: str = AXIS) -> jax.Array:
+    """:func:`pieces_to_owners` for whole rows ``vals`` ``[c, r]`` (``r <= W * rs``)."""
+    W, rs = idx.shape[0], acc.shape[-1]
+    return pieces_to_owners(acc, pad_last(vals, W * rs).reshape(vals.shape[0], W, rs), idx,
+                            axis)
 
 
 def rows_from_owners(shard: jax.Array, idx: jax.Array, r: int, axis: str = AXIS) -> jax.Array:
-    """This worker's rows ``idx[me]`` gathered from their owners' shards, one all_to_all.
-
-    Args:
-      shard: ``[Gc, rs]`` (one group); idx: int32 ``[W, c]``; r: row length without padding.
-    Returns:
-      ``[c, r]``, dtype of ``shard``. Bytes per device: ``(W-1)/W * c * r * itemsize``.
-    """
-    W, c = idx.shape
-    send = shard[idx]                                     # send[w]: the rows worker w needs
-    recv = lax.all_to_all(send, axis, 0, 0)               # recv[s]: piece s of my rows
-    return recv.transpose(1, 0, 2).reshape(c, -1)[:, :r]
+    """:func:`pieces_from_owners` as whole rows ``[c, r]`` (padding dropped)."""
+    pieces = pieces_from_owners(shard, idx, axis)
+    return pieces.reshape(pieces.shape[0], -1)[:, :r]
 
 
 def slot_indices(tables: HolderTables, group, first, count):
@@ -435,6 +444,27 @@ def _slots_per_step(tables: HolderTables, bytes_per_slot: int, budget: int | Non
         return tables.kc
     fit = max(1, budget // max(bytes_per_slot, 1))
     return max(c for c in range(1, tables.kc + 1) if tables.kc % c == 0 and c <= fit)
+
+
+def _loop_plan(tables: HolderTables, bytes_per_slot: int, step_bytes: int | None):
+    """(slots per loop step, loop steps) of one fused group."""
+    c = _slots_per_step(tables, bytes_per_slot, step_bytes)
+    return c, (tables.groups if tables.grouped else tables.kc // c)
+
+
+def _step_position(tables: HolderTables, i, c):
+    """Loop step ``i`` -> (group, first slot): a whole group per step for neuron leaves, ``c``
+    blocks per step for block leaves."""
+    return (i, 0) if tables.grouped else (0, i * c)
+
+
+def _unfuse(x, paths, widths) -> dict:
+    """Split the last axis of a fused array back into its leaves' widths."""
+    out, off = {}, 0
+    for p, wdt in zip(paths, widths):
+        out[p] = x[..., off:off + wdt]
+        off += wdt
+    return out
 
 
 def _split_rows(rows, W):
@@ -469,24 +499,18 @@ def holder_shards(tree: dict, tables: dict, axis: str = AXIS,
         rows = [_split_rows(to_rows(tree[p], tables[p]).astype(dt), W)  # [Lg, kc, W, rs]
                 for p in paths]
         widths = [x.shape[-1] for x in rows]
-        c = _slots_per_step(t, W * sum(widths) * jnp.dtype(dt).itemsize, step_bytes)
-        steps = t.groups if t.grouped else t.kc // c
+        c, steps = _loop_plan(t, W * sum(widths) * jnp.dtype(dt).itemsize, step_bytes)
         acc = to_varying(jnp.zeros((t.groups, t.size, sum(widths)), dt), axis)
 
         def body(i, acc, t=t, rows=rows, c=c):
-            l, j0 = (i, 0) if t.grouped else (0, i * c)
-            vals = jnp.concatenate([lax.dynamic_slice_in_dim(
+            l, j0 = _step_position(t, i, c)
+            pieces = jnp.concatenate([lax.dynamic_slice_in_dim(
                 lax.dynamic_index_in_dim(x, l, 0, False), j0, c, 0) for x in rows], axis=-1)
-            recv = lax.all_to_all(vals.transpose(1, 0, 2), axis, 0, 0)  # recv[w]: w's rows
-            a = lax.dynamic_index_in_dim(acc, l, 0, False)
-            a = a.at[slot_indices(t, l, j0, c).reshape(-1)].add(recv.reshape(-1, recv.shape[-1]))
+            a = pieces_to_owners(lax.dynamic_index_in_dim(acc, l, 0, False), pieces,
+                                 slot_indices(t, l, j0, c), axis)
             return lax.dynamic_update_index_in_dim(acc, a, l, 0)
         acc = lax.fori_loop(0, steps, body, acc)
-        acc = acc / jnp.asarray(t.counts, dt)[..., None]
-        off = 0
-        for p, wdt in zip(paths, widths):
-            out[p] = acc[..., off:off + wdt]
-            off += wdt
+        out.update(_unfuse(acc / jnp.asarray(t.counts, dt)[..., None], paths, widths))
     return out
 
 
@@ -504,20 +528,17 @@ def shards_to_compact(shards: dict, like: dict, tables: dict, axis: str = AXIS,
         # lets XLA update them in place instead of allocating another compact-sized copy.
         rows = {p: _split_rows(to_rows(like[p], tables[p]).astype(shard.dtype), W)
                 for p in paths}
-        c = _slots_per_step(t, W * shard.shape[-1] * shard.dtype.itemsize, step_bytes)
-        steps = t.groups if t.grouped else t.kc // c
+        c, steps = _loop_plan(t, W * shard.shape[-1] * shard.dtype.itemsize, step_bytes)
 
         def body(i, rows, t=t, shard=shard, c=c, paths=paths, widths=widths):
-            l, j0 = (i, 0) if t.grouped else (0, i * c)
-            sh = lax.dynamic_index_in_dim(shard, l, 0, False)
-            recv = lax.all_to_all(sh[slot_indices(t, l, j0, c)], axis, 0, 0)  # recv[s]: piece s
-            recv = recv.transpose(1, 0, 2)                                   # [c, W, RS]
-            new, off = {}, 0
-            for p, wdt in zip(paths, widths):
+            l, j0 = _step_position(t, i, c)
+            pieces = pieces_from_owners(lax.dynamic_index_in_dim(shard, l, 0, False),
+                                        slot_indices(t, l, j0, c), axis)   # [c, W, RS]
+            new = {}
+            for p, piece in _unfuse(pieces, paths, widths).items():
                 grp = lax.dynamic_index_in_dim(rows[p], l, 0, False)
-                grp = lax.dynamic_update_slice_in_dim(grp, recv[..., off:off + wdt], j0, 0)
+                grp = lax.dynamic_update_slice_in_dim(grp, piece, j0, 0)
                 new[p] = lax.dynamic_update_index_in_dim(rows[p], grp, l, 0)
-                off += wdt
             return new
         rows = lax.fori_loop(0, steps, body, rows)
         for p in paths:

@@ -365,18 +365,12 @@ class StepBuilder:
         return sync.pad_last(rows, W * -(-rows.shape[-1] // W))
 
     def _from_shards(self, p, x):
-        """Inverse of :meth:`_to_shards` (works on numpy and jax arrays)."""
+        """Inverse of :meth:`_to_shards` (the padding is dropped)."""
         shape = self.full_param_shapes_flat[p].shape
         t = self.holder_tables.get(p)
         if t is None:
             return x[:int(np.prod(shape))].reshape(shape)
-        if not t.grouped:
-            return x[:, :t.row_len(shape)].reshape(shape)
-        r = t.row_len(shape)
-        a = t.axis
-        moved = (shape[0], shape[a]) + shape[1:a] + shape[a + 1:]
-        return np.moveaxis(np.asarray(x)[..., :r].reshape(moved), 1, a) if isinstance(
-            x, np.ndarray) else jnp.moveaxis(x[..., :r].reshape(moved), 1, a)
+        return sync.from_rows(x, shape, t)
 
     # ---------------------------------------------------------------- pruning
     def _prune_worker(self, p, x, w):
@@ -798,7 +792,7 @@ class StepBuilder:
             x = np.asarray(jax.device_get(x))
             lay, r = self.param_layout[p], self.rule_of[p]
             if lay == "S":
-                out[p] = self._from_shards(p, x)
+                out[p] = np.asarray(self._from_shards(p, x))
             elif lay == "R":
                 out[p] = x
             elif r is None:
