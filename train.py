@@ -1,6 +1,7 @@
-"""Train a LLaMA-style model with DDP or block-level SDP (B-SDP).
+"""Train a LLaMA-style language model or a vision model (ResNet-18, WRN-18, Swin-T) with DDP or SDP.
 
     python train.py                                   # default: configs/llama_small.py, ./runs/default
+    python train.py --config configs/resnet18_digits.py --workdir runs/digits   # vision default
     python train.py --config configs/llama_tiny.py --workdir /tmp/run --config.steps=20
     python train.py --config.sdp.variant=b-sdp --config.sdp.coverage=0.5
 
@@ -90,7 +91,11 @@ def main(argv):
     # Simulated devices when the machine has only a CPU; ignored on GPU and TPU backends.
     jax.config.update("jax_num_cpu_devices", n_cpu)
 
-    from sdp_jax.trainer import train
+    from sdp_jax import vision_trainer
+    if vision_trainer.is_vision(config):
+        train = vision_trainer.train
+    else:
+        from sdp_jax.trainer import train
     try:
         summary = train(config, flags.FLAGS.workdir)
     except (ValueError, FloatingPointError, ImportError) as e:

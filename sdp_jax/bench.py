@@ -5,6 +5,7 @@
     python -m sdp_jax.bench --config configs/llama_tiny.py --variants ddp,b-sdp \\
         --coverage 0.5 --measure-time
     python -m sdp_jax.bench --paper --out bench_out
+    python -m sdp_jax.bench --config configs/resnet18_cifar.py --variants ddp,n-sdp --coverage 0.5
 
 For each variant the train step is lowered for abstract inputs (``jax.ShapeDtypeStruct`` with
 shardings: no parameter is materialized) on a mesh of ``--workers`` devices (simulated CPU
@@ -133,6 +134,57 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
                 ts.model_flops_per_token(builder.model_cfg, config.seq_len,
                                          plan.kinds["block"].k) * tokens
                 if variant in ("ddp", "b-sdp") else None),
+            "params_per_device": builder.per_device_param_count(),
+            "compile_s": round(time.time() - t0, 1)}
+
+
+def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
+                   dtype: str = "float32", flops: bool = True, remat: str = "none") -> dict:
+    """:func:`measure` for a vision config (ResNet-18, WRN-18, Swin-T): one compile of the
+    train step at ``config.batch_per_worker`` images per worker; the same row fields (FSDP is
+    not built for vision models; ``remat``: ``none`` or ``full``; the block loop is unrolled,
+    so one compile gives FLOPs too). Near-uniform masks are used when ``W * C`` is not whole for
+    some stage (``uniform`` False)."""
+    from sdp_jax import comm
+    from sdp_jax import train_step as ts
+    from sdp_jax import vision_step as vs
+    from sdp_jax import vision_trainer
+
+    t0 = time.time()
+    spec_cfg = config.copy_and_resolve_references()
+    with spec_cfg.unlocked():
+        spec_cfg.sdp.variant, spec_cfg.sdp.coverage = variant, coverage
+        spec_cfg.workers = workers
+        if variant not in ("b-sdp", "bb-sdp"):
+            spec_cfg.sdp.stage_blocks = ()
+    try:
+        spec = vision_trainer.resolve(spec_cfg, workers)
+        uniform = True
+    except ValueError:
+        with spec_cfg.unlocked():
+            spec_cfg.sdp.allow_nonuniform = True
+        spec = vision_trainer.resolve(spec_cfg, workers)
+        uniform = False
+    builder = vs.VisionStepBuilder(spec.model, spec.plan, spec.optim, mesh, config.steps,
+                                   dtype=dtype, remat=remat)
+    compiled = builder.compiled_train_step(config.batch_per_worker)
+    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
+    kinds = spec.plan.summary()["kinds"]
+    held = ", ".join(f"{v['per_worker']}/{v['components']} {k}" for k, v in kinds.items()
+                     if variant != "ddp")
+    if spec.plan.neurons:  # one entry per kind: held / count in every stage
+        per: dict = {}
+        for k, v in kinds.items():
+            per.setdefault(k.split(".", 1)[1], []).append(f"{v['per_worker']}/{v['components']}")
+        held = "; ".join(f"{kind} {' '.join(x)}" for kind, x in per.items())
+    return {"variant": variant, "setting": setting_name(variant, False, remat), "fsdp": False,
+            "remat": remat,
+            "dtype": dtype, "regime": spec.plan.regime, "coverage": spec.plan.coverage,
+            "workers": workers, "held_per_worker": held or "all", "uniform": uniform,
+            **ts.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
+            "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
+            "flops_per_device": ts.flops_per_device(compiled) if flops else None,
+            "model_flops_per_device": None,
             "params_per_device": builder.per_device_param_count(),
             "compile_s": round(time.time() - t0, 1)}
 
@@ -389,6 +441,9 @@ def main(argv=None) -> list[dict]:
                    help="the paper's 1B comparison (DDP, FSDP+AC, B-SDP, B-SDP+FSDP+AC)")
     p.add_argument("--out", default="bench_out", help="output folder of --paper")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    p.add_argument("--stage-blocks", default=None,
+                   help="vision block variants: blocks per worker in each stage, e.g. 1,2,4,1 "
+                        "(default: the config's sdp.stage_blocks, else apportioned from C)")
     args = p.parse_args(argv)
 
     from sdp_jax import train_step as ts
@@ -461,7 +516,7 @@ def main(argv=None) -> list[dict]:
             config.batch_per_worker = args.batch_per_worker
         if args.seq_len is not None:
             config.seq_len = args.seq_len
-            config.model.max_seq_len = max(config.model.max_seq_len, args.seq_len)
+            config.model.max_seq_len = max(config.model.get("max_seq_len", 0), args.seq_len)
     try:
         mesh = _mesh(workers)
     except ValueError as e:
@@ -469,6 +524,10 @@ def main(argv=None) -> list[dict]:
 
     import jax
 
+    from sdp_jax import vision_trainer
+    if vision_trainer.is_vision(config):
+        return _main_vision(p, args, config, config_path, variants, workers, coverage, dtype,
+                            mesh)
     from sdp_jax.models.llama import LlamaConfig
     model = LlamaConfig.from_config(config.model)
     for v in variants:
@@ -503,6 +562,59 @@ def main(argv=None) -> list[dict]:
         print("note: XLA:CPU computes bf16 matmuls and collectives in float32 (converting back "
               "and forth), so bf16 memory and bytes here are upper bounds of what a GPU or TPU "
               "would use, and can exceed the float32 figures.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {args.json}")
+    return rows
+
+
+def _main_vision(p, args, config, config_path, variants, workers, coverage, dtype, mesh):
+    """``main`` for vision configs: memory, communication and FLOPs of each variant."""
+    import jax
+
+    from sdp_jax import vision_trainer
+    unsupported = [flag for flag, v in (("--fsdp", args.fsdp), ("--seq-len", args.seq_len),
+                                        ("--method", args.method),
+                                        ("--measure-time", args.measure_time)) if v]
+    if unsupported:
+        p.error(f"{', '.join(unsupported)}: not available for vision models (FSDP and timed "
+                "steps are built for the language models only)")
+    remat = args.remat or config.get("remat", "none")
+    if remat not in ("none", "full"):
+        p.error(f"--remat={remat!r}: vision models take none or full")
+    if args.stage_blocks:
+        try:
+            blocks = tuple(int(x) for x in args.stage_blocks.split(","))
+        except ValueError:
+            p.error(f"--stage-blocks {args.stage_blocks!r}: give integers like 1,2,4,1")
+        with config.unlocked():
+            config.sdp.stage_blocks = blocks
+    for v in variants:  # coverage realizable for the model's components, before compiling
+        c = config.copy_and_resolve_references()
+        with c.unlocked():
+            if v not in ("b-sdp", "bb-sdp"):
+                c.sdp.stage_blocks = ()
+            c.sdp.variant, c.sdp.coverage, c.sdp.allow_nonuniform = v, coverage, True
+            c.workers = workers
+        try:
+            vision_trainer.resolve(c, workers)
+        except ValueError as e:
+            p.error(str(e))
+    print(f"{config_path}: {config.model.name}, {config.batch_per_worker} images of "
+          f"{config.model.image_size}x{config.model.image_size} per worker, {workers} x "
+          f"{jax.devices()[0].platform}, {dtype}, remat {remat}", flush=True)
+    rows = []
+    for v in variants:
+        row = measure_vision(config, v, workers, 1.0 if v == "ddp" else coverage, mesh,
+                             dtype=dtype, flops=not args.no_flops, remat=remat)
+        rows.append(row)
+        print(f"  compiled {v} in {row['compile_s']}s", flush=True)
+    print(format_table(rows))
+    for r in rows:
+        if not r["uniform"]:
+            print(f"note: {r['variant']}: W*C is not whole for some stage, so its masks are "
+                  "near-uniform (multiplicities differ by one).")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

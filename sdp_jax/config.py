@@ -77,3 +77,51 @@ def paper_scale_config(*, d_model: int, n_layers: int, n_heads: int, d_ff: int,
     c.optim.lr = 6e-4
     c.optim.warmup_steps = 500
     return c
+
+
+def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
+    """Fields of an image-classification run (``configs/resnet18_*.py``, ``wrn18_*``,
+    ``swin_t_*``).
+
+    Sections: ``model`` (:class:`sdp_jax.models.vision.VisionConfig` fields; ``num_classes=0``
+    takes the dataset's), ``data`` (:func:`sdp_jax.vision_data.default_vision_data_config`),
+    ``sdp`` (variant and mask recipe; gradients are averaged every step), ``optim`` (AdamW with
+    warm-up and cosine decay), and run control at the top level as for language models, with
+    ``eval_limit`` (test images per evaluation; 0 = the whole test split) instead of
+    ``eval_batches``, and ``eval_bn_batches`` (see
+    :attr:`sdp_jax.vision_step.VisionStepBuilder.recalibrate`).
+    """
+    from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
+
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(name=name, num_classes=0, image_size=32,
+                                             in_channels=3))
+    if name in ("resnet18", "wrn18"):
+        c.model.update(width=64, widen=2 if name == "wrn18" else 1)
+    c.data = vision_data.default_vision_data_config()
+    c.data.dataset = dataset
+    c.sdp = ml_collections.ConfigDict(dict(variant="ddp", coverage=1.0, scheme="cyclic",
+                                           mask_seed=0, allow_nonuniform=False,
+                                           allow_disconnected=False))
+    # Block variants: blocks per worker in each stage, e.g. (1, 2, 4, 1); () = apportion C.
+    c.sdp.stage_blocks = ml_collections.FieldReference((), field_type=tuple)
+    c.optim = ml_collections.ConfigDict(dict(
+        name="adamw", lr=2e-3, min_lr_ratio=0.01, warmup_steps=100, weight_decay=0.05, b1=0.9,
+        b2=0.999, eps=1e-8, grad_clip=1.0))
+    c.dtype = "float32"
+    c.remat = "none"            # activation checkpointing of every block: none | full
+    c.workers = 0
+    c.num_cpu_devices = 8
+    c.batch_per_worker = 64     # images per worker per step (b); global batch = W * b
+    c.steps = 8000
+    c.flop_matched = False
+    c.eval_every = 1000
+    c.eval_limit = 0
+    c.eval_bn_batches = 8       # forward-masking SDP with BatchNorm: re-estimate the full
+                                # model's BatchNorm statistics on this many training batches
+    c.log_every = 50
+    c.checkpoint_every = 1000
+    c.keep_checkpoints = 2
+    c.stop_at_step = 0
+    c.seed = 0
+    return c

@@ -366,7 +366,8 @@ def _load_tfds_split(name: str, split: str, text_key: str, data_dir: str) -> tup
     if not name:
         raise ValueError("data.source='tfds' needs data.tfds_name (--config.data.tfds_name=...)")
     try:
-        source = tfds.data_source(name, split=split, data_dir=data_dir or None)
+        source = tfds.data_source(name, split=split, data_dir=data_dir or None,
+                                  download=False)
         n = len(source)
     except Exception as e:  # tfds raises many types (not found, not prepared, no network)
         where = data_dir or "the default tfds data_dir (~/tensorflow_datasets)"

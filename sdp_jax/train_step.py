@@ -117,15 +117,18 @@ def _decay_mask(params):
         lambda path, _: not any("norm" in str(getattr(k, "key", k)) for k in path), params)
 
 
-def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(optim: OptimConfig, total_steps: int,
+                   decay_mask=None) -> optax.GradientTransformation:
     """AdamW (or plain SGD with decoupled weight decay) without clipping: clipping is done by the
-    step from the holder-averaged gradient norm."""
+    step from the holder-averaged gradient norm. ``decay_mask``: params -> bool tree of the
+    leaves that get weight decay (default: all but norm scales)."""
     sched = lr_schedule(optim, total_steps)
+    mask = _decay_mask if decay_mask is None else decay_mask
     if optim.name == "sgd":
-        return optax.chain(optax.add_decayed_weights(optim.weight_decay, mask=_decay_mask),
+        return optax.chain(optax.add_decayed_weights(optim.weight_decay, mask=mask),
                            optax.sgd(sched))
     return optax.adamw(sched, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-                       weight_decay=optim.weight_decay, mask=_decay_mask)
+                       weight_decay=optim.weight_decay, mask=mask)
 
 
 def make_plan(variant: str, cfg: LlamaConfig, workers: int, coverage: float,

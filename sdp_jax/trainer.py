@@ -48,6 +48,60 @@ def _positive_int(config, name):
     return v
 
 
+def resolve_workers(config, device_count: int) -> int:
+    """``W`` from ``config.workers`` (0 = every device).
+
+    Raises:
+      ValueError: not a positive integer, more than the devices, or not every device with
+        several processes."""
+    workers = config.workers or device_count
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"config.workers={config.workers!r} must be a positive integer or 0 "
+                         "(= every device).")
+    if workers > device_count:
+        hint = (f", or simulate more CPU devices with --config.num_cpu_devices={workers}"
+                if jax.devices()[0].platform == "cpu" else "")
+        raise ValueError(f"config.workers={workers} but only {device_count} devices are "
+                         f"available; lower --config.workers (0 = every device){hint}.")
+    if jax.process_count() > 1 and workers != device_count:
+        raise ValueError(f"with several processes every device is a worker: set "
+                         f"--config.workers=0 (got {workers} of {device_count}).")
+    return workers
+
+
+def check_mask_graph(plan, config) -> None:
+    """Refuse masks whose mask graph is disconnected (spectral gap 0) unless allowed.
+
+    Raises:
+      ValueError: naming the scheme, variant, W and C, and the fixes."""
+    sdp = config.sdp
+    if plan.workers > 1 and plan.coverage < 1 and plan.summary()["spectral_gap"] < 1e-9 \
+            and not sdp.allow_disconnected:
+        raise ValueError(
+            f"the mask graph of {sdp.scheme} {sdp.variant} masks for W={plan.workers}, "
+            f"C={plan.coverage} is disconnected (spectral gap 0): some groups of workers share "
+            "no component, so their copies never mix. Choose a larger coverage, another scheme, "
+            "or set --config.sdp.allow_disconnected=True.")
+
+
+def previous_wall(summary_path: str, start: int) -> float:
+    """Wall seconds of the invocations before a resumed one (0 for a fresh run)."""
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            prev = json.load(f)
+        if prev.get("steps") == start:
+            return float(prev.get("wall_s", 0.0))
+    return 0.0
+
+
+def log_stopped(step: int, total: int, interrupted: list) -> None:
+    """The last line of a run that stopped before its end (it resumes from its checkpoint)."""
+    why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
+    how = ("rerun the same command" if interrupted else
+           "rerun without --config.stop_at_step (or with a later step)")
+    _log(f"{why} at step {step} of {total} (checkpoint saved); {how} to resume.")
+
+
 def resolve(config, device_count: int) -> RunSpec:
     """Validate a run config and derive the run's static facts.
 
@@ -74,18 +128,7 @@ def resolve(config, device_count: int) -> RunSpec:
     if config.seq_len > model.max_seq_len:
         raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
                          f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
-    workers = config.workers or device_count
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"config.workers={config.workers!r} must be a positive integer or 0 "
-                         "(= every device).")
-    if workers > device_count:
-        hint = (f", or simulate more CPU devices with --config.num_cpu_devices={workers}"
-                if jax.devices()[0].platform == "cpu" else "")
-        raise ValueError(f"config.workers={workers} but only {device_count} devices are "
-                         f"available; lower --config.workers (0 = every device){hint}.")
-    if jax.process_count() > 1 and workers != device_count:
-        raise ValueError(f"with several processes every device is a worker: set "
-                         f"--config.workers=0 (got {workers} of {device_count}).")
+    workers = resolve_workers(config, device_count)
     sdp = config.sdp
     if sdp.method not in ts.METHODS:
         raise ValueError(f"config.sdp.method={sdp.method!r}; use one of {', '.join(ts.METHODS)}.")
@@ -114,13 +157,7 @@ def resolve(config, device_count: int) -> RunSpec:
                          "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
     plan = ts.make_plan(sdp.variant, model, workers, sdp.coverage, sdp.scheme, sdp.mask_seed,
                         sdp.allow_nonuniform)
-    if workers > 1 and plan.coverage < 1 and plan.summary()["spectral_gap"] < 1e-9 \
-            and not sdp.allow_disconnected:
-        raise ValueError(
-            f"the mask graph of {sdp.scheme} {sdp.variant} masks for W={workers}, "
-            f"C={plan.coverage} is disconnected (spectral gap 0): some groups of workers share "
-            "no component, so their copies never mix. Choose a larger coverage, another scheme, "
-            "or set --config.sdp.allow_disconnected=True.")
+    check_mask_graph(plan, config)
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
         total = ts.flop_matched_steps(config.steps, plan.coverage)
@@ -138,8 +175,9 @@ def resolve(config, device_count: int) -> RunSpec:
 _ADDED_FIELDS = {"fsdp": False, "dtype": "float32"}
 
 # Fields that change the training trajectory: a checkpoint written under other values is refused.
-_RUN_CONTROL = ("eval_every", "eval_batches", "log_every", "checkpoint_every", "keep_checkpoints",
-                "stop_at_step", "num_cpu_devices", "remat")  # remat: same results, may change
+_RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
+                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
+                "remat")  # remat: same results, may change
 
 
 def trajectory_config(config) -> dict[str, Any]:
@@ -407,12 +445,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         _log(f"already complete: {step} steps; final val loss {summary['final_val_loss']:.4f} "
              f"nats/token (from {summary_path})")
         return summary
-    prev_wall = 0.0  # a resumed run adds the wall time of the invocations before it
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            prev = json.load(f)
-        if prev.get("steps") == start:
-            prev_wall = float(prev.get("wall_s", 0.0))
+    prev_wall = previous_wall(summary_path, start)  # a resumed run adds the earlier time
     if done and not last_val:
         last_val = evaluate()
     summary = {
@@ -439,8 +472,5 @@ def train(config, workdir: str) -> dict[str, Any]:
              f"{summary['final_val_loss']:.4f} nats/token{bpb}; summary in "
              f"{os.path.join(workdir, 'summary.json')}")
     else:
-        why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
-        how = ("rerun the same command" if interrupted else
-               "rerun without --config.stop_at_step (or with a later step)")
-        _log(f"{why} at step {step} of {spec.total_steps} (checkpoint saved); {how} to resume.")
+        log_stopped(step, spec.total_steps, interrupted)
     return summary

@@ -1,0 +1,236 @@
+"""Vision SDP: ResNet / Swin variants against DDP, BatchNorm, dropped downsampling blocks, plans."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sdp_jax import train_step as ts
+from sdp_jax import vision_step as vs
+from sdp_jax.models import vision as vm
+
+W = 4
+RESNET = vm.VisionConfig(name="resnet18", width=4, depths=(2, 2), image_size=16, num_classes=5)
+SWIN = vm.VisionConfig(name="swin_t", embed_dim=8, depths=(2, 2), num_heads=(2, 2),
+                       image_size=16, num_classes=5)
+OPT = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1.0)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((W,), ("data",), devices=jax.devices()[:W])
+
+
+def _batches(mesh, cfg, n=3, same=False, seed=0):
+    rng = np.random.default_rng(seed)
+    sh = NamedSharding(mesh, P("data"))
+    out = []
+    for _ in range(n):
+        per = 2
+        x = rng.normal(size=(per if same else per * W, cfg.image_size, cfg.image_size, 3))
+        y = rng.integers(0, cfg.num_classes, per if same else per * W)
+        if same:  # identical data on every worker
+            x, y = np.tile(x, (W, 1, 1, 1)), np.tile(y, W)
+        out.append((jax.device_put(jnp.asarray(x, jnp.float32), sh),
+                    jax.device_put(jnp.asarray(y, jnp.int32), sh)))
+    return out
+
+
+def _run(mesh, cfg, variant, coverage, batches, optim=OPT, remat="none", **kw):
+    plan = vs.VisionPlan(variant, cfg, W, coverage, **kw)
+    b = vs.VisionStepBuilder(cfg, plan, optim, mesh, total_steps=10, remat=remat)
+    state = b.init_state(seed=0)
+    fn = b.train_step_fn()
+    for x, y in batches:
+        state, m = fn(state, x, y)
+        float(m["train_loss"])  # one step in flight
+    return b, state, {k: float(v) for k, v in m.items()}
+
+
+def _close(a, b, tol=2e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cfg,variants", [
+    (RESNET, ("b-sdp", "n-sdp", "bb-sdp", "nb-sdp")),
+    (SWIN, ("b-sdp", "n-sdp"))], ids=["resnet", "swin"])  # backward masking: model-agnostic
+def test_every_variant_at_c1_matches_ddp(mesh, cfg, variants):
+    """Invariant 1 for vision, BatchNorm running statistics included: block slots (with the
+    padded downsampling block), narrowed channels / neurons / heads and backward masking at
+    C = 1 give DDP's parameters after 3 steps."""
+    batches = _batches(mesh, cfg)
+    ref_b, ref_state, ref_m = _run(mesh, cfg, "ddp", 1.0, batches)
+    ref = jax.device_get(ref_b.full_model(ref_state))
+    for variant in variants:
+        b, state, m = _run(mesh, cfg, variant, 1.0, batches)
+        _close(ref, jax.device_get(b.full_model(state)))
+        assert abs(m["train_loss"] - ref_m["train_loss"]) < 1e-5, variant
+        assert abs(m["grad_norm"] - ref_m["grad_norm"]) < 1e-4, variant
+
+
+def test_bsdp_prunes_and_holders_agree(mesh):
+    """B-SDP C = 1/2 on a ResNet: each worker stores one block per stage (a compact slot stack),
+    every holder of a block has the same copy after training (invariant 2), activation
+    checkpointing gives the same parameters, and the full model evaluates with every block."""
+    batches = _batches(mesh, RESNET, n=2)
+    b, state, m = _run(mesh, RESNET, "b-sdp", 0.5, batches)
+    ddp = vs.VisionStepBuilder(RESNET, vs.VisionPlan("ddp", RESNET, W, 1.0), OPT, mesh, 10)
+    assert b.per_device_param_count() < 0.7 * ddp.per_device_param_count()
+    slots = np.asarray(state["params"]["s1"]["slots"]["conv2"]["kernel"])  # [W, 1, ...]
+    assert slots.shape[:2] == (W, 1)
+    held = b.plan.blocks["s1"].held[:, 0]
+    assert set(held) == {0, 1}  # the downsampling block is dropped by some workers
+    for g in (0, 1):
+        copies = slots[held == g, 0]
+        assert len(copies) == 2 and np.array_equal(copies[0], copies[1])
+    stats = np.asarray(state["stats"]["s1"]["slots"]["bn2"]["mean"])
+    for g in (0, 1):
+        assert np.array_equal(*stats[held == g, 0])
+    _, state_ac, _ = _run(mesh, RESNET, "b-sdp", 0.5, batches, remat="full")
+    _close(state["params"], state_ac["params"], tol=1e-5)  # checkpointing changes no result
+    x, y = batches[0]
+    valid = jax.device_put(jnp.ones(y.shape, bool), NamedSharding(mesh, P("data")))
+    loss, right, count = b.eval_step_fn()(state["params"], state["stats"], x, y, valid)
+    assert int(count) == y.shape[0] and np.isfinite(float(loss))
+
+
+def test_backward_masking_is_unbiased(mesh):
+    """Invariant 3: with the same data on every worker, Nb-SDP and Bb-SDP (C = 1/2) take the
+    step DDP takes (plain SGD, no clipping)."""
+    sgd = ts.OptimConfig(name="sgd", lr=0.1, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
+    batches = _batches(mesh, RESNET, n=1, same=True)
+    ref_b, ref_state, _ = _run(mesh, RESNET, "ddp", 1.0, batches, optim=sgd)
+    ref = jax.device_get(ref_b.full_model(ref_state))
+    for variant in ("nb-sdp", "bb-sdp"):
+        b, state, _ = _run(mesh, RESNET, variant, 0.5, batches, optim=sgd)
+        _close(ref, jax.device_get(b.full_model(state)), tol=1e-5)
+
+
+def _tiny_params(cfg):
+    m = vm.build(cfg, 0)
+    return m.params(), m.batch_stats()
+
+
+def _as_slots(tree, stage, ids):
+    """Full tree -> slot form of ``stage`` holding blocks ``ids`` (padded to the union)."""
+    out = dict(tree)
+    st = dict(tree[stage])
+    blocks = [st.pop(f"b{j}") for j in range(2)]
+    union = jax.tree.map(lambda a, b: tuple(max(i, j) for i, j in zip(a.shape, b.shape)),
+                         blocks[0], blocks[1])
+    st["slots"] = jax.tree.map(
+        lambda *xs: jnp.stack([vs._pad(xs[j], xs[-1]) for j in ids]),
+        *blocks, union, is_leaf=lambda x: isinstance(x, tuple) and all(
+            isinstance(i, int) for i in x))
+    out[stage] = st
+    return out
+
+
+def test_dropped_downsampling_block_is_its_projection():
+    """Invariant 5: a ResNet subnetwork without the downsampling block of stage 1 runs its 1x1
+    projection shortcut (always-kept) and still produces the right shapes; with both blocks
+    held the slot form equals the full model."""
+    cfg = RESNET
+    p, s = _tiny_params(cfg)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 16, 16, 3)), jnp.float32)
+    full, _ = vm.forward(cfg, p, s, x, False)
+    both, _ = vm.forward(cfg, _as_slots(p, "s1", [0, 1]), _as_slots(s, "s1", [0, 1]), x, False,
+                         {"s1": jnp.asarray([0, 1])})
+    np.testing.assert_allclose(both, full, atol=1e-5)
+    for kind in ("mixed", "regular"):
+        logits, new = vm.forward(cfg, _as_slots(p, "s1", [1]), _as_slots(s, "s1", [1]), x, True,
+                                 {"s1": jnp.asarray([1])}, {"s1": kind})
+        assert logits.shape == (2, cfg.num_classes)
+        assert new["s1"]["slots"]["bn1"]["mean"].shape == (1, cfg.stage_width(1))
+        # By hand: stem -> stage 0 -> relu(projection) -> block 1 (x2: one of 2 blocks held).
+        h, _ = vm._resnet_stem(p, s, x, True)
+        for j in range(2):
+            h, _, _ = vm.resnet_block(cfg, p["s0"][f"b{j}"], s["s0"][f"b{j}"], h, True, 0, j == 0)
+        short, _ = vm.resnet_projection(p["s1"]["proj"], s["s1"]["proj"], h, True)
+        h = jax.nn.relu(short)
+        r, _ = vm.resnet_branch(cfg, p["s1"]["b1"], s["s1"]["b1"], h, 1, True,
+                                cfg.stage_width(1), scale=2.0)
+        h = jax.nn.relu(h + r)
+        np.testing.assert_allclose(logits, vm._head(p, jnp.mean(h, axis=(1, 2))), atol=1e-5)
+        assert h.shape == (2, 8, 8, cfg.stage_width(1))
+
+
+def test_bn_recalibration_matches_full_model_statistics(mesh):
+    """The full model's BatchNorm statistics (B-SDP evaluation) are its batch statistics."""
+    batches = _batches(mesh, RESNET, n=1)
+    b, state, _ = _run(mesh, RESNET, "b-sdp", 0.5, batches)
+    assert b.recalibrate
+    x, _ = batches[0]
+    got = b.bn_stats_fn()(state["params"], state["stats"], x)
+    p, s = b.full_model(state)
+    xs = np.asarray(x).reshape(W, -1, *x.shape[1:])
+    want = None
+    for w in range(W):  # per-worker batch statistics, averaged
+        zeros = jax.tree.map(jnp.zeros_like, s)
+        _, new = vm.forward(RESNET, p, zeros, jnp.asarray(xs[w]), True)
+        new = jax.tree.map(lambda a: a / (1 - vm.BN_MOMENTUM) / W, new)
+        want = new if want is None else jax.tree.map(jnp.add, want, new)
+    _close(want, got, tol=1e-4)
+    ddp = vs.VisionStepBuilder(RESNET, vs.VisionPlan("ddp", RESNET, W, 1.0), OPT, mesh, 10)
+    assert not ddp.recalibrate
+
+
+def test_plans_and_bad_coverages():
+    r18 = vm.VisionConfig(name="resnet18")
+    swin = vm.VisionConfig(name="swin_t")
+    assert vs._apportion(2 / 3, swin.depths, 8) == [2, 1, 4, 1]
+    assert vs._apportion(0.5, r18.depths, 8) == [1, 1, 1, 1]
+    plan = vs.VisionPlan("b-sdp", swin, 8, 2 / 3, allow_nonuniform=True)
+    assert [b.held.shape[1] for b in plan.blocks.values()] == [2, 1, 4, 1]
+    plan = vs.VisionPlan("b-sdp", r18, 8, 0.5)
+    assert plan.summary()["spectral_gap"] > 0  # stage windows slide: workers mix
+    with pytest.raises(ValueError, match=r"C=0\.3 is not realizable.*nearest valid"):
+        vs.VisionPlan("b-sdp", r18, 8, 0.3)
+    with pytest.raises(ValueError, match="3 heads per block"):
+        vs.VisionPlan("n-sdp", swin, 8, 0.5)
+    with pytest.raises(ValueError, match="allow_nonuniform"):
+        vs.VisionPlan("b-sdp", swin, 8, 2 / 3)
+    with pytest.raises(ValueError, match="unknown variant"):
+        vs.VisionPlan("x-sdp", r18, 8, 0.5)
+    with pytest.raises(ValueError, match="model.name='resnet50'"):
+        vm.VisionConfig(name="resnet50")
+    with pytest.raises(ValueError, match="not divisible"):
+        vm.VisionConfig(name="swin_t", embed_dim=10)
+    counts = {"resnet18": 11_173_962, "wrn18": 44_662_922}
+    for name, n in counts.items():
+        assert vm.param_count(vm.VisionConfig(name=name, widen=2 if name == "wrn18" else 1)) == n
+
+
+def test_stage_blocks_override():
+    swin = vm.VisionConfig(name="swin_t")
+    plan = vs.VisionPlan("b-sdp", swin, 8, 2 / 3, allow_nonuniform=True,
+                         stage_blocks=(1, 2, 4, 1))
+    assert [b.held.shape[1] for b in plan.blocks.values()] == [1, 2, 4, 1]
+    with pytest.raises(ValueError, match=r"adding up to C \* 12 = 8.*default apportionment"):
+        vs.VisionPlan("b-sdp", swin, 8, 2 / 3, allow_nonuniform=True,
+                      stage_blocks=(1, 1, 1, 1))
+
+
+def test_bench_vision_rows(tmp_path):
+    """The benchmark compiles vision steps: N-SDP stores and peaks below DDP; options built for
+    language models only are refused before compiling."""
+    from sdp_jax import bench
+    cfg = tmp_path / "tiny_vision.py"
+    cfg.write_text(
+        "from sdp_jax.config import vision_config\n\n\ndef get_config():\n"
+        "    c = vision_config('resnet18', 'digits')\n"
+        "    c.model.update(width=4, image_size=16)\n    c.model.depths = (2, 2)\n"
+        "    c.workers = 4\n    c.batch_per_worker = 4\n    return c\n")
+    rows = bench.main(["--config", str(cfg), "--variants", "ddp,n-sdp", "--coverage", "0.5",
+                       "--no-flops"])
+    ddp, nsdp = rows
+    assert nsdp["params_per_device"] < 0.7 * ddp["params_per_device"]
+    assert nsdp["peak_bytes_per_device"] < ddp["peak_bytes_per_device"]
+    assert nsdp["held_per_worker"].startswith("channels 2/4 4/8")
+    with pytest.raises(SystemExit):
+        bench.main(["--config", str(cfg), "--variants", "ddp", "--fsdp"])
+    with pytest.raises(SystemExit):
+        bench.main(["--config", str(cfg), "--variants", "b-sdp", "--coverage", "0.3"])
