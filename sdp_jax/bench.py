@@ -574,20 +574,27 @@ def _main_vision(p, args, config, config_path, variants, workers, coverage, dtyp
     import jax
 
     from sdp_jax import vision_trainer
+    why = {"--fsdp": "FSDP is built for the language models only",
+           "--measure-time": "timed steps are built for the language models only",
+           "--seq-len": "vision inputs have no sequence length (set model.image_size)",
+           "--method": "vision models average with the all_to_all holder mean only"}
     unsupported = [flag for flag, v in (("--fsdp", args.fsdp), ("--seq-len", args.seq_len),
                                         ("--method", args.method),
                                         ("--measure-time", args.measure_time)) if v]
     if unsupported:
-        p.error(f"{', '.join(unsupported)}: not available for vision models (FSDP and timed "
-                "steps are built for the language models only)")
+        p.error("; ".join(f"{f}: not available for vision models ({why[f]})"
+                          for f in unsupported))
     remat = args.remat or config.get("remat", "none")
     if remat not in ("none", "full"):
         p.error(f"--remat={remat!r}: vision models take none or full")
     if args.stage_blocks:
         try:
-            blocks = tuple(int(x) for x in args.stage_blocks.split(","))
+            blocks = tuple(int(x) for x in args.stage_blocks.strip("()[] ").split(","))
         except ValueError:
             p.error(f"--stage-blocks {args.stage_blocks!r}: give integers like 1,2,4,1")
+        if not any(v in ("b-sdp", "bb-sdp") for v in variants):
+            p.error("--stage-blocks applies to the block variants b-sdp and bb-sdp; none is in "
+                    f"--variants {','.join(variants)}")
         with config.unlocked():
             config.sdp.stage_blocks = blocks
     for v in variants:  # coverage realizable for the model's components, before compiling

@@ -95,9 +95,12 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
 
     c = ml_collections.ConfigDict()
     c.model = ml_collections.ConfigDict(dict(name=name, num_classes=0, image_size=32,
-                                             in_channels=3))
+                                             in_channels=3, subnet_rescale=True))
     if name in ("resnet18", "wrn18"):
-        c.model.update(width=64, widen=2 if name == "wrn18" else 1)
+        c.model.update(width=64, widen=2 if name == "wrn18" else 1, depths=(2, 2, 2, 2))
+    else:
+        c.model.update(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window=4,
+                       patch=2, mlp_ratio=4)
     c.data = vision_data.default_vision_data_config()
     c.data.dataset = dataset
     c.sdp = ml_collections.ConfigDict(dict(variant="ddp", coverage=1.0, scheme="cyclic",

@@ -374,7 +374,7 @@ def _load_tfds_split(name: str, split: str, text_key: str, data_dir: str) -> tup
         raise ValueError(
             f"could not open tfds dataset {name!r} split {split!r} in {where}: "
             f"{type(e).__name__}: {e}. Prepare it first (`tfds build {name} "
-            "--data_dir DIR`, on a machine with network access) and set "
+            "--file_format=array_record --data_dir DIR`, on a machine with network access) and set "
             "--config.data.tfds_data_dir=DIR, or check the name and split."
         ) from e
 

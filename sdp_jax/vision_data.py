@@ -94,8 +94,9 @@ def _tfds_source(name: str, split: str, data_dir: str):
         where = data_dir or "the default tfds data_dir (~/tensorflow_datasets)"
         raise ValueError(
             f"could not open tfds dataset {name!r} split {split!r} in {where}: "
-            f"{type(e).__name__}: {str(e)[:300]}. Prepare it first (`tfds build {name}"
-            f"{' --data_dir=' + data_dir if data_dir else ''}` on a machine with network) "
+            f"{type(e).__name__}: {str(e)[:300]}. Prepare it first (`tfds build {name} "
+            f"--file_format=array_record{' --data_dir=' + data_dir if data_dir else ''}` on a "
+            "machine with network: random access needs ArrayRecord files) "
             "or point --config.data.tfds_data_dir at a directory that has it.") from e
 
 

@@ -150,15 +150,19 @@ class VisionPlan:
         total = sum(depths)
         c = self.coverage
         ok = isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c <= 1
-        if not ok or abs(round(c * total) - c * total) > 1e-6:
+        whole = ok and abs(round(c * total) - c * total) <= 1e-6
+        # Every stage keeps at least ceil(L_s / W) >= 1 blocks per worker, so small C may not fit.
+        if not whole or sum(_apportion(c, depths, self.workers)) != round(c * total):
             valid = [k / total for k in range(1, total + 1)
                      if sum(_apportion(k / total, depths, self.workers)) == k]
-            near = sorted(sorted(valid, key=lambda v: abs(v - (c if ok else 0.5)))[:3])
+            target = min(max(c, 0.0), 1.0) if isinstance(c, (int, float)) and c == c else 0.5
+            near = sorted(sorted(valid, key=lambda v: abs(v - target))[:3])
+            least = round(min(valid) * total)
             raise ValueError(
                 f"{self.variant} on {self.cfg.name}: coverage C={c!r} is not realizable for its "
-                f"{total} blocks (stages {list(depths)}): C * {total} must be a whole number in "
-                f"[1, {total}]; nearest valid coverages: {[round(v, 6) for v in near]} "
-                "(e.g. --config.sdp.coverage=" + repr(near[0]) + ").")
+                f"{total} blocks (stages {list(depths)}): C * {total} must be a whole number of "
+                f"blocks from {least} (every stage keeps a block on each worker) to {total}; "
+                f"nearest valid coverages: {[round(v, 6) for v in near]}.")
         ks = _apportion(c, depths, self.workers)
         if self.stage_blocks:
             ks = list(self.stage_blocks)

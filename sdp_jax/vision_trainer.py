@@ -173,6 +173,10 @@ def train(config, workdir: str) -> dict[str, Any]:
         return jax.make_array_from_process_local_data(sh, x, shape)
 
     recal = builder.recalibrate and config.eval_bn_batches > 0
+    if builder.recalibrate and not recal:
+        lm._log("warning: --config.eval_bn_batches=0: the full model is evaluated with the "
+                "running BatchNorm statistics of subnetworks, which do not describe it (expect a "
+                "much lower test accuracy than with re-estimated statistics)")
     if recal:
         lm._log(f"evaluation re-estimates the full model's BatchNorm statistics on "
                 f"{config.eval_bn_batches} training batches (--config.eval_bn_batches; the "
@@ -187,6 +191,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         total = None
         for _ in range(config.eval_bn_batches):
             s = bn_fn(state["params"], state["stats"], put(next(it)[0], img_shape))
+            jax.block_until_ready(s)  # one collective program in flight (DESIGN.md, CPU)
             total = s if total is None else jax.tree.map(lambda a, b: a + b, total, s)
         return jax.tree.map(lambda a: a / config.eval_bn_batches, total)
 

@@ -189,6 +189,8 @@ def test_plans_and_bad_coverages():
     assert plan.summary()["spectral_gap"] > 0  # stage windows slide: workers mix
     with pytest.raises(ValueError, match=r"C=0\.3 is not realizable.*nearest valid"):
         vs.VisionPlan("b-sdp", r18, 8, 0.3)
+    with pytest.raises(ValueError, match=r"C=0\.25 is not realizable.*from 4 .* to 8"):
+        vs.VisionPlan("b-sdp", r18, 8, 0.25)  # 2 blocks, but every stage keeps one
     with pytest.raises(ValueError, match="3 heads per block"):
         vs.VisionPlan("n-sdp", swin, 8, 0.5)
     with pytest.raises(ValueError, match="allow_nonuniform"):

@@ -121,6 +121,9 @@ def test_bad_vision_configs():
     with pytest.raises(ValueError, match=r"unknown model config keys \['depth'\]"):
         vision_trainer.resolve(c, 8)
     assert vision_trainer.resolve(vision_config("wrn18", "cifar100"), 8).model.num_classes == 100
+    c = vision_config("swin_t", "digits")  # every model field is a config field
+    c.model.embed_dim, c.model.num_heads = 12, (3, 3, 3, 3)
+    assert vision_trainer.resolve(c, 8).model.stage_width(3) == 96
 
 
 def _train(workdir, *extra):

@@ -320,7 +320,7 @@ def _ckpt(remat: bool, fn):
     memory cost"): keep only its inputs and recompute the rest in the backward pass."""
     if not remat:
         return fn
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)  # prevent_cse: no loop
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
 
 
 def resnet_forward(cfg: VisionConfig, params, stats, x, train: bool, slots=None, slot0=None,
