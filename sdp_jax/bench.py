@@ -397,6 +397,14 @@ def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
     return rows
 
 
+def _write_rows(path: str | None, rows: list[dict]) -> None:
+    """``--json``: the rows as a JSON list (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=2)
+        print(f"wrote {path}")
+
+
 def _mesh(workers: int):
     import jax
     # Simulated CPU devices (ignored on GPU/TPU); only raised, never lowered, so that a caller
@@ -562,10 +570,7 @@ def main(argv=None) -> list[dict]:
         print("note: XLA:CPU computes bf16 matmuls and collectives in float32 (converting back "
               "and forth), so bf16 memory and bytes here are upper bounds of what a GPU or TPU "
               "would use, and can exceed the float32 figures.")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.json}")
+    _write_rows(args.json, rows)
     return rows
 
 
@@ -622,10 +627,7 @@ def _main_vision(p, args, config, config_path, variants, workers, coverage, dtyp
         if not r["uniform"]:
             print(f"note: {r['variant']}: W*C is not whole for some stage, so its masks are "
                   "near-uniform (multiplicities differ by one).")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-        print(f"wrote {args.json}")
+    _write_rows(args.json, rows)
     return rows
 
 

@@ -99,6 +99,14 @@ def _layer_masks(recipe: masks_lib.MaskRecipe, layers: int) -> np.ndarray:
     return np.stack(out)
 
 
+def summary_head(plan) -> dict[str, Any]:
+    """The fields of a plan's ``summary()`` shared by every model: variant, regime, coverage,
+    workers, the spectral gap of its mask graph and an empty ``kinds`` dict to fill."""
+    gap = round(masks_lib.spectral_gap(plan.mask_matrix()), 6) if plan.workers > 1 else 1.0
+    return {"variant": plan.variant, "regime": plan.regime, "coverage": plan.coverage,
+            "workers": plan.workers, "spectral_gap": gap, "kinds": {}}
+
+
 class SDPPlan:
     """Which parameters are masked and the tables that go with them.
 
@@ -196,11 +204,7 @@ class SDPPlan:
 
     def summary(self) -> dict[str, Any]:
         """Plain-JSON facts: variant, regime, per-kind k / G / multiplicities, spectral gap."""
-        m = self.mask_matrix()
-        out = {"variant": self.variant, "regime": self.regime, "coverage": self.coverage,
-               "workers": self.workers,
-               "spectral_gap": round(masks_lib.spectral_gap(m), 6) if self.workers > 1 else 1.0,
-               "kinds": {}}
+        out = summary_head(self)
         for name, t in self.kinds.items():
             out["kinds"][name] = {"per_worker": t.k, "components": int(t.masks.shape[-1]),
                                   "multiplicity_min": int(t.counts.min()),

@@ -58,7 +58,7 @@ from sdp_jax import masks as masks_lib
 from sdp_jax import sync
 from sdp_jax import train_step as ts
 from sdp_jax.models import vision as vm
-from sdp_jax.plan import BACKWARD_VARIANTS, BLOCK_VARIANTS, VARIANTS, _layer_masks
+from sdp_jax.plan import BACKWARD_VARIANTS, BLOCK_VARIANTS, VARIANTS, _layer_masks, summary_head
 
 AXIS = sync.AXIS
 STEP_BYTES = sync.STEP_BYTES  # holder averaging: rows moved per loop step
@@ -203,11 +203,7 @@ class VisionPlan:
 
     def summary(self) -> dict[str, Any]:
         """Plain-JSON facts: variant, regime, per-kind k / G / multiplicities, spectral gap."""
-        m = self.mask_matrix()
-        out = {"variant": self.variant, "regime": self.regime, "coverage": self.coverage,
-               "workers": self.workers,
-               "spectral_gap": round(masks_lib.spectral_gap(m), 6) if self.workers > 1 else 1.0,
-               "kinds": {}}
+        out = summary_head(self)
         groups: dict[str, list] = {}
         for key, b in self.blocks.items():
             groups[f"{key}.blocks"] = [b]
@@ -297,9 +293,10 @@ class Leaf:
 
 def _decay(params):
     """Weight decay on conv / linear weights only (not norms, biases, relative position bias)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: (lambda k: k == "kernel" or k.endswith("_w"))(
-            str(getattr(path[-1], "key", path[-1]))), params)
+    def decayed(path, _):
+        key = str(getattr(path[-1], "key", path[-1]))
+        return key == "kernel" or key.endswith("_w")
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 class VisionStepBuilder:
@@ -471,10 +468,7 @@ class VisionStepBuilder:
             out[lf.full[0]] = val
 
     # ------------------------------------------------------------------ layout helpers
-    def shardings(self, specs=None):
-        specs = self.state_specs if specs is None else specs
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                            is_leaf=lambda x: isinstance(x, P))
+    shardings = ts.StepBuilder.shardings  # specs (default: the state's) -> NamedShardings
 
     def abstract_state(self):
         """ShapeDtypeStruct tree (with shardings) of the train state."""
@@ -489,8 +483,7 @@ class VisionStepBuilder:
 
     def per_device_param_count(self) -> int:
         """Parameter elements stored per device."""
-        return int(sum(np.prod(s.shape[1:] if self.p_layout.get(p) == "C" and
-                               not self.plan.backward else s.shape)
+        return int(sum(np.prod(s.shape[1:] if self.p_layout.get(p) == "C" else s.shape)
                        for p, s in _flatten(self.param_shapes).items()))
 
     def _stored(self, layout: dict, leaves: dict, full: dict):
