@@ -505,6 +505,10 @@ def main(argv=None) -> list[dict]:
         config = load_config(config_path)
     except (OSError, AttributeError, SyntaxError) as e:
         p.error(str(e))
+    if config.get("pipeline", {}).get("stages", 1) > 1:
+        p.error(f"{config_path} is a pipelined config (pipeline.stages="
+                f"{config.pipeline.stages}); its boundary bytes are measured by "
+                f"python -m sdp_jax.study --config {config_path} --bytes-only")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if len(set(variants)) != len(variants):
         p.error(f"--variants {args.variants!r} names a variant twice")

@@ -14,7 +14,8 @@ def base_config() -> ml_collections.ConfigDict:
     """Fields common to every run; the ``configs/*.py`` files set the model shape on top.
 
     Sections: ``model`` (:class:`sdp_jax.models.llama.LlamaConfig` fields), ``data``
-    (:func:`sdp_jax.data.default_data_config`), ``sdp`` (variant and mask recipe), ``optim``
+    (:func:`sdp_jax.data.default_data_config`), ``sdp`` (variant and mask recipe), ``pipeline``
+    (:class:`sdp_jax.pipeline.PipelineConfig` fields), ``optim``
     (:class:`sdp_jax.train_step.OptimConfig` fields), and run control at the top level.
     """
     c = ml_collections.ConfigDict()
@@ -36,6 +37,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim = ml_collections.ConfigDict(dict(
         name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
         grad_clip=1.0))
+    # Pipeline stages on the mesh axis `stage` (W * stages devices), with compressed boundaries
+    # (MAPL): see sdp_jax.pipeline.PipelineConfig. stages=1: no pipeline.
+    c.pipeline = ml_collections.ConfigDict(dict(
+        stages=1, microbatches=4, schedule="gpipe",
+        method="none",            # none | fixed | unconstrained | mapl
+        ratio=4,                  # compression d / r
+        anchor_rank=16,           # r_a of the factorized anchor embeddings (0 = none)
+        proj_lr=0.01, proj_momentum=0.9, polar_steps=10))  # the Stiefel optimizer (mapl)
     c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
     c.remat = "none"            # activation checkpointing per block: none | full | dots
     c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)

@@ -18,8 +18,8 @@ What this module provides: :func:`polar_express`, :func:`tangent_projection`, :f
 :func:`orthogonality_error`, the optax transform :func:`stiefel_sgd` (``update`` needs
 ``params`` and returns ``A_new - A``), and :func:`label_projectors` / :func:`partition` to send
 projector parameters to it and everything else to another optimizer (AdamW) with
-``optax.partition``. The compressed pipeline boundaries that use the projectors are not built yet
-(issue 6).
+``optax.partition``. The compressed pipeline boundaries that use the projectors are in
+:mod:`sdp_jax.pipeline` (``pipeline.method="mapl"``).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import sync
+from sdp_jax import fields, sync
 from sdp_jax.models.llama import BLOCK_KEY, Llama, LlamaConfig, block_apply_fn, next_token_loss
 from sdp_jax.plan import VARIANTS, Rule, SDPPlan  # noqa: F401  (VARIANTS re-exported)
 
@@ -95,12 +95,7 @@ class OptimConfig:
 
     @classmethod
     def from_config(cls, cfg) -> "OptimConfig":
-        d = dict(cfg)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown optim config keys {unknown}; valid keys: {sorted(names)}.")
-        return cls(**d)
+        return fields.from_section(cls, cfg, "optim")
 
 
 def lr_schedule(optim: OptimConfig, total_steps: int):

@@ -23,6 +23,7 @@ import numpy as np
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import data as data_lib
+from sdp_jax import pipeline as pl
 from sdp_jax import plan as plan_lib
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import LlamaConfig
@@ -39,6 +40,7 @@ class RunSpec:
     total_steps: int
     global_batch: int
     byte_level: bool
+    pipe: pl.PipelineConfig = dataclasses.field(default_factory=pl.PipelineConfig)
 
 
 def _positive_int(config, name):
@@ -128,7 +130,22 @@ def resolve(config, device_count: int) -> RunSpec:
     if config.seq_len > model.max_seq_len:
         raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
                          f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
-    workers = resolve_workers(config, device_count)
+    pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
+    if pipe.stages > 1:
+        _check_pipeline(config, pipe, model, device_count)
+        workers = config.workers or max(device_count // pipe.stages, 1)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"config.workers={config.workers!r} must be a positive integer "
+                             "or 0 (= devices / pipeline.stages).")
+        if workers * pipe.stages > device_count:
+            raise ValueError(f"workers * pipeline.stages = {workers} * {pipe.stages} devices "
+                             f"needed, {device_count} present; lower --config.workers or "
+                             "--config.pipeline.stages (on a CPU, raise "
+                             "--config.num_cpu_devices).")
+        plan_model = dataclasses.replace(model, n_layers=model.n_layers // pipe.stages)
+    else:
+        workers = resolve_workers(config, device_count)
+        plan_model = model
     sdp = config.sdp
     if sdp.method not in ts.METHODS:
         raise ValueError(f"config.sdp.method={sdp.method!r}; use one of {', '.join(ts.METHODS)}.")
@@ -155,8 +172,9 @@ def resolve(config, device_count: int) -> RunSpec:
         raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
                          "(backward masking keeps every worker's full parameters identical); "
                          "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
-    plan = ts.make_plan(sdp.variant, model, workers, sdp.coverage, sdp.scheme, sdp.mask_seed,
-                        sdp.allow_nonuniform)
+    # With a pipeline the masks are over one stage's L / P blocks (the same in every stage).
+    plan = ts.make_plan(sdp.variant, plan_model, workers, sdp.coverage, sdp.scheme,
+                        sdp.mask_seed, sdp.allow_nonuniform)
     check_mask_graph(plan, config)
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
@@ -168,11 +186,33 @@ def resolve(config, device_count: int) -> RunSpec:
     if byte_level and model.vocab_size < data_lib.VOCAB_BYTES:
         raise ValueError(f"byte-level data needs model.vocab_size >= 256, got {model.vocab_size}.")
     return RunSpec(model, optim, plan, workers, total, workers * config.batch_per_worker,
-                   byte_level)
+                   byte_level, pipe)
+
+
+def _check_pipeline(config, pipe: pl.PipelineConfig, model: LlamaConfig,
+                    device_count: int) -> None:
+    """What a pipelined run (``pipeline.stages > 1``) cannot combine with, refused up front."""
+    pipe.check(model, config.batch_per_worker)
+    if config.sdp.variant not in pl.PIPE_VARIANTS:
+        raise ValueError(f"config.sdp.variant={config.sdp.variant!r} is not built with a "
+                         f"pipeline; use {' or '.join(pl.PIPE_VARIANTS)}, or "
+                         "--config.pipeline.stages=1.")
+    for name, ok, want in (("fsdp", False, "False"), ("remat", "none", "none"),
+                           ("dtype", "float32", "float32")):
+        if config[name] != ok:
+            raise ValueError(f"config.{name}={config[name]!r} is not built with a pipeline "
+                             f"(pipeline.stages={pipe.stages}); set --config.{name}={want}.")
+    if config.sdp.average != "gradients":
+        raise ValueError("config.sdp.average=parameters is not built with a pipeline; use "
+                         "--config.sdp.average=gradients.")
+    if config.sdp.method not in ("auto", "reference"):
+        raise ValueError(f"config.sdp.method={config.sdp.method!r}: a pipeline averages with "
+                         "the masked sum over data (reference); use auto.")
 
 
 # Config fields added after checkpoints were first written, with the value that older runs used.
-_ADDED_FIELDS = {"fsdp": False, "dtype": "float32"}
+_ADDED_FIELDS = {"fsdp": False, "dtype": "float32",
+                 "pipeline": dict(pl.PipelineConfig().__dict__)}
 
 # Fields that change the training trajectory: a checkpoint written under other values is refused.
 _RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
@@ -309,9 +349,12 @@ def train(config, workdir: str) -> dict[str, Any]:
     spec = resolve(config, jax.device_count())
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir {workdir!r} exists and is not a directory; choose another.")
-    W, T = spec.workers, config.seq_len
-    devices = jax.devices()[:W]
-    mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)
+    W, T, pipe = spec.workers, config.seq_len, spec.pipe
+    devices = jax.devices()[:W * pipe.stages]
+    if pipe.stages > 1:
+        mesh = pl.make_mesh(W, pipe.stages, devices)
+    else:
+        mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)
     mask_info = spec.plan.summary()
 
     # Data first: a bad path or a split too small fails here, before any compile.
@@ -339,12 +382,20 @@ def train(config, workdir: str) -> dict[str, Any]:
             manager.close()
             raise
 
-    builder = ts.StepBuilder(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
-                             averaging=config.sdp.average, sync_every=config.sdp.sync_every,
-                             method=config.sdp.method, fsdp=config.fsdp,
-                             remat=config.remat, dtype=config.dtype)
+    if pipe.stages > 1:
+        sdp = config.sdp
+        builder = pl.PipelineStep(spec.model, pipe, spec.optim, mesh, spec.total_steps,
+                                  variant=sdp.variant, coverage=spec.plan.coverage,
+                                  scheme=sdp.scheme, mask_seed=sdp.mask_seed,
+                                  allow_nonuniform=sdp.allow_nonuniform,
+                                  batch_per_worker=config.batch_per_worker)
+    else:
+        builder = ts.StepBuilder(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
+                                 averaging=config.sdp.average, sync_every=config.sdp.sync_every,
+                                 method=config.sdp.method, fsdp=config.fsdp,
+                                 remat=config.remat, dtype=config.dtype)
     counts = spec.model.param_count()
-    _log(f"devices: {W} x {devices[0].platform} ({jax.process_count()} process(es)); "
+    _log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} process(es)); "
          f"{spec.plan.describe()}"
          + (f"; parameters averaged over holders every {config.sdp.sync_every} steps"
             if config.sdp.average == "parameters" else "")
@@ -352,6 +403,12 @@ def train(config, workdir: str) -> dict[str, Any]:
          + (f"; activation checkpointing: {config.remat}" if config.remat != "none" else "")
          + (f"; compute dtype {config.dtype}" if config.dtype not in ("float32", "fp32")
             else ""))
+    if pipe.stages > 1:
+        _log(f"pipeline: {pipe.stages} stages x {W} workers ({pipe.schedule}, "
+             f"{pipe.microbatches} microbatches); masks are per stage "
+             f"({spec.model.n_layers // pipe.stages} blocks each); boundaries: {pipe.method}"
+             + (f", {pipe.ratio}x (r = {pipe.width(spec.model.d_model)}), anchors of rank "
+                f"{pipe.anchor_rank}" if pipe.compressed else ""))
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
                      for k, v in mask_info["kinds"].items())
     _log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
@@ -378,6 +435,12 @@ def train(config, workdir: str) -> dict[str, Any]:
     mem = ts.memory_stats(step_fn)
     _log(f"compiled train step in {time.time() - t0:.1f}s: peak "
          f"{_fmt_bytes(mem['peak_bytes_per_device'])} per device")
+    boundary = None
+    if pipe.stages > 1:
+        boundary = builder.boundary_bytes(step_fn, config.batch_per_worker, T)
+        _log(f"stage boundaries: {_fmt_bytes(boundary['per_boundary'])} per boundary per worker "
+             f"per step ({boundary['per_token']:.1f} bytes/token, forward and backward, "
+             "from the compiled program)")
     eval_fn = builder.eval_step_fn()
     metrics_log = _Metrics(os.path.join(workdir, "metrics.jsonl"), start)
     batch_sharding = builder.batch_sharding()
@@ -398,6 +461,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         stop = min(stop, config.stop_at_step)
     tokens_per_step = spec.global_batch * T
     last_val: dict[str, float] = {}
+    last_ortho = None
     bar = _progress(spec.total_steps, start)
     t_window, n_window = time.time(), 0
     step = start
@@ -410,6 +474,7 @@ def train(config, workdir: str) -> dict[str, Any]:
                 state, m = (step_fn if sync_now else step_fn_local)(state, batch)
                 # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
                 rec = {k: float(v) for k, v in m.items()}
+                last_ortho = rec.get("ortho_err", last_ortho)
                 step += 1
                 n_window += 1
                 _check_finite(rec, step, manager)
@@ -426,6 +491,8 @@ def train(config, workdir: str) -> dict[str, Any]:
                     rec["step"] = step
                     metrics_log.write(rec)
                     post = {"loss": f"{rec['train_loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+                    if "ortho_err" in rec:
+                        post["|A'A-I|"] = f"{rec['ortho_err']:.1e}"
                     if "val_loss" in rec:
                         post["val"] = f"{rec['val_loss']:.3f}"
                     bar.set_postfix(post, refresh=False)
@@ -460,7 +527,10 @@ def train(config, workdir: str) -> dict[str, Any]:
         "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
         "params_total": counts["total"], "params_per_device": builder.per_device_param_count(),
         "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
-        "platform": devices[0].platform,
+        "platform": devices[0].platform, "pipeline": dict(pipe.__dict__),
+        "boundary_bytes_per_token": boundary["per_token"] if boundary else None,
+        "boundary_bytes_per_step": boundary["per_boundary"] if boundary else None,
+        "final_ortho_err": last_ortho,
         "interrupted_by": interrupted[0] if interrupted and not done else None,
     }
     if jax.process_index() == 0:

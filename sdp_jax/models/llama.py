@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sdp_jax import fields
+
 BLOCK_KEY = "blocks"
 
 
@@ -91,11 +93,7 @@ class LlamaConfig:
         """Build from an ``ml_collections.ConfigDict`` (or dict) ``model`` section."""
         d = dict(cfg)
         d.pop("name", None)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown model config keys {unknown}; valid keys: {sorted(names)}.")
-        return cls(**d)
+        return fields.from_section(cls, d, "model")
 
     def param_count(self) -> dict[str, int]:
         """Parameter counts: ``per_block``, ``blocks`` (all L), ``always_kept``, ``total``."""

@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sdp_jax import fields
+
 RESNETS = ("resnet18", "wrn18")
 MODELS = RESNETS + ("swin_t",)
 BN_MOMENTUM = 0.9
@@ -134,13 +136,8 @@ class VisionConfig:
 
         Raises:
           ValueError: unknown keys (listing the valid ones) or a bad value."""
-        d = dict(cfg)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown model config keys {unknown} for model.name="
-                             f"{d.get('name')!r}; valid keys: {sorted(names)}.")
-        return cls(**d)
+        return fields.from_section(cls, cfg, "model",
+                                   f" for model.name={dict(cfg).get('name')!r}")
 
     @property
     def is_resnet(self) -> bool:

@@ -1,0 +1,211 @@
+"""The MAPL study: validation loss against bytes per token crossing the pipeline-stage boundaries.
+
+    python -m sdp_jax.study                                   # configs/llama_mapl.py -> docs/mapl
+    python -m sdp_jax.study --steps 100 --out /tmp/mapl       # a shorter run
+    python -m sdp_jax.study --bytes-only --ratios 4,8,16      # compiled-program bytes only
+
+Every run trains the same model on the same data with the same token budget (the config's steps,
+global batch and sequence length); only the boundary method (``pipeline.method``) and ratio
+differ: ``none`` once, then ``fixed``, ``unconstrained`` and ``mapl`` at each ratio (MAPL, Janson,
+Oyallon, Belilovsky, arXiv 2606.05484: the 4x / 8x comparison and the loss-vs-bytes Pareto front).
+Each run is an ordinary training run in ``OUT/runs/<method>_<ratio>x`` (a rerun resumes it or
+reuses its summary). Bytes per token are read from the compiled train step
+(:func:`sdp_jax.pipeline.boundary_bytes`: forward payload, token ids and backward gradients of one
+boundary, for one worker, divided by that worker's tokens per step; they include the GPipe bubble
+ticks, ``(M + P - 1) / M`` of the useful transfers).
+
+Writes ``OUT/study.json`` (rows), ``OUT/study.md`` (the table) and ``OUT/study.png`` (the plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+METHODS = ("none", "fixed", "unconstrained", "mapl")
+
+
+def _runs(methods, ratios):
+    out = []
+    if "none" in methods:
+        out.append(("none", 1))
+    for r in ratios:
+        out += [(m, r) for m in methods if m != "none"]
+    return out
+
+
+def _with(config, method: str, ratio: int, args):
+    c = config.copy_and_resolve_references()
+    c.pipeline.method = method
+    c.pipeline.ratio = ratio if method != "none" else c.pipeline.ratio
+    c.pipeline.rvq_levels = args.rvq_levels if method != "none" else 0
+    c.pipeline.rvq_codebook = args.rvq_codebook
+    if args.steps:
+        c.steps = args.steps
+    if args.seed is not None:
+        c.seed = args.seed
+    return c
+
+
+def measure_bytes(config) -> dict:
+    """Compile the config's pipelined train step (no training) and read its boundary bytes
+    (:func:`sdp_jax.pipeline.boundary_bytes`)."""
+    import jax  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+    from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
+
+    spec = trainer.resolve(config, jax.device_count())
+    mesh = pl.make_mesh(spec.workers, spec.pipe.stages)
+    builder = pl.PipelineStep(spec.model, spec.pipe, spec.optim, mesh, spec.total_steps,
+                              variant=config.sdp.variant, coverage=spec.plan.coverage,
+                              batch_per_worker=config.batch_per_worker)
+    compiled = builder.compiled_train_step((spec.global_batch, config.seq_len + 1))
+    return builder.boundary_bytes(compiled, config.batch_per_worker, config.seq_len)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of the study rows (loss columns blank for bytes-only rows)."""
+    base = next((r for r in rows if r["method"] == "none"), None)
+    header = ("| method | ratio | r | boundary bytes/token | vs none | val loss (nats) | "
+              "val bits/byte | loss vs none | max abs(A'A - I) |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs = f"{r['bytes_per_token'] / base['bytes_per_token']:.3f}x" if base else ""
+        loss = r.get("val_loss")
+        dl = (f"{100 * (loss / base['val_loss'] - 1):+.2f}%"
+              if loss is not None and base and base.get("val_loss") else "")
+        ortho, bpb = r.get("ortho_err"), r.get("val_bpb")
+        loss_s = "" if loss is None else f"{loss:.4f}"
+        bpb_s = "" if bpb is None else f"{bpb:.4f}"
+        ortho_s = "" if ortho is None else f"{ortho:.1e}"
+        ratio_s = "-" if r["method"] == "none" else f"{r['ratio']}x"
+        lines.append(
+            f"| {r['method']} | {ratio_s} | {r['r']} | {r['bytes_per_token']:.1f} | {vs} | "
+            f"{loss_s} | {bpb_s} | {dl} | {ortho_s} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Validation loss against boundary bytes per token, one marker per method, and the Pareto
+    front (runs no other run beats on both axes)."""
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+    pts = [r for r in rows if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    style = {"none": ("k", "s"), "fixed": ("tab:blue", "o"), "unconstrained": ("tab:orange", "^"),
+             "mapl": ("tab:green", "D")}
+    for m in METHODS:
+        sel = [r for r in pts if r["method"] == m]
+        if sel:
+            c, mk = style[m]
+            ax.scatter([r["bytes_per_token"] for r in sel], [r["val_loss"] for r in sel],
+                       color=c, marker=mk, label=m, zorder=3)
+            for r in sel:
+                if m != "none":
+                    ax.annotate(f"{r['ratio']}x", (r["bytes_per_token"], r["val_loss"]),
+                                textcoords="offset points", xytext=(5, 3), fontsize=8)
+    front = sorted((r for r in pts if not any(
+        o["bytes_per_token"] <= r["bytes_per_token"] and o["val_loss"] <= r["val_loss"]
+        and (o["bytes_per_token"], o["val_loss"]) != (r["bytes_per_token"], r["val_loss"])
+        for o in pts)), key=lambda r: r["bytes_per_token"])
+    if len(front) > 1:
+        ax.plot([r["bytes_per_token"] for r in front], [r["val_loss"] for r in front], "--",
+                color="grey", zorder=2, label="Pareto front")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per token crossing a stage boundary (forward + backward)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs",
+                                                    "llama_mapl.py"))
+    p.add_argument("--out", default=os.path.join("docs", "mapl"))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--ratios", default="4,8", help="compression ratios d / r")
+    p.add_argument("--steps", type=int, default=0, help="override config.steps (0 = keep)")
+    p.add_argument("--seed", type=int, default=None, help="override config.seed (init and data "
+                   "order; use another --out)")
+    p.add_argument("--rvq-levels", type=int, default=0,
+                   help="residual vector quantization of the compressed payloads (0 = off)")
+    p.add_argument("--rvq-codebook", type=int, default=256, help="codes per RVQ level")
+    p.add_argument("--bytes-only", action="store_true",
+                   help="compile and measure boundary bytes; train nothing")
+    args = p.parse_args(argv)
+
+    from sdp_jax import bench  # pylint: disable=g-import-not-at-top
+    config = bench.load_config(args.config)
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+    try:
+        ratios = [int(r) for r in args.ratios.split(",") if r]
+    except ValueError:
+        p.error(f"--ratios={args.ratios!r} must be integers like 4,8,16")
+    if args.steps < 0:
+        p.error(f"--steps={args.steps} must be >= 0")
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
+    from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
+
+    runs = _runs(methods, ratios)
+    configs = {}
+    for m, r in runs:  # every config is validated before anything is compiled or trained
+        c = _with(config, m, r, args)
+        try:
+            trainer.resolve(c, jax.device_count())
+        except ValueError as e:
+            p.error(f"{m} at {r}x: {e}")
+        configs[m, r] = c
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for (m, r), c in configs.items():
+        d = c.model.d_model
+        row = {"method": m, "ratio": r if m != "none" else 1, "seed": c.seed,
+               "rvq_levels": c.pipeline.rvq_levels,
+               "r": d // r if m != "none" else d, "d_model": d,
+               "stages": c.pipeline.stages, "microbatches": c.pipeline.microbatches,
+               "workers": c.workers, "steps": c.steps,
+               "tokens": c.steps * c.workers * c.batch_per_worker * c.seq_len}
+        b = measure_bytes(c)
+        row["bytes_per_token"] = b["per_token"]
+        row["bytes_per_step"] = b["per_boundary"]
+        if not args.bytes_only:
+            trainer._log(f"study: training {m}" + (f" at {r}x" if m != "none" else ""))
+            s = trainer.train(c, os.path.join(args.out, "runs", f"{m}_{row['ratio']}x"))
+            if not s.get("completed"):
+                print(f"study stopped during {m} {r}x; rerun the same command to resume.",
+                      file=sys.stderr)
+                return rows
+            row.update(val_loss=s["final_val_loss"], val_bpb=s["final_val_bpb"],
+                       ortho_err=s.get("final_ortho_err"), wall_s=s["wall_s"])
+        rows.append(row)
+    table = format_table(rows)
+    print(table)
+    with open(os.path.join(args.out, "study.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    with open(os.path.join(args.out, "study.md"), "w") as f:
+        f.write(table + "\n")
+    if not args.bytes_only:
+        c0 = next(iter(configs.values()))
+        plot(rows, os.path.join(args.out, "study.png"),
+             f"LLaMA d={c0.model.d_model}, {c0.model.n_layers} blocks, {c0.pipeline.stages} "
+             f"stages, {rows[0]['tokens'] / 1e6:.2f}M tokens per run")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
