@@ -30,6 +30,16 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix[:-1]}: checkpoint has {a!r}, this run has {b!r}"]
 
 
+def _with_defaults(saved: Any, defaults: Any) -> Any:
+    """``saved`` with the keys it lacks taken from ``defaults``, section by section."""
+    if not isinstance(saved, dict) or not isinstance(defaults, dict):
+        return saved
+    out = dict(defaults)
+    for k, v in saved.items():
+        out[k] = _with_defaults(v, defaults.get(k))
+    return out
+
+
 class CheckpointManager:
     """Thin wrapper over ``orbax.checkpoint.CheckpointManager`` for SDP runs.
 
@@ -71,15 +81,16 @@ class CheckpointManager:
         """Refuse a checkpoint written by a different run config.
 
         Args:
-          defaults: top-level config fields newer than some checkpoints, with the value the older
-            runs implicitly used (a field missing from the saved config is taken as this).
+          defaults: config fields newer than some checkpoints (nested like the config), with
+            the value the older runs implicitly used (a field missing from the saved config, at
+            any depth, is taken as this).
 
         Raises:
           ValueError: listing every differing field, with the fix (another ``--workdir``, or
             the original values).
         """
         saved = self.read_meta(step)
-        diffs = _diff({**(defaults or {}), **saved.get("config", {})}, meta["config"])
+        diffs = _diff(_with_defaults(saved.get("config", {}), defaults or {}), meta["config"])
         diffs += _diff(saved.get("masks", {}), meta["masks"], "masks.")
         if diffs:
             shown = "\n  ".join(diffs[:20])

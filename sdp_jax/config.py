@@ -44,7 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
         method="none",            # none | fixed | unconstrained | mapl
         ratio=4,                  # compression d / r
         anchor_rank=16,           # r_a of the factorized anchor embeddings (0 = none)
-        proj_lr=0.01, proj_momentum=0.9, polar_steps=10))  # the Stiefel optimizer (mapl)
+        proj_lr=0.01, proj_momentum=0.9, polar_steps=10,  # the Stiefel optimizer (mapl)
+        rvq_levels=0,             # residual vector quantization of the payload (0 = off)
+        rvq_codebook=256, rvq_beta=0.25))
     c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
     c.remat = "none"            # activation checkpointing per block: none | full | dots
     c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)

@@ -105,7 +105,7 @@ class PipelineConfig:
     rvq_beta: float = 0.25
 
     def __post_init__(self):
-        for name in ("stages", "microbatches", "ratio", "polar_steps", "rvq_codebook"):
+        for name in ("stages", "microbatches", "ratio", "rvq_codebook"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"pipeline.{name}={v!r} must be a positive integer "
@@ -120,6 +120,15 @@ class PipelineConfig:
         beta = self.rvq_beta
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1e6:
             raise ValueError(f"pipeline.rvq_beta={beta!r} must be a number >= 0.")
+        ps = self.polar_steps
+        if isinstance(ps, bool) or not isinstance(ps, int) or not 8 <= ps <= 32:
+            raise ValueError(f"pipeline.polar_steps={ps!r} must be an integer in [8, 32]: fewer "
+                             "Polar Express steps do not reach the polar factor (Amsel et al. "
+                             "publish 8 coefficient sets), more only lengthen the compile; use 10.")
+        if self.method != "none" and self.stages == 1:
+            raise ValueError(f"pipeline.method={self.method!r} compresses stage boundaries, but "
+                             "pipeline.stages=1 has none; set --config.pipeline.stages=2 (or "
+                             "more), or method=none.")
         a = self.anchor_rank
         if isinstance(a, bool) or not isinstance(a, int) or a < 0:
             raise ValueError(f"pipeline.anchor_rank={a!r} must be an integer >= 0 (0 = no "
@@ -167,8 +176,10 @@ class PipelineConfig:
         if self.compressed:
             d = model.d_model
             if d % self.ratio or self.ratio > d:
+                ok = [r for r in (2, 4, 8, 16, 32) if d % r == 0]
                 raise ValueError(f"pipeline.ratio={self.ratio} does not divide "
-                                 f"model.d_model={d}; use a divisor (4, 8, 16 for d = 128).")
+                                 f"model.d_model={d}; use a divisor of it"
+                                 + (f" (e.g. {', '.join(map(str, ok))})." if ok else "."))
             if self.anchor_rank > d:
                 raise ValueError(f"pipeline.anchor_rank={self.anchor_rank} exceeds "
                                  f"model.d_model={d}; use at most d.")
@@ -505,13 +516,15 @@ class PipelineStep:
 
         _, (hs, auxs) = lax.scan(tick, init, jnp.arange(M + Pn - 1))
         out = hs[Pn - 1:].reshape(b, T, -1)                       # the last stage's outputs
-        loss = jnp.where(s == Pn - 1, self._head_loss(kept, out, y), 0.0)
-        if quant:  # codebook + commitment terms, mean over microbatches, summed over boundaries
-            loss = loss + jnp.sum(auxs) / M
-        return lax.pmean(lax.psum(loss, STAGE), DATA)
+        lm = jnp.where(s == Pn - 1, self._head_loss(kept, out, y), 0.0)
+        # RVQ codebook + commitment terms: mean over microbatches, summed over boundaries
+        aux = jnp.sum(auxs) / M if quant else jnp.zeros((), jnp.float32)
+        lm, aux = (lax.pmean(lax.psum(v, STAGE), DATA) for v in (lm, aux))
+        return lm + aux, lm
 
     def pipelined_loss_fn(self, compact: bool = True):
-        """``(params, tokens [W*b, T+1] int32) -> mean loss`` (float32, nats per token) of the
+        """``(params, tokens [W*b, T+1] int32) -> (training loss, next-token loss)`` (float32
+        scalars, nats per token; they differ by the RVQ codebook and commitment terms) of the
         GPipe schedule on the mesh; ``compact``: params in the training layout, else full
         blocks ``[L, ...]`` (the full model, as evaluated)."""
         def fn(params, tokens):
@@ -523,7 +536,8 @@ class PipelineStep:
                 specs = {**specs, "blocks": jax.tree.map(lambda _: P(STAGE), specs["blocks"],
                                                          is_leaf=lambda x: isinstance(x, P))}
             return jax.shard_map(lambda p, t: self._pipe_loss(p, t, 2 if compact else 1),
-                                 mesh=self.mesh, in_specs=(specs, P(DATA)), out_specs=P())(
+                                 mesh=self.mesh, in_specs=(specs, P(DATA)),
+                                 out_specs=(P(), P()))(
                 params, tokens)
         return fn
 
@@ -548,24 +562,32 @@ class PipelineStep:
                 jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair))
 
     def grads(self, params, tokens):
-        """Loss and averaged gradients (training layout) of the pipelined step; also the
-        global gradient norm with each block counted once."""
-        loss, g = jax.value_and_grad(self.pipelined_loss_fn())(params, tokens)
+        """``(loss, grads, norm)``: the training loss (:meth:`reference_loss`'s), the averaged
+        gradients (training layout) of the pipelined step and their global norm with each
+        block counted once."""
+        (loss, _), g = jax.value_and_grad(self.pipelined_loss_fn(), has_aux=True)(params, tokens)
+        return (loss, *self._average(g))
+
+    def _average(self, g):
         blocks, full = self.average_block_grads(g["blocks"])
         g = {**g, "blocks": blocks}
         once = {"kept": g["kept"], "blocks": full,
                 "boundary": {k: v for k, v in g["boundary"].items() if FROZEN not in k}}
-        return loss, g, optax.tree.norm(once)
+        return g, optax.tree.norm(once)
 
     def _step(self, state, tokens):
-        loss, g, norm = self.grads(state["params"], tokens)
+        (loss, lm), g = jax.value_and_grad(self.pipelined_loss_fn(), has_aux=True)(
+            state["params"], tokens)
+        g, norm = self._average(g)
         clip = self.optim.grad_clip
         if clip > 0:
             g = jax.tree.map(lambda x: x * jnp.minimum(1.0, clip / (norm + 1e-6)), g)
         updates, opt_state = self.tx.update(g, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"train_loss": loss, "grad_norm": norm,
+        metrics = {"train_loss": lm, "grad_norm": norm,
                    "lr": ts.lr_schedule(self.optim, self.total_steps)(state["step"])}
+        if self.pipe.quantized:
+            metrics["rvq_loss"] = loss - lm
         if self.pipe.compressed:
             metrics["ortho_err"] = stiefel.orthogonality_error(
                 params["boundary"][self.boundary.key])
@@ -576,18 +598,19 @@ class PipelineStep:
 
     def train_step_fn(self, sync_now: bool = True):
         """Jitted ``(state, tokens int32 [W*b, T+1]) -> (state, metrics)``; the state is donated.
-        Metrics: ``train_loss`` (nats/token), ``grad_norm``, ``lr``, and ``ortho_err``
-        (max |A^T A - I| over the boundaries) when compressed."""
+        Metrics: ``train_loss`` (next-token loss, nats/token), ``grad_norm``, ``lr``;
+        ``ortho_err`` (max |A^T A - I| over the boundaries) when compressed; ``rvq_loss`` (the
+        codebook and commitment terms, also minimized) with RVQ."""
         if self._train is None:
             self._train = jax.jit(self._step, donate_argnums=0)
         return self._train
 
     def eval_loss_fn(self):
-        """Jitted ``(params, tokens) -> loss`` of the full model (every block, through the
-        pipeline and its compressed boundaries)."""
+        """Jitted ``(params, tokens) -> next-token loss`` (nats/token) of the full model (every
+        block, through the pipeline and its compressed boundaries)."""
         if self._eval is None:
             fn = self.pipelined_loss_fn(compact=False)
-            self._eval = jax.jit(lambda p, t: fn(self.compact_to_full(p), t))
+            self._eval = jax.jit(lambda p, t: fn(self.compact_to_full(p), t)[1])
         return self._eval
 
     def compiled_train_step(self, batch_shape):

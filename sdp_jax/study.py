@@ -1,6 +1,7 @@
 """The MAPL study: validation loss against bytes per token crossing the pipeline-stage boundaries.
 
     python -m sdp_jax.study                                   # configs/llama_mapl.py -> docs/mapl
+    python -m sdp_jax.study --seeds 0,1 --out /tmp/mapl       # every run with two seeds
     python -m sdp_jax.study --steps 100 --out /tmp/mapl       # a shorter run
     python -m sdp_jax.study --bytes-only --ratios 4,8,16      # compiled-program bytes only
 
@@ -8,13 +9,15 @@ Every run trains the same model on the same data with the same token budget (the
 global batch and sequence length); only the boundary method (``pipeline.method``) and ratio
 differ: ``none`` once, then ``fixed``, ``unconstrained`` and ``mapl`` at each ratio (MAPL, Janson,
 Oyallon, Belilovsky, arXiv 2606.05484: the 4x / 8x comparison and the loss-vs-bytes Pareto front).
-Each run is an ordinary training run in ``OUT/runs/<method>_<ratio>x`` (a rerun resumes it or
-reuses its summary). Bytes per token are read from the compiled train step
+Each run is an ordinary training run in ``OUT/runs/seed<s>/<method>_<ratio>x`` (a rerun resumes it or
+reuses its summary; an interrupted study exits with 128 + the signal number, as ``train.py``).
+``--steps`` also caps the warm-up at a tenth of the run. Bytes per token are read from the compiled train step
 (:func:`sdp_jax.pipeline.boundary_bytes`: forward payload, token ids and backward gradients of one
 boundary, for one worker, divided by that worker's tokens per step; they include the GPipe bubble
 ticks, ``(M + P - 1) / M`` of the useful transfers).
 
-Writes ``OUT/study.json`` (rows), ``OUT/study.md`` (the table) and ``OUT/study.png`` (the plot).
+Writes ``OUT/study.json`` (one row per run), ``OUT/study.md`` (the table: means over the seeds,
+and each seed's loss) and ``OUT/study.png`` (the plot).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 METHODS = ("none", "fixed", "unconstrained", "mapl")
@@ -36,7 +40,11 @@ def _runs(methods, ratios):
     return out
 
 
-def _with(config, method: str, ratio: int, args):
+def _run_dir(out: str, method: str, ratio: int, seed: int) -> str:
+    return os.path.join(out, "runs", f"seed{seed}", f"{method}_{1 if method == 'none' else ratio}x")
+
+
+def _with(config, method: str, ratio: int, seed: int, args):
     c = config.copy_and_resolve_references()
     c.pipeline.method = method
     c.pipeline.ratio = ratio if method != "none" else c.pipeline.ratio
@@ -44,8 +52,8 @@ def _with(config, method: str, ratio: int, args):
     c.pipeline.rvq_codebook = args.rvq_codebook
     if args.steps:
         c.steps = args.steps
-    if args.seed is not None:
-        c.seed = args.seed
+        c.optim.warmup_steps = min(c.optim.warmup_steps, args.steps // 10)
+    c.seed = seed
     return c
 
 
@@ -66,8 +74,31 @@ def measure_bytes(config) -> dict:
     return builder.boundary_bytes(compiled, config.batch_per_worker, config.seq_len)
 
 
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per (method, ratio) over the seeds: ``val_loss`` / ``val_bpb`` are means,
+    ``val_losses`` the per-seed values (in ``seeds`` order), ``ortho_err`` the largest."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["method"], r["ratio"])
+        if key not in out:
+            out[key] = {**r, "seeds": [], "val_losses": [], "val_bpbs": [], "ortho_errs": []}
+        a = out[key]
+        a["seeds"].append(r.get("seed"))
+        for src, dst in (("val_loss", "val_losses"), ("val_bpb", "val_bpbs"),
+                         ("ortho_err", "ortho_errs")):
+            if r.get(src) is not None:
+                a[dst].append(r[src])
+    for a in out.values():
+        a.pop("seed", None)
+        for src, dst in (("val_loss", "val_losses"), ("val_bpb", "val_bpbs")):
+            a[src] = sum(a[dst]) / len(a[dst]) if a[dst] else None
+        a["ortho_err"] = max(a["ortho_errs"]) if a["ortho_errs"] else None
+    return list(out.values())
+
+
 def format_table(rows: list[dict]) -> str:
-    """Markdown table of the study rows (loss columns blank for bytes-only rows)."""
+    """Markdown table of :func:`aggregate` rows (loss columns blank for bytes-only rows; with
+    several seeds the loss column gives the mean and each seed's value)."""
     base = next((r for r in rows if r["method"] == "none"), None)
     header = ("| method | ratio | r | boundary bytes/token | vs none | val loss (nats) | "
               "val bits/byte | loss vs none | max abs(A'A - I) |")
@@ -79,18 +110,22 @@ def format_table(rows: list[dict]) -> str:
               if loss is not None and base and base.get("val_loss") else "")
         ortho, bpb = r.get("ortho_err"), r.get("val_bpb")
         loss_s = "" if loss is None else f"{loss:.4f}"
+        if loss is not None and len(r.get("val_losses", [])) > 1:
+            loss_s += " (" + ", ".join(f"{v:.4f}" for v in r["val_losses"]) + ")"
         bpb_s = "" if bpb is None else f"{bpb:.4f}"
         ortho_s = "" if ortho is None else f"{ortho:.1e}"
         ratio_s = "-" if r["method"] == "none" else f"{r['ratio']}x"
+        name = r["method"] + (f" + RVQ {r['rvq_levels']}" if r.get("rvq_levels") else "")
         lines.append(
-            f"| {r['method']} | {ratio_s} | {r['r']} | {r['bytes_per_token']:.1f} | {vs} | "
+            f"| {name} | {ratio_s} | {r['r']} | {r['bytes_per_token']:.1f} | {vs} | "
             f"{loss_s} | {bpb_s} | {dl} | {ortho_s} |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """Validation loss against boundary bytes per token, one marker per method, and the Pareto
-    front (runs no other run beats on both axes)."""
+    """Validation loss (the mean over seeds, a bar over the seeds' range) against boundary bytes
+    per token, one marker per method, and the Pareto front (points no other point beats on both
+    axes), for :func:`aggregate` rows; written as a PNG to ``path``."""
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -105,6 +140,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             c, mk = style[m]
             ax.scatter([r["bytes_per_token"] for r in sel], [r["val_loss"] for r in sel],
                        color=c, marker=mk, label=m, zorder=3)
+            for r in sel:  # the seeds' range
+                vals = r.get("val_losses") or [r["val_loss"]]
+                if len(vals) > 1:
+                    ax.vlines(r["bytes_per_token"], min(vals), max(vals), color=c, alpha=0.6)
             for r in sel:
                 if m != "none":
                     ax.annotate(f"{r['ratio']}x", (r["bytes_per_token"], r["val_loss"]),
@@ -128,7 +167,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m sdp_jax.study",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs",
                                                     "llama_mapl.py"))
@@ -136,8 +176,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ratios", default="4,8", help="compression ratios d / r")
     p.add_argument("--steps", type=int, default=0, help="override config.steps (0 = keep)")
-    p.add_argument("--seed", type=int, default=None, help="override config.seed (init and data "
-                   "order; use another --out)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (initialization and data "
+                   "order), every run once per seed; default: the config's seed")
     p.add_argument("--rvq-levels", type=int, default=0,
                    help="residual vector quantization of the compressed payloads (0 = off)")
     p.add_argument("--rvq-codebook", type=int, default=256, help="codes per RVQ level")
@@ -146,33 +186,53 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
 
     from sdp_jax import bench  # pylint: disable=g-import-not-at-top
-    config = bench.load_config(args.config)
+    try:
+        config = bench.load_config(args.config)
+    except (OSError, AttributeError, SyntaxError) as e:
+        p.error(f"--config: {e}")
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS]
-    if bad:
-        p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+    if bad or not methods:
+        p.error(f"--methods={args.methods!r}: choose one or more of {', '.join(METHODS)}")
+    try:  # before any compile
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {args.out!r}: cannot create the folder ({e.strerror or e})")
+    if not os.access(args.out, os.W_OK):
+        p.error(f"--out {args.out!r}: the folder is not writable")
     try:
         ratios = [int(r) for r in args.ratios.split(",") if r]
     except ValueError:
         p.error(f"--ratios={args.ratios!r} must be integers like 4,8,16")
     if args.steps < 0:
         p.error(f"--steps={args.steps} must be >= 0")
+    try:
+        seeds = ([int(x) for x in args.seeds.split(",") if x] if args.seeds is not None
+                 else [config.seed])
+    except ValueError:
+        p.error(f"--seeds={args.seeds!r} must be integers like 0,1,2")
+    if not seeds or len(set(seeds)) != len(seeds):
+        p.error(f"--seeds={args.seeds!r}: give distinct seeds, e.g. 0,1")
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
     from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
 
-    runs = _runs(methods, ratios)
     configs = {}
-    for m, r in runs:  # every config is validated before anything is compiled or trained
-        c = _with(config, m, r, args)
-        try:
-            trainer.resolve(c, jax.device_count())
-        except ValueError as e:
-            p.error(f"{m} at {r}x: {e}")
-        configs[m, r] = c
-    os.makedirs(args.out, exist_ok=True)
-    rows = []
-    for (m, r), c in configs.items():
+    for seed in seeds[:1] if args.bytes_only else seeds:
+        for m, r in _runs(methods, ratios):  # all validated before any compile or training
+            c = _with(config, m, r, seed, args)
+            where = _run_dir(args.out, m, r, seed)
+            try:
+                spec = trainer.resolve(c, jax.device_count())
+                if not args.bytes_only:
+                    trainer.check_workdir(c, where, spec)
+            except ValueError as e:
+                p.error(f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}: {e} "
+                        f"(The study's run folder is {where}: use another --out, or the flags "
+                        "that wrote it.)")
+            configs[m, r, seed] = c
+    rows, measured = [], {}
+    for (m, r, seed), c in configs.items():
         d = c.model.d_model
         row = {"method": m, "ratio": r if m != "none" else 1, "seed": c.seed,
                "rvq_levels": c.pipeline.rvq_levels,
@@ -180,30 +240,35 @@ def main(argv=None) -> list[dict]:
                "stages": c.pipeline.stages, "microbatches": c.pipeline.microbatches,
                "workers": c.workers, "steps": c.steps,
                "tokens": c.steps * c.workers * c.batch_per_worker * c.seq_len}
-        b = measure_bytes(c)
+        if (m, r) not in measured:  # the same program for every seed
+            measured[m, r] = measure_bytes(c)
+        b = measured[m, r]
         row["bytes_per_token"] = b["per_token"]
         row["bytes_per_step"] = b["per_boundary"]
         if not args.bytes_only:
-            trainer._log(f"study: training {m}" + (f" at {r}x" if m != "none" else ""))
-            s = trainer.train(c, os.path.join(args.out, "runs", f"{m}_{row['ratio']}x"))
+            trainer._log(f"study: training {m}" + (f" at {r}x" if m != "none" else "")
+                         + f", seed {seed}")
+            s = trainer.train(c, _run_dir(args.out, m, r, seed))
             if not s.get("completed"):
                 print(f"study stopped during {m} {r}x; rerun the same command to resume.",
                       file=sys.stderr)
-                return rows
+                sig = s.get("interrupted_by")
+                sys.exit(128 + int(getattr(signal, sig)) if sig else 1)
             row.update(val_loss=s["final_val_loss"], val_bpb=s["final_val_bpb"],
                        ortho_err=s.get("final_ortho_err"), wall_s=s["wall_s"])
         rows.append(row)
-    table = format_table(rows)
+    table = format_table(aggregate(rows))
     print(table)
     with open(os.path.join(args.out, "study.json"), "w") as f:
-        json.dump(rows, f, indent=2)
+        json.dump(rows, f, indent=2)  # one row per run
     with open(os.path.join(args.out, "study.md"), "w") as f:
         f.write(table + "\n")
     if not args.bytes_only:
         c0 = next(iter(configs.values()))
-        plot(rows, os.path.join(args.out, "study.png"),
+        plot(aggregate(rows), os.path.join(args.out, "study.png"),
              f"LLaMA d={c0.model.d_model}, {c0.model.n_layers} blocks, {c0.pipeline.stages} "
-             f"stages, {rows[0]['tokens'] / 1e6:.2f}M tokens per run")
+             f"stages, {rows[0]['tokens'] / 1e6:.2f}M tokens per run, "
+             f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
     return rows
 
 

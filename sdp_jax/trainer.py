@@ -189,6 +189,29 @@ def resolve(config, device_count: int) -> RunSpec:
                    byte_level, pipe)
 
 
+def check_workdir(config, workdir: str, spec: RunSpec | None = None) -> None:
+    """Refuse, before any compute, a ``workdir`` whose latest checkpoint another config wrote.
+
+    Raises:
+      ValueError: listing the differing fields (see
+        :meth:`sdp_jax.checkpoint.CheckpointManager.check_compatible`)."""
+    path = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(path):
+        return
+    spec = spec or resolve(config, jax.device_count())
+    manager = ckpt_lib.CheckpointManager(path, keep=config.keep_checkpoints)
+    try:
+        latest = manager.latest_step()
+        if latest is not None:
+            manager.check_compatible(latest, _meta(config, spec), defaults=_ADDED_FIELDS)
+    finally:
+        manager.close()
+
+
+def _meta(config, spec: RunSpec) -> dict:
+    return {"config": trajectory_config(config), "masks": spec.plan.record()}
+
+
 def _check_pipeline(config, pipe: pl.PipelineConfig, model: LlamaConfig,
                     device_count: int) -> None:
     """What a pipelined run (``pipeline.stages > 1``) cannot combine with, refused up front."""
@@ -373,7 +396,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         raise ValueError(f"cannot create --workdir {workdir!r}: {e}; choose another.") from e
     manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                          keep=config.keep_checkpoints)
-    meta = {"config": trajectory_config(config), "masks": spec.plan.record()}
+    meta = _meta(config, spec)
     latest = manager.latest_step()
     if latest is not None:
         try:
