@@ -641,6 +641,12 @@ class PipelineStep:
         return boundary_bytes(compiled, tokens_per_worker=batch_per_worker * seq_len,
                               stages=self.P, codebook_bytes=self.codebook_sync_bytes())
 
+    def boundary_param_count(self) -> int:
+        """Elements of the boundary parameters (projectors, anchors, codebooks; frozen ones
+        included), stored on every device."""
+        shapes = jax.eval_shape(lambda: init_boundary(jax.random.key(0), self.model, self.pipe))
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
     def per_device_param_count(self) -> int:
         """Parameters stored on one device: its stage's ``k`` blocks (compact), plus the
         replicated embedding, head and boundary parameters."""

@@ -131,8 +131,9 @@ def stiefel_sgd(learning_rate: float | Callable[[jax.Array], jax.Array], momentu
 
     Per leaf ``A`` [..., d, r] (d >= r) with gradient ``g`` (MAPL; DESIGN.md):
     ``m <- momentum * m + g``; ``xi = m - A sym(A^T m)``; ``A_new = msign(A - lr * msign(xi))``.
-    ``update`` returns ``A_new - A`` (so ``optax.apply_updates`` lands on ``A_new``) and keeps
-    projectors in float32; the learning rate (a float or an optax schedule of the step count) is
+    ``update`` returns ``A_new - A`` (so ``optax.apply_updates`` lands on ``A_new``), computed in
+    float32 and cast to the parameter's dtype (store projectors in float32: a bfloat16 ``A`` is
+    only orthogonal to about 1e-2); the learning rate (a float or an optax schedule of the step count) is
     applied inside, so do not chain a scaling after it.
 
     Args:

@@ -1,6 +1,6 @@
 """The MAPL study: validation loss against bytes per token crossing the pipeline-stage boundaries.
 
-    python -m sdp_jax.study                                   # configs/llama_mapl.py -> docs/mapl
+    python -m sdp_jax.study                       # configs/llama_mapl.py -> runs/mapl_study
     python -m sdp_jax.study --seeds 0,1 --out /tmp/mapl       # every run with two seeds
     python -m sdp_jax.study --steps 100 --out /tmp/mapl       # a shorter run
     python -m sdp_jax.study --bytes-only --ratios 4,8,16      # compiled-program bytes only
@@ -17,7 +17,8 @@ boundary, for one worker, divided by that worker's tokens per step; they include
 ticks, ``(M + P - 1) / M`` of the useful transfers).
 
 Writes ``OUT/study.json`` (one row per run), ``OUT/study.md`` (the table: means over the seeds,
-and each seed's loss) and ``OUT/study.png`` (the plot).
+and each seed's loss) and ``OUT/study.png`` (the plot); ``--bytes-only`` writes ``OUT/bytes.json``
+and ``OUT/bytes.md``. ``OUT`` defaults to ``runs/mapl_study``.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ def main(argv=None) -> list[dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs",
                                                     "llama_mapl.py"))
-    p.add_argument("--out", default=os.path.join("docs", "mapl"))
+    p.add_argument("--out", default=os.path.join("runs", "mapl_study"),
+                   help="folder of the runs and of study.md / study.json / study.png "
+                        "(bytes.md / bytes.json with --bytes-only)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ratios", default="4,8", help="compression ratios d / r")
     p.add_argument("--steps", type=int, default=0, help="override config.steps (0 = keep)")
@@ -259,10 +262,13 @@ def main(argv=None) -> list[dict]:
         rows.append(row)
     table = format_table(aggregate(rows))
     print(table)
-    with open(os.path.join(args.out, "study.json"), "w") as f:
+    name = "bytes" if args.bytes_only else "study"  # bytes-only never replaces a study's table
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(rows, f, indent=2)  # one row per run
-    with open(os.path.join(args.out, "study.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(table + "\n")
+    trainer._log(f"wrote {os.path.join(args.out, name)}.md and .json"
+                 + ("" if args.bytes_only else " and study.png"))
     if not args.bytes_only:
         c0 = next(iter(configs.values()))
         plot(aggregate(rows), os.path.join(args.out, "study.png"),

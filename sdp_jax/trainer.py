@@ -431,7 +431,11 @@ def train(config, workdir: str) -> dict[str, Any]:
              f"{pipe.microbatches} microbatches); masks are per stage "
              f"({spec.model.n_layers // pipe.stages} blocks each); boundaries: {pipe.method}"
              + (f", {pipe.ratio}x (r = {pipe.width(spec.model.d_model)}), anchors of rank "
-                f"{pipe.anchor_rank}" if pipe.compressed else ""))
+                f"{pipe.anchor_rank}" if pipe.compressed else "")
+             + (f", RVQ {pipe.rvq_levels} levels x {pipe.rvq_codebook} codes"
+                if pipe.quantized else "")
+             + (f"; {builder.boundary_param_count():,} boundary parameters (not in the total "
+                "below)" if pipe.compressed else ""))
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
                      for k, v in mask_info["kinds"].items())
     _log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
