@@ -397,6 +397,16 @@ def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
     return rows
 
 
+def out_folder(parser: argparse.ArgumentParser, path: str) -> None:
+    """Create the ``--out`` folder now, or stop with a parser error naming why it cannot be."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {path!r}: cannot create the folder ({e.strerror or e})")
+    if not os.access(path, os.W_OK):
+        parser.error(f"--out {path!r}: the folder is not writable")
+
+
 def _write_rows(path: str | None, rows: list[dict]) -> None:
     """``--json``: the rows as a JSON list (nothing without a path)."""
     if path:
@@ -487,12 +497,7 @@ def main(argv=None) -> list[dict]:
         if fixed:
             p.error(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
                     f"FSDP + AC, bf16); drop {', '.join(fixed)}")
-        try:  # before minutes of compiling
-            os.makedirs(args.out, exist_ok=True)
-        except OSError as e:
-            p.error(f"--out {args.out!r}: cannot create the folder ({e.strerror})")
-        if not os.access(args.out, os.W_OK):
-            p.error(f"--out {args.out!r}: the folder is not writable")
+        out_folder(p, args.out)  # before minutes of compiling
         try:
             import matplotlib  # noqa: F401
         except ImportError:

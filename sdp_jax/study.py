@@ -67,10 +67,7 @@ def measure_bytes(config) -> dict:
     from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
 
     spec = trainer.resolve(config, jax.device_count())
-    mesh = pl.make_mesh(spec.workers, spec.pipe.stages)
-    builder = pl.PipelineStep(spec.model, spec.pipe, spec.optim, mesh, spec.total_steps,
-                              variant=config.sdp.variant, coverage=spec.plan.coverage,
-                              batch_per_worker=config.batch_per_worker)
+    builder = trainer.pipeline_step(config, spec, pl.make_mesh(spec.workers, spec.pipe.stages))
     compiled = builder.compiled_train_step((spec.global_batch, config.seq_len + 1))
     return builder.boundary_bytes(compiled, config.batch_per_worker, config.seq_len)
 
@@ -197,12 +194,7 @@ def main(argv=None) -> list[dict]:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         p.error(f"--methods={args.methods!r}: choose one or more of {', '.join(METHODS)}")
-    try:  # before any compile
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        p.error(f"--out {args.out!r}: cannot create the folder ({e.strerror or e})")
-    if not os.access(args.out, os.W_OK):
-        p.error(f"--out {args.out!r}: the folder is not writable")
+    bench.out_folder(p, args.out)  # before any compile
     try:
         ratios = [int(r) for r in args.ratios.split(",") if r]
     except ValueError:

@@ -189,6 +189,16 @@ def resolve(config, device_count: int) -> RunSpec:
                    byte_level, pipe)
 
 
+def pipeline_step(config, spec: RunSpec, mesh) -> pl.PipelineStep:
+    """The :class:`sdp_jax.pipeline.PipelineStep` of a pipelined run config (``spec`` from
+    :func:`resolve`, ``mesh`` from :func:`sdp_jax.pipeline.make_mesh`)."""
+    sdp = config.sdp
+    return pl.PipelineStep(spec.model, spec.pipe, spec.optim, mesh, spec.total_steps,
+                           variant=sdp.variant, coverage=spec.plan.coverage, scheme=sdp.scheme,
+                           mask_seed=sdp.mask_seed, allow_nonuniform=sdp.allow_nonuniform,
+                           batch_per_worker=config.batch_per_worker)
+
+
 def check_workdir(config, workdir: str, spec: RunSpec | None = None) -> None:
     """Refuse, before any compute, a ``workdir`` whose latest checkpoint another config wrote.
 
@@ -406,12 +416,7 @@ def train(config, workdir: str) -> dict[str, Any]:
             raise
 
     if pipe.stages > 1:
-        sdp = config.sdp
-        builder = pl.PipelineStep(spec.model, pipe, spec.optim, mesh, spec.total_steps,
-                                  variant=sdp.variant, coverage=spec.plan.coverage,
-                                  scheme=sdp.scheme, mask_seed=sdp.mask_seed,
-                                  allow_nonuniform=sdp.allow_nonuniform,
-                                  batch_per_worker=config.batch_per_worker)
+        builder = pipeline_step(config, spec, mesh)
     else:
         builder = ts.StepBuilder(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
                                  averaging=config.sdp.average, sync_every=config.sdp.sync_every,
