@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -330,43 +329,3 @@ def summarize(mask: np.ndarray) -> dict[str, Any]:
         "multiplicity_max": int(mult.max()),
         "spectral_gap": round(spectral_gap(mask), 6),
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Mask pytrees
-# --------------------------------------------------------------------------------------------
-
-def block_mask_pytree(param_shapes: Any, mask: np.ndarray, block_key: str = "blocks") -> Any:
-    """Mask pytree matching a parameter tree (nested dicts) whose ``block_key`` subtree holds
-    block-stacked leaves ``[G, ...]``.
-
-    Args:
-      param_shapes: nested dict of arrays or objects with ``.shape`` (full, unpruned params).
-      mask: bool ``[W, G]``.
-      block_key: top-level key of the stacked blocks.
-
-    Returns:
-      Same nested dict; leaves under ``block_key`` are bool ``[W, G, 1, ..., 1]`` (broadcastable
-      to a per-worker view of the parameter), all other leaves ``None`` (always-kept).
-    """
-    mask = np.asarray(mask, dtype=bool)
-
-    def leaf(x, under_blocks):
-        if not under_blocks:
-            return None
-        shape = tuple(x.shape)
-        if shape[0] != mask.shape[1]:
-            raise ValueError(f"block leaf has leading size {shape[0]}, mask has G={mask.shape[1]}.")
-        return mask.reshape(mask.shape + (1,) * (len(shape) - 1))
-
-    def walk(tree, under):
-        if isinstance(tree, dict):
-            return {k: walk(v, under or k == block_key) for k, v in tree.items()}
-        return leaf(tree, under)
-
-    return walk(param_shapes, False)
-
-
-def fraction_str(c: float) -> str:
-    """Coverage as a short fraction string, e.g. 0.6875 -> '11/16'."""
-    return str(Fraction(c).limit_denominator(1024))

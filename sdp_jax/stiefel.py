@@ -16,10 +16,10 @@ the singular values, with one optimal (a, b, c) per step, always in float32 here
 
 What this module provides: :func:`polar_express`, :func:`tangent_projection`, :func:`retract`,
 :func:`orthogonality_error`, the optax transform :func:`stiefel_sgd` (``update`` needs
-``params`` and returns ``A_new - A``), and :func:`label_projectors` / :func:`partition` to send
-projector parameters to it and everything else to another optimizer (AdamW) with
-``optax.partition``. The compressed pipeline boundaries that use the projectors are in
-:mod:`sdp_jax.pipeline` (``pipeline.method="mapl"``).
+``params`` and returns ``A_new - A``), and :func:`label_projectors`, labels for ``optax.partition``
+that send projector parameters to it and everything else to another optimizer (AdamW). The
+compressed pipeline boundaries that use the projectors are in :mod:`sdp_jax.pipeline`
+(``pipeline.method="mapl"``).
 """
 
 from __future__ import annotations
@@ -193,10 +193,3 @@ def label_projectors(params: Any, is_projector: Callable[[tuple, Any], bool] | N
     return jax.tree_util.tree_map_with_path(
         lambda path, x: PROJECTOR if pred(tuple(str(getattr(k, "key", k)) for k in path), x)
         else OTHER, params)
-
-
-def partition(projector_tx: optax.GradientTransformation, other_tx: optax.GradientTransformation,
-              labels: Any) -> optax.GradientTransformation:
-    """``optax.partition`` routing projector leaves (see :func:`label_projectors`) to
-    ``projector_tx`` (e.g. :func:`stiefel_sgd`) and all others to ``other_tx`` (e.g. AdamW)."""
-    return optax.partition({PROJECTOR: projector_tx, OTHER: other_tx}, labels)

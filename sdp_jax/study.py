@@ -210,7 +210,7 @@ def main(argv=None) -> list[dict]:
         p.error(f"--seeds={args.seeds!r}: give distinct seeds, e.g. 0,1")
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
-    from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
+    from sdp_jax import loop, trainer  # pylint: disable=g-import-not-at-top
 
     configs = {}
     for seed in seeds[:1] if args.bytes_only else seeds:
@@ -241,7 +241,7 @@ def main(argv=None) -> list[dict]:
         row["bytes_per_token"] = b["per_token"]
         row["bytes_per_step"] = b["per_boundary"]
         if not args.bytes_only:
-            trainer._log(f"study: training {m}" + (f" at {r}x" if m != "none" else "")
+            loop.log(f"study: training {m}" + (f" at {r}x" if m != "none" else "")
                          + f", seed {seed}")
             s = trainer.train(c, _run_dir(args.out, m, r, seed))
             if not s.get("completed"):
@@ -259,7 +259,7 @@ def main(argv=None) -> list[dict]:
         json.dump(rows, f, indent=2)  # one row per run
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(table + "\n")
-    trainer._log(f"wrote {os.path.join(args.out, name)}.md and .json"
+    loop.log(f"wrote {os.path.join(args.out, name)}.md and .json"
                  + ("" if args.bytes_only else " and study.png"))
     if not args.bytes_only:
         c0 = next(iter(configs.values()))

@@ -621,3 +621,169 @@ def fsdp_gather(shard: jax.Array, r: int, dtype, idx: jax.Array | None = None,
       row; divide by the multiplicity for the masked mean.
     """
     return _gather_rows(shard, idx, keep, int(r), jnp.dtype(dtype))
+
+
+# ------------------------------------------------------------------------------------------
+# Tree-level averaging and clipping for any model (driven by an sdp_jax.spec.SDPSpec)
+# ------------------------------------------------------------------------------------------
+
+def masked_average(tree: Any, masks: Any, axis: str = AXIS) -> Any:
+    """The reference masked mean over holders, full layout (DESIGN.md invariant 2).
+
+    Args:
+      tree: this worker's full-size values (a pytree; entries it does not hold are ignored).
+      masks: the spec's mask pytree (:meth:`sdp_jax.spec.SDPSpec.mask_tree`): per leaf a static
+        bool ``[W, ...]`` broadcastable to the leaf, or None (every worker holds it).
+
+    Returns:
+      pytree like ``tree``: every entry is ``psum(mask * x) / count`` with ``count`` the number of
+      workers holding it (host-known); always-kept leaves the plain mean. The same on every
+      worker (invariant over ``axis``).
+    """
+    my = worker_index(axis)
+
+    def one(m, x):
+        if m is None:
+            return lax.pmean(x, axis)
+        m = np.asarray(m, bool)
+        count = m.sum(0)
+        mine = jnp.asarray(m)[my]
+        total = lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
+        return total / jnp.asarray(np.maximum(count, 1), x.dtype)
+
+    return jax.tree.map(one, masks, tree, is_leaf=lambda m: m is None or isinstance(m, np.ndarray))
+
+
+def _check_compact(flat: dict, lay) -> None:
+    if set(flat) != set(lay.leaves):
+        odd = sorted(set(flat) ^ set(lay.leaves), key=str)[:2]
+        raise ValueError(f"the tree is not in the spec's compact layout (e.g. {odd}); pass "
+                         "compact=False for full-size values, or a worker's local tree "
+                         "(sdp_jax.layout.Layout.prune).")
+
+
+def _local_flat(tree):
+    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p): x
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
+            axis: str = AXIS) -> Any:
+    """Mean of every component over exactly the workers that hold it, for a whole tree.
+
+    Call inside ``jax.shard_map`` over ``axis``, on each worker's own (local) values, e.g. the
+    gradient of its loss. Values must be *varying* over ``axis``: a parameter that enters
+    ``shard_map`` replicated (``P()``) has a gradient that is already summed over the workers
+    (DESIGN.md invariant 1); cast it with :func:`to_varying` before differentiating.
+
+    Args:
+      tree: ``compact=True``: a worker's local tree in the compact layout of
+        :class:`sdp_jax.layout.Layout` (what a forward-masking worker trains: ``k`` blocks,
+        narrowed neuron leaves); ``compact=False``: full-size values (nested dict like the
+        parameters; entries the worker does not hold are ignored).
+      spec: the :class:`sdp_jax.spec.SDPSpec`.
+      method: compact layout only: ``"alltoall"`` moves only held bytes (:func:`holder_mean`:
+        per device ``2 (W-1)/W`` times the worker's compact bytes, ``C`` times an all-reduce);
+        ``"psum"`` scatters into full-size buffers and runs :func:`masked_average` (the
+        reference; every method gives the same values).
+
+    Returns:
+      tree like ``tree``; always-kept leaves are the plain mean over all workers.
+
+    Raises:
+      ValueError: unknown ``method``.
+    """
+    from sdp_jax import layout as layout_lib  # pylint: disable=g-import-not-at-top
+    if method not in ("alltoall", "psum"):
+        raise ValueError(f"method={method!r}; use alltoall or psum.")
+    if not compact:
+        return masked_average(tree, spec.mask_tree(), axis)
+    lay = layout_lib.of(spec)
+    flat = _local_flat(tree)
+    _check_compact(flat, lay)
+    my = worker_index(axis)
+    if method == "psum":
+        dt = jnp.result_type(*flat.values())
+        zeros = {p: jnp.zeros(s, dt) for p, s in spec.shapes.items()}
+        full = lay.embed(zeros, flat, my)
+        masks = {p: spec.leaf_mask(p) for p in spec.shapes}
+        avg = {p: (lax.pmean(x, axis) if masks[p] is None else
+                   lax.psum(x, axis) / jnp.asarray(masks[p].sum(0), x.dtype))
+               for p, x in full.items()}
+        return layout_lib.unflatten(lay.prune(avg, my))
+    out, masked, tabs, slots = {}, {}, {}, {}
+    for lp, x in flat.items():
+        lf = lay.leaves[lp]
+        if lf.kind == layout_lib.KEPT:
+            out[lp] = lax.pmean(x, axis)
+            continue
+        t = lay.holder_tables(lp)
+        if t.full:
+            out[lp] = lax.pmean(x, axis)
+        elif lf.kind == layout_lib.SLOT:   # list-form blocks travel as a stack of slots
+            slots.setdefault(lf.rel, {})[lf.slot] = lp
+            tabs[("slots",) + lf.rel] = t
+        else:
+            masked[lp] = x if (lf.kind == layout_lib.STACK or lf.rule.layer is None) else x[None]
+            tabs[lp] = t
+    for rel, by_slot in slots.items():
+        masked[("slots",) + rel] = jnp.stack([flat[by_slot[j]] for j in range(len(by_slot))])
+    if masked:
+        mean = holder_mean(masked, tabs, axis)
+        for key, v in mean.items():
+            if key[0] == "slots" and key[1:] in slots:
+                for j, lp in slots[key[1:]].items():
+                    out[lp] = v[j]
+            else:
+                lf = lay.leaves[key]
+                out[key] = v if (lf.kind == layout_lib.STACK or lf.rule.layer is None) else v[0]
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [out[p] for p in flat])
+
+
+def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> jax.Array:
+    """Global L2 norm of an *averaged* tree (:func:`average`'s output) with every component
+    counted once, so it is the same on every worker (DESIGN.md invariant 6: a norm over a
+    worker's own compact blocks differs between workers and makes holders drift apart).
+
+    Args:
+      tree: averaged values in the compact layout (``compact=True``) or full layout.
+    Returns:
+      float32 scalar, invariant over ``axis``. Compact layout: each worker weights its entries
+      by ``1 / m`` (multiplicity) and one psum adds them up.
+    """
+    from sdp_jax import layout as layout_lib  # pylint: disable=g-import-not-at-top
+    flat = _local_flat(tree)
+    sq = jnp.float32(0.0)
+    if not compact:
+        for x in flat.values():
+            sq = sq + jnp.sum(jnp.square(x.astype(jnp.float32)))
+        return jnp.sqrt(sq)
+    lay = layout_lib.of(spec)
+    _check_compact(flat, lay)
+    my = worker_index(axis)
+    local = []
+    for lp, x in flat.items():
+        x2 = jnp.square(x.astype(jnp.float32))
+        if lay.leaves[lp].kind == layout_lib.KEPT:
+            sq = sq + jnp.sum(x2)
+        else:
+            local.append(jnp.sum(x2 * jnp.asarray(lay.inverse_counts(lp))[my]))
+    if local:
+        sq = sq + lax.psum(sum(local), axis)
+    return jnp.sqrt(sq)
+
+
+def clip_by_global_norm(tree: Any, spec, max_norm: float, *, compact: bool = True,
+                        axis: str = AXIS) -> tuple[Any, jax.Array]:
+    """Scale an averaged tree so that its :func:`global_norm` is at most ``max_norm`` (the
+    same factor on every worker; ``max_norm <= 0``: no clipping).
+
+    Returns:
+      ``(clipped tree, norm before clipping)`` (float32 scalar). Use this instead of
+      ``optax.clip_by_global_norm`` inside ``shard_map``, which sees only one worker's values.
+    """
+    norm = global_norm(tree, spec, compact=compact, axis=axis)
+    if max_norm <= 0:
+        return tree, norm
+    scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), tree), norm

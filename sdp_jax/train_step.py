@@ -46,8 +46,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import fields, sync
-from sdp_jax.models.llama import BLOCK_KEY, Llama, LlamaConfig, block_apply_fn, next_token_loss
-from sdp_jax.plan import VARIANTS, Rule, SDPPlan  # noqa: F401  (VARIANTS re-exported)
+from sdp_jax import layout as layout_lib
+from sdp_jax import spec as spec_lib
+from sdp_jax.models.llama import (BLOCK_KEY, SDP_NAMES, Llama, LlamaConfig, block_apply_fn,
+                                  next_token_loss, sdp_rules)
+from sdp_jax.spec import VARIANTS, SDPSpec  # noqa: F401  (VARIANTS re-exported)
 
 AXIS = sync.AXIS
 AVERAGING = ("gradients", "parameters")
@@ -127,13 +130,16 @@ def make_optimizer(optim: OptimConfig, total_steps: int,
 
 
 def make_plan(variant: str, cfg: LlamaConfig, workers: int, coverage: float,
-              scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False) -> SDPPlan:
-    """The :class:`sdp_jax.plan.SDPPlan` of a variant (DDP: all-ones block mask).
+              scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False) -> SDPSpec:
+    """The :class:`sdp_jax.spec.SDPSpec` of a LLaMA model for a variant (DDP: all-ones block
+    mask), from the model's declared rules (:func:`sdp_jax.models.llama.sdp_rules`).
 
     Raises:
       ValueError: unknown variant, or a coverage not realizable for a component kind.
     """
-    return SDPPlan(variant, cfg, workers, coverage, scheme, seed, allow_nonuniform)
+    shapes = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+    return spec_lib.build(shapes, sdp_rules(cfg), variant, workers, coverage, scheme=scheme,
+                          seed=seed, allow_nonuniform=allow_nonuniform, names=SDP_NAMES)
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -184,7 +190,7 @@ class StepBuilder:
 
     Args:
       model_cfg: :class:`LlamaConfig`.
-      plan: :class:`sdp_jax.plan.SDPPlan` (``W`` = mesh size).
+      plan: :class:`sdp_jax.spec.SDPSpec` (``W`` = mesh size).
       optim: :class:`OptimConfig`.
       mesh: ``jax.sharding.Mesh`` with one axis ``data`` of size ``W``.
       total_steps: schedule length in optimizer steps.
@@ -209,7 +215,7 @@ class StepBuilder:
         ``dtype``.
     """
 
-    def __init__(self, model_cfg: LlamaConfig, plan: SDPPlan, optim: OptimConfig, mesh,
+    def __init__(self, model_cfg: LlamaConfig, plan: SDPSpec, optim: OptimConfig, mesh,
                  total_steps: int, averaging: str = "gradients", sync_every: int = 1,
                  method: str = "auto", unroll: bool = False, fsdp: bool = False,
                  remat: str = "none", dtype: str = "float32"):
@@ -311,10 +317,8 @@ class StepBuilder:
 
         self.param_specs, self.param_shapes = struct(self.param_layout)
         self.compact_specs, self.compact_shapes = struct(self.compact_layout)
-        abstract_opt = jax.eval_shape(self.optimizer.init, self.compact_shapes)
-        self.opt_specs = optax.tree_map_params(
-            self.optimizer, lambda _, spec: spec, abstract_opt, self.compact_specs,
-            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+        self.opt_specs = layout_lib.opt_state_specs(self.optimizer, self.compact_specs,
+                                                    self.compact_shapes)
         self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs, "step": P()}
         self._train_steps: dict[bool, Any] = {}
         self._eval_step = None

@@ -1,20 +1,18 @@
-"""The training loop: config -> validated run -> resumable training with metrics and summary.
+"""Language-model runs (LLaMA, optionally pipelined): config -> validated run -> the loop.
 
-``train(config, workdir)`` is what ``python train.py`` runs. It validates everything it can
-before any compute (variant, coverage, worker count, data files, config compatibility with an
-existing checkpoint), builds the mesh and :class:`sdp_jax.train_step.StepBuilder`, restores the
-latest checkpoint in ``workdir`` if one exists, and trains with a progress bar, writing
-``metrics.jsonl`` and ``summary.json``.
+``train(config, workdir)`` is what ``python train.py`` runs for a language model. It validates
+everything it can before any compute (variant, coverage, worker count, data files, config
+compatibility with an existing checkpoint), builds the mesh and the step
+(:class:`sdp_jax.train_step.StepBuilder`, or :class:`sdp_jax.pipeline.PipelineStep` with
+``pipeline.stages > 1``), and hands them to the shared loop :mod:`sdp_jax.loop` (checkpoints,
+progress, ``metrics.jsonl``, signals, ``summary.json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -23,8 +21,9 @@ import numpy as np
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import data as data_lib
+from sdp_jax import loop
 from sdp_jax import pipeline as pl
-from sdp_jax import plan as plan_lib
+from sdp_jax import spec as spec_lib
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import LlamaConfig
 
@@ -35,73 +34,12 @@ class RunSpec:
 
     model: LlamaConfig
     optim: ts.OptimConfig
-    plan: plan_lib.SDPPlan
+    plan: spec_lib.SDPSpec
     workers: int
     total_steps: int
     global_batch: int
     byte_level: bool
     pipe: pl.PipelineConfig = dataclasses.field(default_factory=pl.PipelineConfig)
-
-
-def _positive_int(config, name):
-    v = config[name]
-    if not isinstance(v, int) or v < 1:
-        raise ValueError(f"config.{name}={v!r} must be a positive integer.")
-    return v
-
-
-def resolve_workers(config, device_count: int) -> int:
-    """``W`` from ``config.workers`` (0 = every device).
-
-    Raises:
-      ValueError: not a positive integer, more than the devices, or not every device with
-        several processes."""
-    workers = config.workers or device_count
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"config.workers={config.workers!r} must be a positive integer or 0 "
-                         "(= every device).")
-    if workers > device_count:
-        hint = (f", or simulate more CPU devices with --config.num_cpu_devices={workers}"
-                if jax.devices()[0].platform == "cpu" else "")
-        raise ValueError(f"config.workers={workers} but only {device_count} devices are "
-                         f"available; lower --config.workers (0 = every device){hint}.")
-    if jax.process_count() > 1 and workers != device_count:
-        raise ValueError(f"with several processes every device is a worker: set "
-                         f"--config.workers=0 (got {workers} of {device_count}).")
-    return workers
-
-
-def check_mask_graph(plan, config) -> None:
-    """Refuse masks whose mask graph is disconnected (spectral gap 0) unless allowed.
-
-    Raises:
-      ValueError: naming the scheme, variant, W and C, and the fixes."""
-    sdp = config.sdp
-    if plan.workers > 1 and plan.coverage < 1 and plan.summary()["spectral_gap"] < 1e-9 \
-            and not sdp.allow_disconnected:
-        raise ValueError(
-            f"the mask graph of {sdp.scheme} {sdp.variant} masks for W={plan.workers}, "
-            f"C={plan.coverage} is disconnected (spectral gap 0): some groups of workers share "
-            "no component, so their copies never mix. Choose a larger coverage, another scheme, "
-            "or set --config.sdp.allow_disconnected=True.")
-
-
-def previous_wall(summary_path: str, start: int) -> float:
-    """Wall seconds of the invocations before a resumed one (0 for a fresh run)."""
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            prev = json.load(f)
-        if prev.get("steps") == start:
-            return float(prev.get("wall_s", 0.0))
-    return 0.0
-
-
-def log_stopped(step: int, total: int, interrupted: list) -> None:
-    """The last line of a run that stopped before its end (it resumes from its checkpoint)."""
-    why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
-    how = ("rerun the same command" if interrupted else
-           "rerun without --config.stop_at_step (or with a later step)")
-    _log(f"{why} at step {step} of {total} (checkpoint saved); {how} to resume.")
 
 
 def resolve(config, device_count: int) -> RunSpec:
@@ -116,17 +54,9 @@ def resolve(config, device_count: int) -> RunSpec:
     """
     model = LlamaConfig.from_config(config.model)
     optim = ts.OptimConfig.from_config(config.optim)
-    for name in ("seq_len", "batch_per_worker", "steps", "eval_batches", "log_every",
-                 "keep_checkpoints", "num_cpu_devices"):
-        _positive_int(config, name)
-    for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed"):
-        v = config[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"config.{name}={v!r} must be an integer >= 0.")
-    wc = config.data.worker_count
-    if isinstance(wc, bool) or not isinstance(wc, int) or wc < 0:
-        raise ValueError(f"config.data.worker_count={wc!r} must be an integer >= 0 "
-                         "(0 = read data in the training process).")
+    loop.check_run_fields(config, ("seq_len", "batch_per_worker", "steps", "eval_batches",
+                                   "log_every", "keep_checkpoints", "num_cpu_devices"),
+                          ("eval_every", "checkpoint_every", "stop_at_step", "seed"))
     if config.seq_len > model.max_seq_len:
         raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
                          f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
@@ -144,7 +74,7 @@ def resolve(config, device_count: int) -> RunSpec:
                              "--config.num_cpu_devices).")
         plan_model = dataclasses.replace(model, n_layers=model.n_layers // pipe.stages)
     else:
-        workers = resolve_workers(config, device_count)
+        workers = loop.resolve_workers(config, device_count)
         plan_model = model
     sdp = config.sdp
     if sdp.method not in ts.METHODS:
@@ -168,20 +98,18 @@ def resolve(config, device_count: int) -> RunSpec:
         raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
                          "--config.sdp.average=parameters (gradients are averaged every step); "
                          "set both or neither.")
-    if sdp.average == "parameters" and sdp.variant in plan_lib.BACKWARD_VARIANTS:
+    if sdp.average == "parameters" and sdp.variant in spec_lib.BACKWARD_VARIANTS:
         raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
                          "(backward masking keeps every worker's full parameters identical); "
                          "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
     # With a pipeline the masks are over one stage's L / P blocks (the same in every stage).
     plan = ts.make_plan(sdp.variant, plan_model, workers, sdp.coverage, sdp.scheme,
                         sdp.mask_seed, sdp.allow_nonuniform)
-    check_mask_graph(plan, config)
+    loop.check_mask_graph(plan, config)
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
         total = ts.flop_matched_steps(config.steps, plan.coverage)
-    if optim.warmup_steps > total:
-        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
-                         f"({total} steps); lower --config.optim.warmup_steps.")
+    loop.check_warmup(optim, total)
     byte_level = config.data.source != "llmc"
     if byte_level and model.vocab_size < data_lib.VOCAB_BYTES:
         raise ValueError(f"byte-level data needs model.vocab_size >= 256, got {model.vocab_size}.")
@@ -219,7 +147,7 @@ def check_workdir(config, workdir: str, spec: RunSpec | None = None) -> None:
 
 
 def _meta(config, spec: RunSpec) -> dict:
-    return {"config": trajectory_config(config), "masks": spec.plan.record()}
+    return {"config": loop.trajectory_config(config), "masks": spec.plan.record()}
 
 
 def _check_pipeline(config, pipe: pl.PipelineConfig, model: LlamaConfig,
@@ -247,123 +175,8 @@ def _check_pipeline(config, pipe: pl.PipelineConfig, model: LlamaConfig,
 _ADDED_FIELDS = {"fsdp": False, "dtype": "float32",
                  "pipeline": dict(pl.PipelineConfig().__dict__)}
 
-# Fields that change the training trajectory: a checkpoint written under other values is refused.
-_RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
-                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
-                "remat")  # remat: same results, may change
-
-
-def trajectory_config(config) -> dict[str, Any]:
-    """The parts of the config a checkpoint must agree with (plain JSON dict)."""
-    d = json.loads(config.to_json())
-    for k in _RUN_CONTROL:
-        d.pop(k, None)
-    d.get("data", {}).pop("worker_count", None)
-    return d
-
-
-class _Metrics:
-    """Append-only JSONL writer (process 0), truncated to the restored step on resume."""
-
-    def __init__(self, path: str, resume_step: int):
-        self.path = path
-        self.on = jax.process_index() == 0
-        if not self.on:
-            return
-        kept = []
-        if os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if rec.get("step", 0) <= resume_step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-        with open(path, "w") as f:
-            f.writelines(kept)
-
-    def write(self, rec: dict):
-        if self.on:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-
-
-class _StopOnSignal:
-    """While active, SIGINT (Ctrl-C) and SIGTERM (preemption) ask the loop to stop after the
-    current step; the loop then saves a checkpoint and returns. A second signal aborts at once.
-    Only installed in the main thread."""
-
-    def __init__(self, flag: list):
-        self.flag, self.old = flag, {}
-
-    def _handler(self, signum, frame):
-        if self.flag:
-            raise KeyboardInterrupt
-        self.flag.append(signal.Signals(signum).name)
-        _log(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-             "(send again to abort without saving)")
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.old[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, old in self.old.items():
-            signal.signal(sig, old)
-        return False
-
-
-def _progress(total: int, initial: int):
-    from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                disable=jax.process_index() != 0, mininterval=1.0)
-
-
-def _log(msg: str):
-    if jax.process_index() == 0:
-        print(msg, flush=True)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _check_finite(rec: dict, step: int, manager) -> None:
-    """Stop before a non-finite state is checkpointed.
-
-    Raises:
-      FloatingPointError: naming the value, the step and the last checkpoint (which is kept).
-    """
-    bad = {k: v for k, v in rec.items() if k in ("train_loss", "grad_norm", "val_loss")
-           and not math.isfinite(v)}
-    if bad:
-        last = manager.latest_step()
-        kept = (f"the last checkpoint (step {last}) is kept" if last is not None
-                else "no checkpoint was written")
-        what = ", ".join(f"{k} {v}" for k, v in bad.items())
-        raise FloatingPointError(
-            f"non-finite {what} at step {step}: stopped without saving this state; {kept}. "
-            "Lower --config.optim.lr (or keep --config.optim.grad_clip > 0) and start in a new "
-            "--workdir: a changed optimizer is another trajectory.")
-
-
-def _canonical_dtype(config) -> None:
-    """``bf16`` / ``fp32`` -> ``bfloat16`` / ``float32``, so that checkpoints record one name."""
-    alias = {"bf16": "bfloat16", "fp32": "float32"}
-    if config.dtype in alias:
-        with config.unlocked():
-            config.dtype = alias[config.dtype]
-
-
 def train(config, workdir: str) -> dict[str, Any]:
-    """Train (or resume) the run described by ``config`` in ``workdir``.
+    """Train (or resume) the language-model run described by ``config`` in ``workdir``.
 
     Writes ``workdir/metrics.jsonl`` (one record per logged step: ``step``, ``train_loss``,
     ``grad_norm``, ``lr``, ``tokens_per_s``; on eval steps ``val_loss`` nats/token and, for
@@ -378,10 +191,9 @@ def train(config, workdir: str) -> dict[str, Any]:
         (raised before any training step).
     """
     t_start = time.time()
-    _canonical_dtype(config)
+    loop.canonical_dtype(config)
     spec = resolve(config, jax.device_count())
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ValueError(f"--workdir {workdir!r} exists and is not a directory; choose another.")
+    loop.check_workdir(workdir)
     W, T, pipe = spec.workers, config.seq_len, spec.pipe
     devices = jax.devices()[:W * pipe.stages]
     if pipe.stages > 1:
@@ -391,7 +203,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     mask_info = spec.plan.summary()
 
     # Data first: a bad path or a split too small fails here, before any compile.
-    _log(data_lib.describe(config.data))
+    loop.log(data_lib.describe(config.data))
     pidx, pcount = jax.process_index(), jax.process_count()
     train_iter = data_lib.make_train_iterator(
         config.data, seq_len=T, global_batch=spec.global_batch, seed=config.seed,
@@ -400,20 +212,8 @@ def train(config, workdir: str) -> dict[str, Any]:
         config.data, seq_len=T, global_batch=spec.global_batch, num_batches=config.eval_batches,
         vocab_size=spec.model.vocab_size, process_index=pidx, process_count=pcount)
 
-    try:  # only now: a run refused above leaves no empty workdir behind
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot create --workdir {workdir!r}: {e}; choose another.") from e
-    manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
-                                         keep=config.keep_checkpoints)
     meta = _meta(config, spec)
-    latest = manager.latest_step()
-    if latest is not None:
-        try:
-            manager.check_compatible(latest, meta, defaults=_ADDED_FIELDS)  # before compute
-        except ValueError:
-            manager.close()
-            raise
+    manager, latest = loop.open_checkpoints(config, workdir, meta, defaults=_ADDED_FIELDS)
 
     if pipe.stages > 1:
         builder = pipeline_step(config, spec, mesh)
@@ -423,156 +223,100 @@ def train(config, workdir: str) -> dict[str, Any]:
                                  method=config.sdp.method, fsdp=config.fsdp,
                                  remat=config.remat, dtype=config.dtype)
     counts = spec.model.param_count()
-    _log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} process(es)); "
-         f"{spec.plan.describe()}"
-         + (f"; parameters averaged over holders every {config.sdp.sync_every} steps"
-            if config.sdp.average == "parameters" else "")
-         + (f"; FSDP (ZeRO-3) over the {W} workers" if config.fsdp else "")
-         + (f"; activation checkpointing: {config.remat}" if config.remat != "none" else "")
-         + (f"; compute dtype {config.dtype}" if config.dtype not in ("float32", "fp32")
-            else ""))
+    loop.log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
+             f"process(es)); {spec.plan.describe()}"
+             + (f"; parameters averaged over holders every {config.sdp.sync_every} steps"
+                if config.sdp.average == "parameters" else "")
+             + (f"; FSDP (ZeRO-3) over the {W} workers" if config.fsdp else "")
+             + (f"; activation checkpointing: {config.remat}" if config.remat != "none" else "")
+             + (f"; compute dtype {config.dtype}" if config.dtype != "float32" else ""))
     if pipe.stages > 1:
-        _log(f"pipeline: {pipe.stages} stages x {W} workers ({pipe.schedule}, "
-             f"{pipe.microbatches} microbatches); masks are per stage "
-             f"({spec.model.n_layers // pipe.stages} blocks each); boundaries: {pipe.method}"
-             + (f", {pipe.ratio}x (r = {pipe.width(spec.model.d_model)}), anchors of rank "
-                f"{pipe.anchor_rank}" if pipe.compressed else "")
-             + (f", RVQ {pipe.rvq_levels} levels x {pipe.rvq_codebook} codes"
-                if pipe.quantized else "")
-             + (f"; {builder.boundary_param_count():,} boundary parameters (not in the total "
-                "below)" if pipe.compressed else ""))
+        loop.log(f"pipeline: {pipe.stages} stages x {W} workers ({pipe.schedule}, "
+                 f"{pipe.microbatches} microbatches); masks are per stage "
+                 f"({spec.model.n_layers // pipe.stages} blocks each); boundaries: {pipe.method}"
+                 + (f", {pipe.ratio}x (r = {pipe.width(spec.model.d_model)}), anchors of rank "
+                    f"{pipe.anchor_rank}" if pipe.compressed else "")
+                 + (f", RVQ {pipe.rvq_levels} levels x {pipe.rvq_codebook} codes"
+                    if pipe.quantized else "")
+                 + (f"; {builder.boundary_param_count():,} boundary parameters (not in the "
+                    "total below)" if pipe.compressed else ""))
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
                      for k, v in mask_info["kinds"].items())
-    _log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
-         f"params: total {counts['total']:,}, stored per device "
-         f"{builder.per_device_param_count():,}")
+    loop.log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
+             f"params: total {counts['total']:,}, stored per device "
+             f"{builder.per_device_param_count():,}")
 
     # Restore before compiling: an unreadable checkpoint is reported before any compute.
-    if latest is not None:
-        try:
-            state = manager.restore(latest, builder.abstract_state(), train_iter)
-        except ValueError:
-            manager.close()
-            raise
-        start = int(state["step"])
-        _log(f"resumed from {manager.directory} at step {start}")
-    else:
-        state = builder.init_state(config.seed)
-        start = 0
+    state, start = loop.restore_or_init(manager, latest, builder, train_iter, config.seed)
 
     batch_shape = (spec.global_batch, T + 1)
     t0 = time.time()
     step_fn = builder.compiled_train_step(batch_shape)
     step_fn_local = builder.train_step_fn(sync_now=False)  # = step_fn unless average=parameters
     mem = ts.memory_stats(step_fn)
-    _log(f"compiled train step in {time.time() - t0:.1f}s: peak "
-         f"{_fmt_bytes(mem['peak_bytes_per_device'])} per device")
+    loop.log(f"compiled train step in {time.time() - t0:.1f}s: peak "
+             f"{loop.fmt_bytes(mem['peak_bytes_per_device'])} per device")
     boundary = None
     if pipe.stages > 1:
         boundary = builder.boundary_bytes(step_fn, config.batch_per_worker, T)
-        _log(f"stage boundaries: {_fmt_bytes(boundary['per_boundary'])} per boundary per worker "
-             f"per step ({boundary['per_token']:.1f} bytes/token, forward and backward, "
-             "from the compiled program)")
+        loop.log(f"stage boundaries: {loop.fmt_bytes(boundary['per_boundary'])} per boundary "
+                 f"per worker per step ({boundary['per_token']:.1f} bytes/token, forward and "
+                 "backward, from the compiled program)")
     eval_fn = builder.eval_step_fn()
-    metrics_log = _Metrics(os.path.join(workdir, "metrics.jsonl"), start)
     batch_sharding = builder.batch_sharding()
 
-    def device_batch(x: np.ndarray):
+    def device_batch(x):
         return jax.make_array_from_process_local_data(batch_sharding, x, batch_shape)
 
-    def evaluate():
+    def evaluate(state):
         losses = [float(eval_fn(state["params"], device_batch(vb))) for vb in val_batches]
         v = float(np.mean(losses))
-        out = {"val_loss": v}
-        if spec.byte_level:
-            out["val_bpb"] = v / math.log(2)
-        return out
+        return {"val_loss": v, **({"val_bpb": v / math.log(2)} if spec.byte_level else {})}
 
-    stop = spec.total_steps
-    if config.stop_at_step > 0:
-        stop = min(stop, config.stop_at_step)
+    def one_step(state, batch, step):
+        fn = step_fn if builder.is_sync_step(step) else step_fn_local
+        return fn(state, device_batch(batch))
+
+    def postfix(rec):
+        post = {"loss": f"{rec['train_loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+        if "ortho_err" in rec:
+            post["|A'A-I|"] = f"{rec['ortho_err']:.1e}"
+        if "val_loss" in rec:
+            post["val"] = f"{rec['val_loss']:.3f}"
+        return post
+
     tokens_per_step = spec.global_batch * T
-    last_val: dict[str, float] = {}
-    last_ortho = None
-    bar = _progress(spec.total_steps, start)
-    t_window, n_window = time.time(), 0
-    step = start
-    interrupted = []
-    with _StopOnSignal(interrupted):
-        try:
-            while step < stop and not interrupted:
-                batch = device_batch(next(train_iter))
-                sync_now = builder.is_sync_step(step + 1)
-                state, m = (step_fn if sync_now else step_fn_local)(state, batch)
-                # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
-                rec = {k: float(v) for k, v in m.items()}
-                last_ortho = rec.get("ortho_err", last_ortho)
-                step += 1
-                n_window += 1
-                _check_finite(rec, step, manager)
-                is_eval = step == spec.total_steps or (
-                    config.eval_every > 0 and step % config.eval_every == 0)
-                if step % config.log_every == 0 or is_eval or step == stop or interrupted:
-                    dt = time.time() - t_window
-                    rec["tokens_per_s"] = tokens_per_step * n_window / max(dt, 1e-9)
-                    t_window, n_window = time.time(), 0
-                    if is_eval:
-                        last_val = evaluate()
-                        rec.update(last_val)
-                        _check_finite(rec, step, manager)
-                    rec["step"] = step
-                    metrics_log.write(rec)
-                    post = {"loss": f"{rec['train_loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
-                    if "ortho_err" in rec:
-                        post["|A'A-I|"] = f"{rec['ortho_err']:.1e}"
-                    if "val_loss" in rec:
-                        post["val"] = f"{rec['val_loss']:.3f}"
-                    bar.set_postfix(post, refresh=False)
-                bar.update(1)
-                every = config.checkpoint_every
-                if (every and step % every == 0) or step == stop or interrupted:
-                    manager.save(step, state, train_iter, meta)
-        finally:
-            bar.close()
-            manager.close()  # waits for the last save
 
-    done = step >= spec.total_steps
-    summary_path = os.path.join(workdir, "summary.json")
-    if start >= spec.total_steps and os.path.exists(summary_path):
-        with open(summary_path) as f:  # nothing trained now: keep the run's own figures
-            summary = json.load(f)
-        _log(f"already complete: {step} steps; final val loss {summary['final_val_loss']:.4f} "
-             f"nats/token (from {summary_path})")
-        return summary
-    prev_wall = previous_wall(summary_path, start)  # a resumed run adds the earlier time
-    if done and not last_val:
-        last_val = evaluate()
-    summary = {
-        "variant": config.sdp.variant, "regime": spec.plan.regime,
-        "coverage": spec.plan.coverage, "workers": W, "scheme": config.sdp.scheme,
-        "average": config.sdp.average, "sync_every": config.sdp.sync_every,
-        "fsdp": config.fsdp, "remat": config.remat, "dtype": config.dtype,
-        "n_layers": spec.model.n_layers, "steps": step, "total_steps": spec.total_steps,
-        "completed": done, "tokens": step * tokens_per_step,
-        "final_val_loss": last_val.get("val_loss"), "final_val_bpb": last_val.get("val_bpb"),
-        "wall_s": prev_wall + time.time() - t_start,
-        "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
-        "params_total": counts["total"], "params_per_device": builder.per_device_param_count(),
-        "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
-        "platform": devices[0].platform, "pipeline": dict(pipe.__dict__),
-        "boundary_bytes_per_token": boundary["per_token"] if boundary else None,
-        "boundary_bytes_per_step": boundary["per_boundary"] if boundary else None,
-        "final_ortho_err": last_ortho,
-        "interrupted_by": interrupted[0] if interrupted and not done else None,
-    }
-    if jax.process_index() == 0:
-        with open(summary_path, "w") as f:
-            json.dump(summary, f, indent=2)
-    if done:
-        bpb = f", {summary['final_val_bpb']:.3f} bits/byte" if spec.byte_level else ""
-        _log(f"done: {step} steps in {summary['wall_s']:.0f}s; final val loss "
-             f"{summary['final_val_loss']:.4f} nats/token{bpb}; summary in "
-             f"{os.path.join(workdir, 'summary.json')}")
-    else:
-        log_stopped(step, spec.total_steps, interrupted)
-    return summary
+    def summary(step, last_val, last_rec, wall):
+        return {
+            "variant": config.sdp.variant, "regime": spec.plan.regime,
+            "coverage": spec.plan.coverage, "workers": W, "scheme": config.sdp.scheme,
+            "average": config.sdp.average, "sync_every": config.sdp.sync_every,
+            "fsdp": config.fsdp, "remat": config.remat, "dtype": config.dtype,
+            "n_layers": spec.model.n_layers, "steps": step, "total_steps": spec.total_steps,
+            "completed": step >= spec.total_steps, "tokens": step * tokens_per_step,
+            "final_val_loss": last_val.get("val_loss"), "final_val_bpb": last_val.get("val_bpb"),
+            "wall_s": wall,
+            "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
+            "params_total": counts["total"],
+            "params_per_device": builder.per_device_param_count(),
+            "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
+            "platform": devices[0].platform, "pipeline": dict(pipe.__dict__),
+            "boundary_bytes_per_token": boundary["per_token"] if boundary else None,
+            "boundary_bytes_per_step": boundary["per_boundary"] if boundary else None,
+            "final_ortho_err": last_rec.get("ortho_err"),
+        }
+
+    def done_line(s):
+        bpb = f", {s['final_val_bpb']:.3f} bits/byte" if spec.byte_level else ""
+        return (f"done: {s['steps']} steps in {s['wall_s']:.0f}s; final val loss "
+                f"{s['final_val_loss']:.4f} nats/token{bpb}")
+
+    def already_line(s):
+        return (f"already complete: {s['steps']} steps; final val loss {s['final_val_loss']:.4f} "
+                "nats/token")
+
+    run = loop.Run(one_step, evaluate, tokens_per_step, "tokens_per_s", postfix, summary,
+                   done_line, already_line)
+    return loop.run(config, workdir, run, state=state, start=start, total=spec.total_steps,
+                    manager=manager, meta=meta, train_iter=train_iter, t_start=t_start)

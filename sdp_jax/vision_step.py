@@ -55,10 +55,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import masks as masks_lib
+from sdp_jax import layout as layout_lib
+from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 from sdp_jax import train_step as ts
 from sdp_jax.models import vision as vm
-from sdp_jax.plan import BACKWARD_VARIANTS, BLOCK_VARIANTS, VARIANTS, _layer_masks, summary_head
+from sdp_jax.spec import BACKWARD_VARIANTS, BLOCK_VARIANTS, VARIANTS, layer_masks
 
 AXIS = sync.AXIS
 STEP_BYTES = sync.STEP_BYTES  # holder averaging: rows moved per loop step
@@ -189,7 +191,7 @@ class VisionPlan:
                 g = vm.neuron_count(self.cfg, s, kind.name)
                 recipe = self._recipe(g, self.coverage, self.seed,
                                       f"stage {st.key}: {g} {kind.name} per block")
-                for j, m in enumerate(_layer_masks(recipe, st.blocks)):
+                for j, m in enumerate(layer_masks(recipe, st.blocks)):
                     self.neurons[(st.key, f"b{j}", kind.name)] = BlockNeurons(
                         kind.name, m, masks_lib.held_table(m), masks_lib.multiplicities(m))
 
@@ -203,7 +205,9 @@ class VisionPlan:
 
     def summary(self) -> dict[str, Any]:
         """Plain-JSON facts: variant, regime, per-kind k / G / multiplicities, spectral gap."""
-        out = summary_head(self)
+        gap = round(masks_lib.spectral_gap(self.mask_matrix()), 6) if self.workers > 1 else 1.0
+        out = {"variant": self.variant, "regime": self.regime, "coverage": self.coverage,
+               "workers": self.workers, "spectral_gap": gap, "kinds": {}}
         groups: dict[str, list] = {}
         for key, b in self.blocks.items():
             groups[f"{key}.blocks"] = [b]
@@ -262,14 +266,7 @@ def _flatten(tree, prefix=()) -> dict:
     return out
 
 
-def _unflatten(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        d = out
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = v
-    return out
+_unflatten = spec_lib.unflatten
 
 
 @dataclasses.dataclass
@@ -365,10 +362,8 @@ class VisionStepBuilder:
                                                          self.full_params)
         self.stats_shapes, self.stats_specs = shapes(self.s_leaves, self.s_layout,
                                                      self.full_stats)
-        abstract_opt = jax.eval_shape(self.optimizer.init, self.compact_shapes)
-        self.opt_specs = optax.tree_map_params(
-            self.optimizer, lambda _, spec: spec, abstract_opt, self.compact_specs,
-            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+        self.opt_specs = layout_lib.opt_state_specs(self.optimizer, self.compact_specs,
+                                                    self.compact_shapes)
         self.state_specs = {"params": self.param_specs, "stats": self.stats_specs,
                             "opt_state": self.opt_specs, "step": P()}
         # What slot 0 of each masked stage holds on every worker (static; see

@@ -68,7 +68,7 @@ def test_spectral_gap_disjoint_groups_zero_cyclic_positive():
     assert g[0, 1] == 2 and g[0, 2] == 0 and (np.diag(g) == 0).all()
 
 
-def test_tables_and_pytree():
+def test_tables():
     m = masks.build_mask("cyclic", 4, 8, 0.5)
     held, slot = masks.held_table(m), masks.slot_table(m)
     assert held.shape == (4, 4)
@@ -76,11 +76,6 @@ def test_tables_and_pytree():
         assert (np.diff(held[w]) > 0).all()  # depth order
         assert (slot[w, held[w]] == np.arange(4)).all()
         assert (slot[w, ~m[w]] == -1).all()
-    shapes = {"embed": np.zeros((10, 3)), "blocks": {"w": np.zeros((8, 3, 5)), "n": np.zeros((8, 3))}}
-    tree = masks.block_mask_pytree(shapes, m)
-    assert tree["embed"] is None
-    assert tree["blocks"]["w"].shape == (4, 8, 1, 1)
-    np.testing.assert_array_equal(tree["blocks"]["n"][:, :, 0], m)
 
 
 def test_validate_mask_rejects_unequal_rows_and_orphans():

@@ -83,7 +83,7 @@ def test_partition_routes_projectors_to_the_manifold_and_the_rest_to_adamw():
                                                       jnp.float32)}}
     labels = st.label_projectors(params)
     assert labels == {"w": st.OTHER, "boundary_0": {"stiefel_A": st.PROJECTOR}}
-    tx = st.partition(st.stiefel_sgd(0.1), optax.adamw(1e-2), labels)
+    tx = optax.partition({st.PROJECTOR: st.stiefel_sgd(0.1), st.OTHER: optax.adamw(1e-2)}, labels)
     state = tx.init(params)
     grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
     updates, state = tx.update(grads, state, params)

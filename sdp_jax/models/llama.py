@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sdp_jax import fields
+from sdp_jax import spec as spec_lib
 
 BLOCK_KEY = "blocks"
 
@@ -240,6 +241,27 @@ class Llama(nnx.Module):
     def __call__(self, tokens, unroll: bool = False):
         """tokens int32 [B, T] -> logits float32 [B, T, V]."""
         return self.logits(self.run_blocks(self.embed_tokens(tokens), unroll=unroll))
+
+
+def sdp_rules(cfg: LlamaConfig) -> list:
+    """The model's SDP components (:mod:`sdp_jax.spec`): the stacked blocks (B-SDP), and per
+    block the MLP hidden neurons and the attention key/value head groups (N-SDP; a group takes
+    its ``H / K`` query heads with it). Embedding, norms and head are always-kept."""
+    group = cfg.n_heads // cfg.n_kv_heads
+    n = spec_lib.Neurons
+    return [spec_lib.Blocks(BLOCK_KEY, stacked=True),
+            n("blocks/mlp/w_gate", 2, "mlp", stacked=True),
+            n("blocks/mlp/w_up", 2, "mlp", stacked=True),
+            n("blocks/mlp/w_down", 1, "mlp", stacked=True),
+            n("blocks/attn/wq", 2, "heads", group, stacked=True),
+            n("blocks/attn/wk", 2, "heads", stacked=True),
+            n("blocks/attn/wv", 2, "heads", stacked=True),
+            n("blocks/attn/wo", 1, "heads", group, stacked=True)]
+
+
+# What the components are called in errors and logs.
+SDP_NAMES = {"block": "blocks", "mlp": "MLP hidden neurons per block",
+             "heads": "key/value head groups per block"}
 
 
 def block_apply_fn(model: Llama):

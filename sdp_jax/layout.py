@@ -1,0 +1,318 @@
+"""Full and compact (pruned) parameters of an :class:`sdp_jax.spec.SDPSpec`.
+
+A worker's *local* parameters in the compact layout (forward masking, DESIGN.md invariant 4):
+
+* an always-kept leaf: the full leaf;
+* a stacked block leaf ``[L, ...]``: its ``k = C * L`` held blocks ``[k, ...]`` in depth order;
+* list-form blocks ``blocks/0 .. blocks/L-1``: ``k`` blocks ``blocks/0 .. blocks/k-1``, slot ``j``
+  holding global block ``held[w, j]`` (a model built with ``k`` blocks runs them);
+* a neuron leaf: narrowed to the held indices along its component axis (per layer).
+
+Every worker's local tree has the same structure and shapes (equal row sums of the masks), so
+the *stored* layout is one global array ``[W, *local shape]`` per compact leaf, sharded
+``P('data')``, and one replicated array per always-kept leaf. List-form blocks are stored
+stacked, ``{block path}/slots/{leaf path in a block}`` ``[W, k, ...]``, so the optimizer updates
+every slot with one operation and the holders of a block stay bitwise equal.
+
+:class:`Layout` maps between full parameters, a worker's local view and the stored layout, and
+gives the static tables that the collectives of :mod:`sdp_jax.sync` use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from sdp_jax import spec as spec_lib
+
+KEPT, STACK, SLOT, NEURON = "kept", "stack", "slot", "neuron"
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """One leaf of a worker's local (compact) tree.
+
+    kind: ``kept`` | ``stack`` (stacked block leaf) | ``slot`` (a leaf of list-form block slot
+    ``slot``; ``rel`` is its path inside the block) | ``neuron``. full: the full leaf's path
+    (for ``slot``: block 0's). rule: the spec's rule (None for kept).
+    """
+
+    kind: str
+    full: tuple
+    rule: Any = None
+    slot: int = 0
+    rel: tuple = ()
+
+
+def _flatten(tree) -> dict:
+    return {tuple(spec_lib._key(k) for k in p): x
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+unflatten = spec_lib.unflatten
+
+
+class Layout:
+    """The compact layout of a spec (static, host-side).
+
+    Attributes:
+      spec: the :class:`sdp_jax.spec.SDPSpec`.
+      leaves: {local path: :class:`Local`} in the compact layout.
+    """
+
+    def __init__(self, spec: spec_lib.SDPSpec):
+        self.spec = spec
+        self.W = spec.workers
+        self.leaves: dict[tuple, Local] = {}
+        bt = spec.kinds.get(spec_lib.BLOCK)
+        prefix = spec.block_path
+        for p in spec.shapes:
+            r = spec.rule(p)
+            if r is None:
+                self.leaves[p] = Local(KEPT, p)
+            elif r.kind == spec_lib.BLOCK and r.block is None:
+                self.leaves[p] = Local(STACK, p, r)
+            elif r.kind == spec_lib.BLOCK:
+                if r.block != 0:
+                    continue
+                rel = p[len(prefix) + 1:]
+                key0 = p[len(prefix)]
+                for j in range(bt.k):
+                    key = j if isinstance(key0, int) else str(j)
+                    self.leaves[prefix + (key,) + rel] = Local(SLOT, p, r, j, rel)
+            else:
+                self.leaves[p] = Local(NEURON, p, r)
+        if prefix is not None and not spec.blocks_stacked:
+            key0 = next(p[len(prefix)] for p in spec.shapes if p[:len(prefix)] == prefix)
+            self._block_key = (lambda g: g) if isinstance(key0, int) else str
+        self._tables: dict = {}
+        self.stored_shapes: dict[tuple, tuple] = {}   # stored path -> per-worker shape
+        for lp, lf in self.leaves.items():
+            if lf.kind == SLOT:
+                if lf.slot == 0:
+                    self.stored_shapes[self.slots_path(lf)] = (bt.k,) + self.local_shape(lp)
+            else:
+                self.stored_shapes[lp] = self.local_shape(lp)
+
+    def slots_path(self, lf: Local) -> tuple:
+        """Stored path of the stacked slots of a list-form block leaf."""
+        return self.spec.block_path + ("slots",) + lf.rel
+
+    def to_stored(self, local: dict) -> dict:
+        """A worker's local leaves (flat) -> its stored leaves (list-form slots stacked)."""
+        out, slots = {}, {}
+        for lp, x in local.items():
+            lf = self.leaves[lp]
+            if lf.kind == SLOT:
+                slots.setdefault(self.slots_path(lf), {})[lf.slot] = x
+            else:
+                out[lp] = x
+        for sp, by_slot in slots.items():
+            out[sp] = jnp.stack([by_slot[j] for j in range(len(by_slot))])
+        return out
+
+    def to_local(self, stored: dict) -> dict:
+        """Inverse of :meth:`to_stored` (flat dicts)."""
+        return {lp: (stored[self.slots_path(lf)][lf.slot] if lf.kind == SLOT else stored[lp])
+                for lp, lf in self.leaves.items()}
+
+    def stored_compact(self, sp: tuple) -> bool:
+        """Whether a stored leaf is per worker (``[W, ...]``)."""
+        return sp not in self.leaves or self.compact(sp)
+
+    # ------------------------------------------------------------------ shapes
+    def local_shape(self, lp: tuple) -> tuple:
+        """Per-worker shape of a local leaf (no worker axis)."""
+        lf = self.leaves[lp]
+        return self.spec.compact_shape(lf.full)
+
+    def compact(self, lp: tuple) -> bool:
+        """Whether a local leaf is stored per worker (``[W, ...]``, sharded ``P('data')``)."""
+        return self.leaves[lp].kind != KEPT
+
+    def _block_full(self, lf: Local, g) -> tuple:
+        return self.spec.block_path + (self._block_key(g),) + lf.rel
+
+    # ------------------------------------------------------------------ prune / unprune
+    def prune(self, full: Any, w) -> dict:
+        """Worker ``w``'s local leaves ``{local path: array}`` from full parameters (nested
+        dict or flat ``{path: array}``); ``w`` may be traced."""
+        flat = full if _is_flat(full) else _flatten(full)
+        spec, out = self.spec, {}
+        stacks = {}
+        for lp, lf in self.leaves.items():
+            if lf.kind == KEPT:
+                out[lp] = flat[lf.full]
+            elif lf.kind == STACK:
+                out[lp] = flat[lf.full][jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]]
+            elif lf.kind == SLOT:
+                if lf.rel not in stacks:
+                    L = spec.kinds[spec_lib.BLOCK].masks.shape[-1]
+                    stack = jnp.stack([flat[self._block_full(lf, g)] for g in range(L)])
+                    stacks[lf.rel] = stack[jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]]
+                out[lp] = stacks[lf.rel][lf.slot]
+            else:
+                idx = jnp.asarray(np.stack([spec.indices(lf.rule, v) for v in range(self.W)]))[w]
+                x = flat[lf.full]
+                if lf.rule.layer is None:
+                    out[lp] = jax.vmap(lambda xl, il: jnp.take(xl, il, axis=lf.rule.axis - 1))(
+                        x, idx)
+                else:
+                    out[lp] = jnp.take(x, idx, axis=lf.rule.axis)
+        return out
+
+    def stored(self, full: Any) -> dict:
+        """Full parameters -> the stored layout: ``[W, ...]`` per compact leaf (every worker's
+        local leaf stacked), the full leaf per always-kept leaf. Nested dict."""
+        per = [self.to_stored(self.prune(full, w)) for w in range(self.W)]
+        return unflatten({sp: (jnp.stack([x[sp] for x in per]) if self.stored_compact(sp)
+                               else per[0][sp]) for sp in self.stored_shapes})
+
+    def embed(self, full: Any, local: dict, w) -> dict:
+        """Full parameters with worker ``w``'s local values written over their components
+        (flat ``{path: array}``); gradients flow to ``local`` only where it is used."""
+        flat = dict(full if _is_flat(full) else _flatten(full))
+        spec = self.spec
+        slots: dict = {}
+        for lp, lf in self.leaves.items():
+            x = local[lp]
+            if lf.kind == KEPT:
+                flat[lf.full] = x
+            elif lf.kind == STACK:
+                held = jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]
+                flat[lf.full] = flat[lf.full].at[held].set(x)
+            elif lf.kind == SLOT:
+                slots.setdefault(lf.rel, {})[lf.slot] = (lf, x)
+            else:
+                idx = jnp.asarray(np.stack([spec.indices(lf.rule, v) for v in range(self.W)]))[w]
+                a = lf.rule.axis
+                if lf.rule.layer is None:
+                    def put(xl, il, vl, a=a):
+                        return jnp.moveaxis(jnp.moveaxis(xl, a - 1, 0).at[il].set(
+                            jnp.moveaxis(vl, a - 1, 0)), 0, a - 1)
+                    flat[lf.full] = jax.vmap(put)(flat[lf.full], idx, x)
+                else:
+                    flat[lf.full] = jnp.moveaxis(jnp.moveaxis(flat[lf.full], a, 0).at[idx].set(
+                        jnp.moveaxis(x, a, 0)), 0, a)
+        if slots:
+            bt = spec.kinds[spec_lib.BLOCK]
+            held = jnp.asarray(bt.held)[w]
+            for rel, by_slot in slots.items():
+                lf0 = by_slot[0][0]
+                L = bt.masks.shape[-1]
+                stack = jnp.stack([flat[self._block_full(lf0, g)] for g in range(L)])
+                stack = stack.at[held].set(jnp.stack([by_slot[j][1] for j in range(bt.k)]))
+                for g in range(L):
+                    flat[self._block_full(lf0, g)] = stack[g]
+        return flat
+
+    def unprune(self, stored: Any) -> dict:
+        """Stored layout -> full parameters (host numpy), every component taken from its first
+        holder (holders agree after averaging). Nested dict like the spec's parameters."""
+        flat = {sp: np.asarray(jax.device_get(x)) for sp, x in _flatten(stored).items()}
+        flat = {lp: (flat[self.slots_path(lf)][:, lf.slot] if lf.kind == SLOT else flat[lp])
+                for lp, lf in self.leaves.items()}
+        spec, out = self.spec, {}
+        for lp, lf in self.leaves.items():
+            x = flat[lp]
+            if lf.kind == KEPT:
+                out[lf.full] = x
+                continue
+            t = spec.kinds[lf.rule.kind]
+            if lf.kind in (STACK, SLOT):
+                first = np.argmax(t.masks[0], axis=0)                     # [L]
+                slot = t.slot[first, np.arange(len(first))]
+                if lf.kind == STACK:
+                    out[lf.full] = x[first, slot]
+                else:
+                    for g in np.flatnonzero(slot == lf.slot):
+                        out[self._block_full(lf, int(g))] = x[first[g]]
+                continue
+            full = np.zeros(spec.shapes[lf.full], x.dtype)
+            a = lf.rule.axis
+            for w in range(self.W - 1, -1, -1):   # lower workers win: the first holder
+                idx = spec.indices(lf.rule, w)
+                if lf.rule.layer is None:
+                    fm, xm = np.moveaxis(full, a, 1), np.moveaxis(x[w], a, 1)
+                    for layer in range(full.shape[0]):
+                        fm[layer, idx[layer]] = xm[layer]
+                else:
+                    np.moveaxis(full, a, 0)[idx] = np.moveaxis(x[w], a, 0)
+            out[lf.full] = full
+        return unflatten({p: out[p] for p in spec.shapes})
+
+    # ------------------------------------------------------------------ tables
+    def holder_tables(self, lp: tuple):
+        """:class:`sdp_jax.sync.HolderTables` of a compact local leaf in its rows view (list
+        block slots: of the stack of all ``k`` slots of that relative path)."""
+        from sdp_jax import sync  # pylint: disable=g-import-not-at-top
+        lf = self.leaves[lp]
+        key = lf.rel if lf.kind == SLOT else lp
+        if key not in self._tables:
+            t = self.spec.kinds[lf.rule.kind]
+            if lf.kind in (STACK, SLOT):
+                self._tables[key] = sync.HolderTables(t.held[:, None, :], t.counts[None, :],
+                                                      0, False)
+            else:
+                idx = np.stack([self.spec.indices(lf.rule, w) for w in range(self.W)])
+                counts = np.repeat(t.counts, lf.rule.expand, axis=1)
+                if lf.rule.layer is None:
+                    self._tables[key] = sync.HolderTables(idx, counts, lf.rule.axis, True)
+                else:
+                    self._tables[key] = sync.HolderTables(
+                        idx[:, None, :], counts[lf.rule.layer][None], lf.rule.axis + 1, True)
+        return self._tables[key]
+
+    def inverse_counts(self, lp: tuple) -> np.ndarray:
+        """float32 ``[W, ...]`` broadcastable to a compact local leaf: ``1 / m`` of the
+        component each of its entries belongs to (so a psum of weighted squares counts every
+        component once)."""
+        lf = self.leaves[lp]
+        t = self.spec.kinds[lf.rule.kind]
+        shape = self.local_shape(lp)
+        if lf.kind == STACK:
+            c = t.counts[t.held]                                            # [W, k]
+            return (1.0 / c).reshape((self.W, shape[0]) + (1,) * (len(shape) - 1)).astype(
+                np.float32)
+        if lf.kind == SLOT:
+            c = t.counts[t.held[:, lf.slot]]
+            return (1.0 / c).reshape((self.W,) + (1,) * len(shape)).astype(np.float32)
+        idx = np.stack([self.spec.indices(lf.rule, w) for w in range(self.W)])
+        counts = np.repeat(t.counts, lf.rule.expand, axis=1)                 # [Lg, G * e]
+        a = lf.rule.axis
+        if lf.rule.layer is None:
+            c = np.stack([np.take_along_axis(counts, idx[w], axis=1) for w in range(self.W)])
+            view = (self.W, shape[0]) + (1,) * (a - 1) + (shape[a],) + (1,) * (len(shape) - a - 1)
+        else:
+            c = counts[lf.rule.layer][idx]                                    # [W, k * e]
+            view = (self.W,) + (1,) * a + (shape[a],) + (1,) * (len(shape) - a - 1)
+        return (1.0 / c).reshape(view).astype(np.float32)
+
+
+def opt_state_specs(optimizer, params_specs, params_shapes):
+    """Partition specs of ``optimizer``'s state for parameters with ``params_specs``: each
+    parameter-shaped entry (moments) takes its parameter's spec, anything else (counts) is
+    replicated."""
+    abstract_opt = jax.eval_shape(optimizer.init, params_shapes)
+    return optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_opt, params_specs,
+                                 transform_non_params=lambda _: P(),
+                                 is_leaf=lambda x: isinstance(x, P))
+
+
+def _is_flat(tree) -> bool:
+    return isinstance(tree, dict) and bool(tree) and all(isinstance(k, tuple) for k in tree)
+
+
+def of(spec: spec_lib.SDPSpec) -> Layout:
+    """The (cached) :class:`Layout` of a spec."""
+    lay = getattr(spec, "_layout", None)
+    if lay is None:
+        lay = Layout(spec)
+        spec._layout = lay
+    return lay

@@ -1,0 +1,669 @@
+"""The SDP spec: from a model's declared component rules to static masks and holder tables.
+
+A model, built-in or a user's own, declares which of its parameters SDP may switch off, as
+*rules* (host-side, no tracing):
+
+* :class:`Blocks` ``(path)``: the residual blocks under ``path``. Either a *list* of blocks (the
+  children of ``path`` are keyed ``0 .. L-1``, as ``nnx.List`` gives) or a *stacked* block axis
+  (every leaf under ``path`` is ``[L, ...]``, as ``nnx.vmap``-built blocks give). Used by the
+  block variants (``ddp``, ``b-sdp``, ``bb-sdp``); a dropped block is its shortcut (DESIGN.md
+  invariant 5), so the model must add each block's output to a residual stream.
+* :class:`Neurons` ``(pattern, axis, kind, expand, stacked)``: the leaves matching ``pattern``
+  carry components of ``kind`` (MLP neurons, attention key/value head groups, conv channels)
+  along ``axis``; ``expand`` indices per component (a key/value head group takes its ``H / K``
+  query heads with it). One mask per layer: a layer is one match of the wildcards of ``pattern``
+  (list form) or one index of the leading axis (``stacked=True``). Used by ``n-sdp`` / ``nb-sdp``.
+
+Every leaf no active rule matches is *always-kept*: held by every worker, averaged over all.
+
+:func:`build` turns (parameters, rules, variant, W, C, scheme, seed) into an :class:`SDPSpec`:
+the mask matrices of every component kind (:mod:`sdp_jax.masks`, uniform representation,
+Singh et al., arXiv 2507.09029, Sec. 3), the per-leaf :class:`Rule`, the static mask pytree
+(same structure as the parameters; a leaf is a bool array ``[W, ...]`` broadcastable to the
+parameter, or None), the multiplicities and the compact (pruned) shapes. It accepts what Flax
+NNX users hold: an ``nnx.Module``, an ``nnx.State``, a nested dict of arrays or of
+``jax.ShapeDtypeStruct``; the trees it returns are nested dicts like ``nnx.to_pure_dict`` gives.
+It refuses what it cannot interpret unambiguously (a rule matching no leaf, a leaf matched
+twice, block leaves whose leading sizes differ, a neuron axis out of range or of another size
+than the same layer's other leaves), naming the leaf and the fix.
+
+Variants (Singh et al., Sec. 3):
+
+| variant  | components (rules) | regime   | what a worker runs / keeps                          |
+|----------|--------------------|----------|-----------------------------------------------------|
+| ddp      | blocks, all held   | forward  | everything (SDP at C = 1, the same code path)       |
+| b-sdp    | blocks             | forward  | its C*L blocks (compact block stack)                |
+| n-sdp    | neurons            | forward  | C of each layer's components of each kind           |
+| bb-sdp   | blocks             | backward | full forward; grads/opt state of its blocks         |
+| nb-sdp   | neurons            | backward | full forward; grads/opt state of its components     |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from sdp_jax import masks as masks_lib
+
+VARIANTS = ("ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp")
+BLOCK_VARIANTS = ("ddp", "b-sdp", "bb-sdp")
+BACKWARD_VARIANTS = ("bb-sdp", "nb-sdp")
+BLOCK = "block"
+
+
+# ----------------------------------------------------------------------------------------------
+# Declared rules
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The residual blocks under ``path`` (``"/"``-separated keys, e.g. ``"blocks"``).
+
+    Attributes:
+      path: the subtree holding the blocks.
+      stacked: True: every leaf under ``path`` has a leading block axis ``[L, ...]``; False: the
+        children of ``path`` are the blocks, keyed ``0 .. L-1``; None (default): False when the
+        children are keyed ``0 .. L-1``, else True.
+    """
+
+    path: str
+    stacked: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Neurons:
+    """Components along one axis of the leaves matching ``pattern``.
+
+    Attributes:
+      pattern: ``"/"``-separated keys; ``*`` matches any one key (e.g. ``"blocks/*/up/kernel"``).
+      axis: the component axis of each matching leaf (negative counts from the end; the layer
+        axis 0 of a stacked leaf counts).
+      kind: the component kind, e.g. ``"mlp"``, ``"heads"``, ``"channels"``; every layer has
+        one mask per kind, and all leaves of one kind in one layer share it.
+      expand: indices per component along ``axis`` (``H / K`` for query-head leaves under
+        grouped-query attention, else 1).
+      stacked: the leaves carry a leading layer axis (one mask per index of axis 0).
+    """
+
+    pattern: str
+    axis: int
+    kind: str = "neurons"
+    expand: int = 1
+    stacked: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one parameter leaf is masked (what :meth:`SDPSpec.rule` returns).
+
+    Attributes:
+      kind: ``"block"`` or a neuron kind.
+      axis: component axis of the full leaf (0 for stacked blocks; the layer axis counts).
+      expand: indices per component along ``axis``.
+      layer: neuron leaves of the list form: the layer (mask) index; None when stacked.
+      block: block leaves of the list form: the block this leaf belongs to; None when stacked.
+    """
+
+    kind: str
+    axis: int
+    expand: int = 1
+    layer: int | None = None
+    block: int | None = None
+
+
+@dataclasses.dataclass
+class KindTables:
+    """Static tables of one component kind.
+
+    ``block``: ``masks`` bool [1, W, L], ``held`` int32 [W, k] (held blocks, depth order),
+    ``slot`` int32 [W, L] (-1 = not held), ``counts`` int32 [L].
+    A neuron kind: ``masks`` bool [Lg, W, G] (one per layer), ``held`` int32 [W, Lg, k],
+    ``counts`` int32 [Lg, G].
+    """
+
+    kind: str
+    masks: np.ndarray
+    held: np.ndarray
+    counts: np.ndarray
+    slot: np.ndarray | None = None
+    recipe: dict | None = None
+
+    @property
+    def full(self) -> bool:
+        """Every worker holds every component."""
+        return bool(self.masks.all())
+
+    @property
+    def k(self) -> int:
+        """Components each worker holds (per layer for neuron kinds)."""
+        return int(self.held.shape[-1])
+
+
+def layer_masks(recipe: masks_lib.MaskRecipe, layers: int) -> np.ndarray:
+    """One mask per layer: the cyclic scheme shifts its windows by one component per layer; the
+    random scheme draws layer ``l`` with seed ``seed * 1009 + l``. bool [layers, W, G]."""
+    out = []
+    for layer in range(layers):
+        if recipe.scheme == "cyclic":
+            out.append(np.roll(recipe.matrix(), layer, axis=1))
+        else:
+            out.append(dataclasses.replace(recipe, seed=recipe.seed * 1009 + layer).matrix())
+    return np.stack(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter trees as flat {path: shape}
+# ----------------------------------------------------------------------------------------------
+
+def _key(k) -> Any:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
+
+
+def pure_tree(params: Any) -> Any:
+    """An ``nnx.Module`` or ``nnx.State`` -> nested dict of its ``nnx.Param`` values (as
+    ``nnx.to_pure_dict`` gives); any other pytree is returned as it is."""
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    if isinstance(params, nnx.State):
+        return nnx.to_pure_dict(params)
+    return params
+
+
+def flat_shapes(params: Any) -> dict[tuple, tuple]:
+    """{path (tuple of keys): shape} of every array leaf (anything with ``.shape``).
+
+    Raises:
+      ValueError: a leaf without a shape (names its path)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(pure_tree(params))[0]:
+        keys = tuple(_key(k) for k in path)
+        if not hasattr(leaf, "shape"):
+            raise ValueError(f"parameter {path_str(keys)!r} is a {type(leaf).__name__}, not an "
+                             "array; pass the model's parameters (nnx.state(model, nnx.Param)).")
+        out[keys] = tuple(leaf.shape)
+    return out
+
+
+def path_str(path: tuple) -> str:
+    return "/".join(str(k) for k in path)
+
+
+def _match(pattern: tuple[str, ...], path: tuple) -> tuple | None:
+    """The keys that ``*`` matched, or None if ``path`` does not match ``pattern``."""
+    if len(pattern) != len(path):
+        return None
+    caught = []
+    for p, k in zip(pattern, path):
+        if p == "*":
+            caught.append(k)
+        elif p != str(k):
+            return None
+    return tuple(caught)
+
+
+def _natural(keys: tuple) -> tuple:
+    return tuple((0, int(k), "") if str(k).isdigit() else (1, 0, str(k)) for k in keys)
+
+
+def _nearest_keys(shapes: dict, depth: int) -> list[str]:
+    return sorted({path_str(p[:depth]) for p in shapes})[:12]
+
+
+# ----------------------------------------------------------------------------------------------
+# The spec
+# ----------------------------------------------------------------------------------------------
+
+class SDPSpec:
+    """Which parameters each worker holds, built by :func:`build` (host-side, static).
+
+    Attributes:
+      variant, workers (``W``), coverage (``C``; 1 for ddp), scheme, seed, allow_nonuniform.
+      backward: the variant masks gradients only (full forward pass); regime: its name.
+      kinds: {kind: :class:`KindTables`} of the active rules.
+      leaf_rules: {path: :class:`Rule`} of every masked leaf (paths are tuples of keys).
+      shapes: {path: full shape} of every parameter leaf.
+      blocks_stacked, block_path, n_blocks: the declared block rule's form (stacked or a list),
+        subtree and ``L`` (None when the rules declare no blocks).
+    """
+
+    def __init__(self, shapes: dict, variant: str, workers: int, coverage: float,
+                 scheme: str, seed: int, allow_nonuniform: bool, names: dict | None = None,
+                 matrices: dict | None = None):
+        self.shapes = shapes
+        self.variant, self.workers = variant, workers
+        self.coverage = 1.0 if variant == "ddp" else coverage
+        self.scheme, self.seed, self.allow_nonuniform = scheme, seed, allow_nonuniform
+        self.backward = variant in BACKWARD_VARIANTS
+        self.regime = "backward" if self.backward else "forward"
+        self.kinds: dict[str, KindTables] = {}
+        self.leaf_rules: dict[tuple, Rule] = {}
+        self.blocks_stacked: bool | None = None
+        self.block_path: tuple | None = None
+        self.n_blocks: int | None = None
+        self._names = names or {}
+        self._given = dict(matrices or {})
+
+    # ------------------------------------------------------------------ building
+    def _what(self, kind: str) -> str:
+        """What a kind's components are called in messages ("blocks", "mlp per layer")."""
+        return self._names.get(kind, "blocks" if kind == BLOCK else f"{kind} per layer")
+
+    def _matrices(self, kind: str, components: int, layers: int):
+        """A kind's mask matrices [layers, W, G] given to :func:`build`, checked; or None."""
+        m = self._given.get(kind)
+        if m is None:
+            return None
+        given = np.asarray(m)
+        m = np.broadcast_to(given, (layers,) + given.shape) if given.ndim == 2 else given
+        if m.dtype != bool or m.shape != (layers, self.workers, components):
+            raise ValueError(f"matrices[{kind!r}] must be bool [W, G] = [{self.workers}, "
+                             f"{components}] (or [{layers}, W, G], one per layer); got "
+                             f"{given.dtype} {given.shape}.")
+        for one in m:
+            try:
+                masks_lib.validate_mask(one, require_uniform=False)
+            except ValueError as e:
+                raise ValueError(f"matrices[{kind!r}]: {e}") from None
+        k = int(m[0, 0].sum())
+        if abs(k - self.coverage * components) > 1e-6:
+            raise ValueError(f"matrices[{kind!r}] gives each worker {k} of {components} "
+                             f"components (C={k / components:g}) but coverage={self.coverage:g}; "
+                             f"pass coverage={k / components:g}.")
+        return np.ascontiguousarray(m)
+
+    def _recipe(self, components: int, what: str) -> masks_lib.MaskRecipe:
+        try:
+            return masks_lib.MaskRecipe(self.scheme, self.workers, components, self.coverage,
+                                        self.seed, self.allow_nonuniform)
+        except ValueError as e:
+            raise ValueError(f"{self.variant} masks {components} {what}: {e}") from None
+
+    def _add_blocks(self, rule: Blocks, active: bool = True) -> None:
+        want = tuple(k for k in rule.path.split("/") if k)
+        under = {p: s for p, s in self.shapes.items()
+                 if tuple(str(k) for k in p[:len(want)]) == want and len(p) > len(want)}
+        if not under:
+            if any(tuple(str(k) for k in p) == want for p in self.shapes):
+                raise ValueError(f"rule Blocks({rule.path!r}) names a parameter leaf, not the "
+                                 "subtree that holds the blocks; give the blocks' parent path "
+                                 "(e.g. 'blocks').")
+            raise ValueError(f"rule Blocks({rule.path!r}) matches no parameter; paths start "
+                             f"with {_nearest_keys(self.shapes, len(want) or 1)}.")
+        prefix = next(iter(under))[:len(want)]   # the keys as the tree spells them
+        children = sorted({p[len(prefix)] for p in under}, key=lambda k: _natural((k,)))
+        as_list = [str(c) for c in children] == [str(i) for i in range(len(children))]
+        stacked = (not as_list) if rule.stacked is None else rule.stacked
+        if stacked and as_list:
+            raise ValueError(f"rule Blocks({rule.path!r}, stacked=True): the children of "
+                             f"{rule.path!r} are keyed 0..{len(children) - 1}, a list of "
+                             "blocks, so a leading axis of their leaves is a feature axis, not "
+                             "a block axis; drop stacked=True.")
+        if not stacked and not as_list:
+            raise ValueError(f"rule Blocks({rule.path!r}, stacked=False): the children of "
+                             f"{rule.path!r} are {[str(c) for c in children][:8]}, not keyed "
+                             "0..L-1; use stacked=True for a leading block axis.")
+        if stacked:
+            sizes = {p: (s[0] if s else None) for p, s in under.items()}
+            distinct = sorted({v for v in sizes.values() if v is not None})
+            if None in sizes.values() or len(distinct) != 1:
+                bad = sorted(under, key=lambda p: str(sizes[p]))
+                raise ValueError(
+                    f"rule Blocks({rule.path!r}, stacked): leaves under it must all have the "
+                    f"same leading block axis, but {path_str(bad[0])!r} has shape "
+                    f"{under[bad[0]]} and {path_str(bad[-1])!r} has shape {under[bad[-1]]}; "
+                    "declare stacked=False for a list of blocks, or move leaves without a "
+                    "block axis out of the blocks' subtree.")
+            n = distinct[0]
+            for p in under if active else ():
+                self._claim(p, Rule(BLOCK, 0), rule)
+        else:
+            n = len(children)
+            if active:
+                ref = {p[len(prefix) + 1:]: s for p, s in under.items()
+                       if str(p[len(prefix)]) == "0"}
+                for j in range(1, n):
+                    mine = {p[len(prefix) + 1:]: s for p, s in under.items()
+                            if str(p[len(prefix)]) == str(j)}
+                    if mine != ref:
+                        diff = sorted(set(mine.items()) ^ set(ref.items()), key=str)[:2]
+                        raise ValueError(
+                            f"rule Blocks({rule.path!r}): block {j} differs from block 0 in "
+                            f"shape or structure ({diff}); SDP stacks a worker's blocks (and "
+                            "their gradients) into one array, so every block under "
+                            f"{rule.path!r} must have the same parameters: declare only the "
+                            "equal blocks (e.g. one Blocks rule per stage of equal blocks is "
+                            "not built yet), or use a neuron variant.")
+            for p in under if active else ():
+                self._claim(p, Rule(BLOCK, 0, block=int(str(p[len(prefix)]))), rule)
+        self.blocks_stacked, self.block_path, self.n_blocks = stacked, prefix, n
+        if not active:
+            return
+        given = self._matrices(BLOCK, n, 1)
+        if given is None:
+            recipe = self._recipe(n, self._what(BLOCK))
+            m, rec = recipe.matrix(), recipe.to_dict()
+        else:
+            m, rec = given[0], {"given": True}
+        self.kinds[BLOCK] = KindTables(BLOCK, m[None], masks_lib.held_table(m),
+                                       masks_lib.multiplicities(m), masks_lib.slot_table(m),
+                                       rec)
+
+    def _claim(self, path, leaf_rule: Rule, rule) -> None:
+        if path in self.leaf_rules:
+            raise ValueError(f"parameter {path_str(path)!r} is matched by two rules (the second "
+                             f"is {rule}); each leaf may carry one component axis.")
+        self.leaf_rules[path] = leaf_rule
+
+    def _add_neurons(self, rules: list[Neurons]) -> None:
+        per_kind: dict[str, dict] = {}   # kind -> {layer key: (G, first path)}
+        found: dict[tuple, tuple] = {}   # path -> (rule, layer key, axis)
+        for rule in rules:
+            if isinstance(rule.expand, bool) or not isinstance(rule.expand, int) \
+                    or rule.expand < 1:
+                raise ValueError(f"{rule}: expand={rule.expand!r} must be a positive integer.")
+            if isinstance(rule.axis, bool) or not isinstance(rule.axis, (int, np.integer)):
+                raise ValueError(f"{rule}: axis={rule.axis!r} must be an integer.")
+            pattern = tuple(k for k in rule.pattern.split("/") if k)
+            hits = 0
+            for p, s in self.shapes.items():
+                caught = _match(pattern, p)
+                if caught is None:
+                    continue
+                hits += 1
+                if p in found:
+                    raise ValueError(f"parameter {path_str(p)!r} is matched by two rules "
+                                     f"({found[p][0]} and {rule}); each leaf may carry one "
+                                     "component axis.")
+                nd = len(s)
+                axis = rule.axis + nd if rule.axis < 0 else rule.axis
+                if not 0 <= axis < nd or (rule.stacked and axis == 0):
+                    raise ValueError(f"{rule}: axis {rule.axis} is not a component axis of "
+                                     f"{path_str(p)!r} with shape {s}"
+                                     + (" (axis 0 is the layer axis of a stacked leaf)"
+                                        if rule.stacked else "") + "; fix the rule's axis.")
+                if s[axis] % rule.expand:
+                    raise ValueError(f"{rule}: {path_str(p)!r} has {s[axis]} indices on axis "
+                                     f"{axis}, not a multiple of expand={rule.expand}.")
+                if not rule.stacked and self.blocks_stacked and \
+                        tuple(str(k) for k in p[:len(self.block_path)]) == \
+                        tuple(str(k) for k in self.block_path):
+                    raise ValueError(
+                        f"{rule}: {path_str(p)!r} lies under the stacked blocks "
+                        f"{path_str(self.block_path)!r}, so its axis 0 is the layer axis; set "
+                        "stacked=True (one mask per layer).")
+                g = s[axis] // rule.expand
+                if pattern[-1] == "*":   # a '*' for the leaf name: leaves of one layer
+                    caught = caught[:-1]
+                layers = [(i,) for i in range(s[0])] if rule.stacked else [caught]
+                seen = per_kind.setdefault(rule.kind, {})
+                for lk in layers:
+                    if lk in seen and seen[lk][0] != g:
+                        raise ValueError(
+                            f"{rule}: {path_str(p)!r} has {g} {rule.kind} components on axis "
+                            f"{axis}, but {path_str(seen[lk][1])!r} of the same layer has "
+                            f"{seen[lk][0]}; leaves of one kind in one layer share a mask, so "
+                            "check the rule's axis (e.g. a feature width equal to the "
+                            "component count) or give them different kinds.")
+                    seen.setdefault(lk, (g, p))
+                found[p] = (rule, None if rule.stacked else caught, axis)
+            if not hits:
+                raise ValueError(f"rule {rule} matches no parameter; paths look like "
+                                 f"{[path_str(p) for p in list(self.shapes)[:6]]} ('*' "
+                                 "matches one key).")
+        for kind, layers in per_kind.items():
+            keys = sorted(layers, key=_natural)
+            stacked_kind = {found[p][0].stacked for p in found if found[p][0].kind == kind}
+            if len(stacked_kind) > 1:
+                raise ValueError(f"neuron kind {kind!r} mixes stacked and list-form rules; "
+                                 "give them different kinds.")
+            gs = {layers[k][0] for k in keys}
+            if len(gs) > 1:  # one recipe per kind: every layer must have as many components
+                raise ValueError(f"neuron kind {kind!r} has layers with different component "
+                                 f"counts {sorted(gs)}; give each width its own kind.")
+            g = gs.pop()
+            ms = self._matrices(kind, g, len(keys))
+            if ms is None:
+                recipe = self._recipe(g, self._what(kind))
+                ms, rec = layer_masks(recipe, len(keys)), recipe.to_dict()
+            else:
+                rec = {"given": True}
+            held = np.stack([masks_lib.held_table(m) for m in ms], axis=1)   # [W, Lg, k]
+            counts = np.stack([masks_lib.multiplicities(m) for m in ms])    # [Lg, G]
+            self.kinds[kind] = KindTables(kind, ms, held, counts, None, rec)
+            index = {k: i for i, k in enumerate(keys)}
+            for p, (rule, caught, axis) in found.items():
+                if rule.kind == kind:
+                    self._claim(p, Rule(kind, axis, rule.expand,
+                                        None if rule.stacked else index[caught]), rule)
+
+    # ------------------------------------------------------------------ queries
+    def rule(self, path: tuple) -> Rule | None:
+        """The :class:`Rule` of the leaf at ``path`` (tuple of keys; ints and digit strings
+        both name list entries), or None if every worker holds it (always-kept)."""
+        r = self.leaf_rules.get(tuple(path))
+        if r is None:
+            r = self._by_str.get(tuple(str(k) for k in path))
+        return r
+
+    @property
+    def _by_str(self) -> dict:
+        if not hasattr(self, "_str_rules"):
+            self._str_rules = {tuple(str(k) for k in p): r for p, r in self.leaf_rules.items()}
+        return self._str_rules
+
+    def rules(self, tree: Any) -> Any:
+        """Pytree of :class:`Rule` / None matching ``tree`` (nested dicts)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: self.rule(tuple(_key(k) for k in p)), pure_tree(tree))
+
+    @property
+    def local_blocks(self) -> int | None:
+        """Blocks in a worker's local model: ``k`` for forward block variants, ``L`` otherwise
+        (None when the rules declare no blocks). Build the worker's local model at this
+        depth."""
+        t = self.kinds.get(BLOCK)
+        return t.k if t is not None and not self.backward else self.n_blocks
+
+    def indices(self, rule: Rule, worker: int) -> np.ndarray:
+        """Held indices along ``rule.axis`` for one worker: int32 [k] (stacked block; list
+        neuron leaf: [k * expand]) or [L, k * expand] (stacked neuron leaf)."""
+        held = self.kinds[rule.kind].held[worker]
+        if rule.layer is not None:
+            held = held[rule.layer]
+        if rule.expand == 1:
+            return held
+        e = rule.expand
+        return (held[..., :, None] * e + np.arange(e)).reshape(held.shape[:-1] + (-1,))
+
+    def compact_shape(self, path: tuple, full_shape: tuple | None = None) -> tuple:
+        """Per-worker shape of a leaf in the compact layout (no worker axis). A list-form block
+        leaf keeps its shape (the worker stores ``k`` such blocks)."""
+        full_shape = tuple(self.shapes[tuple(path)] if full_shape is None else full_shape)
+        r = self.rule(path)
+        if r is None or r.block is not None:
+            return full_shape
+        shape = list(full_shape)
+        shape[r.axis] = self.kinds[r.kind].k * r.expand
+        return tuple(shape)
+
+    def leaf_mask(self, path: tuple) -> np.ndarray | None:
+        """bool ``[W, ...]`` broadcastable to the full leaf: which of its entries each worker
+        holds; None for an always-kept leaf."""
+        r = self.rule(path)
+        if r is None:
+            return None
+        shape = self.shapes[tuple(path)]
+        t = self.kinds[r.kind]
+        W = self.workers
+        if r.kind == BLOCK:
+            m = t.masks[0]
+            if r.block is not None:
+                return m[:, r.block].reshape((W,) + (1,) * len(shape))
+            return m.reshape((W, shape[0]) + (1,) * (len(shape) - 1))
+        held = np.repeat(t.masks, r.expand, axis=2)        # [Lg, W, G * e]
+        out = [1] * len(shape)
+        out[r.axis] = shape[r.axis]
+        if r.layer is not None:
+            return held[r.layer].reshape((W,) + tuple(out))
+        m = np.moveaxis(held, 1, 0)                        # [W, L, G * e]
+        return m.reshape((W, shape[0]) + (1,) * (r.axis - 1) + (shape[r.axis],)
+                         + (1,) * (len(shape) - r.axis - 1))
+
+    def mask_tree(self) -> dict:
+        """The static mask pytree: nested dict like the parameters, each leaf
+        :meth:`leaf_mask` (None for always-kept leaves)."""
+        return unflatten({p: self.leaf_mask(p) for p in self.shapes})
+
+    def holders(self, kind: str, component: int, layer: int = 0) -> list[int]:
+        """Workers holding ``component`` of ``kind`` (in ``layer`` for neuron kinds)."""
+        t = self.kinds[kind]
+        return np.flatnonzero(t.masks[layer][:, component]).tolist()
+
+    def held_by(self, worker: int) -> dict[str, list]:
+        """{kind: the components ``worker`` holds} (neuron kinds: one list per layer)."""
+        out = {}
+        for name, t in self.kinds.items():
+            h = t.held[worker]
+            out[name] = h.tolist()
+        return out
+
+    # ------------------------------------------------------------------ facts
+    def mask_matrix(self) -> np.ndarray:
+        """All masks side by side, bool [W, total components] (for the mask graph)."""
+        if not self.kinds:
+            return np.ones((self.workers, 1), bool)
+        return np.concatenate([np.concatenate(list(t.masks), axis=1)
+                               for t in self.kinds.values()], axis=1)
+
+    def spectral_gap(self) -> float:
+        return round(masks_lib.spectral_gap(self.mask_matrix()), 6) if self.workers > 1 else 1.0
+
+    def summary(self) -> dict[str, Any]:
+        """Plain-JSON facts: variant, regime, coverage, W, spectral gap and, per kind, ``k``,
+        ``G`` and the multiplicity range."""
+        out = {"variant": self.variant, "regime": self.regime, "coverage": self.coverage,
+               "workers": self.workers, "spectral_gap": self.spectral_gap(), "kinds": {}}
+        for name, t in self.kinds.items():
+            out["kinds"][name] = {"per_worker": t.k, "components": int(t.masks.shape[-1]),
+                                  "multiplicity_min": int(t.counts.min()),
+                                  "multiplicity_max": int(t.counts.max())}
+        if not self.kinds:
+            out["kinds"]["all"] = {"per_worker": 1, "components": 1,
+                                   "multiplicity_min": self.workers,
+                                   "multiplicity_max": self.workers}
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint stores to recognise these masks: recipes and a SHA-256 of every
+        mask matrix (DESIGN.md invariant 7)."""
+        h = hashlib.sha256()
+        for name, t in sorted(self.kinds.items()):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(t.masks).tobytes())
+        return {"variant": self.variant,
+                "recipes": {n: t.recipe for n, t in sorted(self.kinds.items())},
+                "mask_sha256": h.hexdigest()}
+
+    def describe(self) -> str:
+        """One line for a run log."""
+        if self.variant == "ddp":
+            return "variant ddp: every worker holds the full model (coverage C=1)"
+        parts = [f"{t.k}/{t.masks.shape[-1]} {self._what(n)}" for n, t in self.kinds.items()]
+        return (f"variant {self.variant} ({self.regime} masking), coverage C={self.coverage:g}: "
+                f"each worker holds {', '.join(parts)}; "
+                + ("hand-made masks" if self._given else f"scheme {self.scheme}"))
+
+
+def unflatten(flat: dict) -> dict:
+    """{path (tuple of keys): leaf} -> nested dict."""
+    out: dict = {}
+    for path, v in flat.items():
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = v
+    return out
+
+
+def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0, *,
+          scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False,
+          names: dict | None = None, matrices: dict | None = None) -> SDPSpec:
+    """Build the :class:`SDPSpec` of a model.
+
+    Args:
+      params: the model's parameters: an ``nnx.Module`` or ``nnx.State`` (its ``nnx.Param``
+        variables only; other state such as BatchNorm statistics is not part of the spec), or
+        a nested dict of arrays / ``jax.ShapeDtypeStruct`` (only shapes are read).
+      rules: a sequence of :class:`Blocks` and :class:`Neurons`; the block variants use the
+        ``Blocks`` rule (at most one), the neuron variants the ``Neurons`` rules.
+      variant: one of :data:`VARIANTS`.
+      workers: ``W`` (>= 1).
+      coverage: ``C`` in (0, 1] (ignored for ``ddp``); ``C * G`` and ``W * C`` must be whole
+        for every kind (``allow_nonuniform`` relaxes the second).
+      scheme, seed, allow_nonuniform: the mask recipe (:class:`sdp_jax.masks.MaskRecipe`).
+      names: optional wording for errors and logs, {kind: what its components are called},
+        e.g. ``{"mlp": "MLP hidden neurons per block"}``.
+      matrices: hand-made mask matrices instead of the recipe's, {kind: bool [W, G]} (neuron
+        kinds may give ``[layers, W, G]``); every row must hold ``C * G`` components (``C`` =
+        ``coverage``) and every component a holder (uniformity is not required). Not with ddp.
+
+    Returns:
+      the spec; the same inputs give the same masks on every host and after a restart.
+
+    Raises:
+      ValueError: unknown variant; no rule for the variant's components; a rule that matches
+        nothing or is ambiguous (see the module docstring); a coverage not realizable for a kind
+        (names the kind, its count and the nearest valid coverages).
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}.")
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise ValueError(f"workers W={workers!r} must be a positive integer.")
+    if not isinstance(rules, (list, tuple)):
+        raise ValueError(f"rules={rules!r} must be a list of sdp_jax.spec.Blocks / Neurons, "
+                         "e.g. [Blocks('blocks')].")
+    for r in rules:
+        if not isinstance(r, (Blocks, Neurons)):
+            raise ValueError(f"rule {r!r} is not a sdp_jax.spec.Blocks or Neurons.")
+    if matrices and variant == "ddp":
+        raise ValueError("variant ddp holds every component; hand-made matrices need an SDP "
+                         "variant (b-sdp, n-sdp, bb-sdp, nb-sdp).")
+    shapes = flat_shapes(params)
+    spec = SDPSpec(shapes, variant, workers, coverage, scheme, seed, allow_nonuniform, names,
+                   matrices)
+    rules = list(rules)
+    blocks = [r for r in rules if isinstance(r, Blocks)]
+    neurons = [r for r in rules if isinstance(r, Neurons)]
+    if len(blocks) > 1:
+        raise ValueError(f"{len(blocks)} Blocks rules {blocks}; declare one block stack.")
+    if variant in BLOCK_VARIANTS:
+        if blocks:
+            spec._add_blocks(blocks[0])
+        elif variant != "ddp":
+            raise ValueError(f"variant {variant} drops whole blocks, but the rules declare no "
+                             "Blocks(...); add one, or use a neuron variant (n-sdp, nb-sdp).")
+    else:
+        if not neurons:
+            raise ValueError(f"variant {variant} masks neurons, but the rules declare no "
+                             "Neurons(...); add them, or use a block variant (b-sdp, bb-sdp).")
+        if blocks:
+            spec._add_blocks(blocks[0], active=False)
+        spec._add_neurons(neurons)
+    if variant in BLOCK_VARIANTS and neurons:   # unused here, but a typo is still refused
+        probe = SDPSpec(shapes, "n-sdp", workers, 1.0, "cyclic", 0, False)
+        if blocks:
+            probe._add_blocks(blocks[0], active=False)
+        probe._add_neurons(neurons)
+    unknown = sorted(set(matrices or {}) - set(spec.kinds))
+    if unknown:
+        raise ValueError(f"matrices for {unknown}, which are not component kinds of {variant} "
+                         f"with these rules (kinds: {sorted(spec.kinds)}); use those keys.")
+    return spec

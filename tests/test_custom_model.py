@@ -1,0 +1,204 @@
+"""SDP on a model defined here (not in sdp_jax), through the public spec and step."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from sdp_jax import layout as layout_lib
+from sdp_jax import spec as sdp
+from sdp_jax import train_step as ts
+from sdp_jax.step import SDPStep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+W, DEPTH = 4, 4
+
+
+class Block(nnx.Module):
+    def __init__(self, d, f, rngs):
+        self.up = nnx.Linear(d, f, rngs=rngs)
+        self.down = nnx.Linear(f, d, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.down(jnp.tanh(self.up(h)))
+
+
+class Net(nnx.Module):
+    def __init__(self, depth=DEPTH, rngs=None, d=16, f=24):
+        rngs = rngs or nnx.Rngs(0)
+        self.inp = nnx.Linear(5, d, rngs=rngs)
+        self.blocks = nnx.List([Block(d, f, rngs) for _ in range(depth)])
+        self.out = nnx.Linear(d, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)[:, 0]
+
+
+RULES = [sdp.Blocks("blocks"),
+         sdp.Neurons("blocks/*/up/kernel", 1, "mlp"), sdp.Neurons("blocks/*/up/bias", 0, "mlp"),
+         sdp.Neurons("blocks/*/down/kernel", 0, "mlp")]
+
+
+def make(variant, coverage, optimizer=None, **kw):
+    spec = sdp.build(Net(), RULES, variant, W, coverage)
+    local = nnx.graphdef(nnx.eval_shape(lambda: Net(spec.local_blocks)))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return jnp.mean((nnx.merge(local, params)(x) - y) ** 2)
+    return SDPStep(spec, loss_fn, optimizer or optax.adam(1e-2), **kw), loss_fn
+
+
+def data(n=W * 8, seed=1):
+    x = jax.random.normal(jax.random.key(seed), (n, 5))
+    return x, jnp.sin(x.sum(1))
+
+
+def full_loss(params, batch):
+    x, y = batch
+    return jnp.mean((nnx.merge(nnx.graphdef(Net()), params)(x) - y) ** 2)
+
+
+def reference_steps(optimizer, batches):
+    """Plain single-device training on each whole global batch."""
+    params = nnx.to_pure_dict(nnx.state(Net(), nnx.Param))
+    opt = optimizer.init(params)
+    for b in batches:
+        g = jax.grad(full_loss)(params, b)
+        u, opt = optimizer.update(g, opt, params)
+        params = optax.apply_updates(params, u)
+    return params
+
+
+def assert_trees_close(a, b, tol):
+    fa, fb = layout_lib._flatten(a), layout_lib._flatten(b)
+    assert fa.keys() == fb.keys()
+    for p in fa:
+        np.testing.assert_allclose(np.asarray(fa[p]), np.asarray(fb[p]), rtol=tol, atol=tol,
+                                   err_msg=str(p))
+
+
+@pytest.mark.parametrize("variant", ["ddp", "b-sdp", "bb-sdp"])
+def test_coverage_one_equals_ddp_after_three_steps(variant):
+    trainer, _ = make(variant, 1.0)
+    state = trainer.init(Net())
+    batches = [data(seed=s) for s in range(3)]
+    for b in batches:
+        state, _ = trainer.train_step(state, trainer.put_batch(b))
+    assert_trees_close(trainer.full_params(state), reference_steps(optax.adam(1e-2), batches),
+                       2e-5)
+
+
+def test_nb_sdp_is_unbiased_with_identical_data():
+    # Invariant 3: the same batch on every worker -> one SGD step equals the full model's.
+    trainer, _ = make("nb-sdp", 0.5, optax.sgd(0.1))
+    state = trainer.init(Net())
+    x, y = data(n=8)
+    tiled = (jnp.tile(x, (W, 1)), jnp.tile(y, W))
+    state, m = trainer.train_step(state, trainer.put_batch(tiled))
+    assert_trees_close(trainer.full_params(state), reference_steps(optax.sgd(0.1), [(x, y)]),
+                       1e-5)
+
+
+def _block_bytes_per_device(trainer, compiled, state):
+    shardings = compiled.input_shardings[0][0]["params"]
+    total = 0
+    for (path, x), sh in zip(jax.tree_util.tree_flatten_with_path(state["params"])[0],
+                             jax.tree.leaves(shardings)):
+        if str(getattr(path[0], "key", "")) == "blocks":
+            total += int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
+    return total
+
+
+def test_b_sdp_compact_layout_stores_c_times_ddp_block_bytes():
+    figures = {}
+    for variant, c in (("ddp", 1.0), ("b-sdp", 0.5)):
+        trainer, _ = make(variant, c)
+        state = trainer.init(Net())
+        compiled = trainer.compile(state, trainer.put_batch(data()))
+        figures[variant] = (_block_bytes_per_device(trainer, compiled, state),
+                            ts.memory_stats(compiled)["peak_bytes_per_device"])
+    assert figures["b-sdp"][0] == pytest.approx(0.5 * figures["ddp"][0], rel=0.01)
+    assert figures["b-sdp"][1] < figures["ddp"][1]
+
+
+@pytest.mark.parametrize("variant", ["b-sdp", "n-sdp"])
+def test_forward_variants_train_and_holders_agree(variant):
+    trainer, _ = make(variant, 0.5, grad_clip=0.5)
+    ref, _ = make(variant, 0.5, grad_clip=0.5, method="psum")
+    state, rstate = trainer.init(Net()), ref.init(Net())
+    losses = []
+    for s in range(4):
+        b = data(seed=s)
+        state, m = trainer.train_step(state, trainer.put_batch(b))
+        rstate, _ = ref.train_step(rstate, ref.put_batch(b))
+        losses.append(float(m["train_loss"]))
+    assert losses[-1] < losses[0]
+    assert_trees_close(state["params"], rstate["params"], 1e-5)   # alltoall == masked psum
+    if variant == "b-sdp":   # every holder of block g stores the same values
+        t = trainer.spec.kinds["block"]
+        stored = np.asarray(state["params"]["blocks"]["slots"]["up"]["kernel"])  # [W, k, ...]
+        assert stored.shape[:2] == (W, t.k)
+        kernels = {}
+        for w in range(W):
+            for j in range(t.k):
+                kernels.setdefault(int(t.held[w, j]), []).append(stored[w, j])
+        assert sorted(kernels) == list(range(DEPTH))
+        for g, xs in kernels.items():
+            assert len(xs) == 2
+            np.testing.assert_array_equal(xs[1], xs[0])
+
+
+def test_backward_step_keeps_the_callers_model_and_dtypes():
+    model = Net()
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                          nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    spec = sdp.build(params, RULES, "bb-sdp", W, 0.5)
+    graph = nnx.graphdef(Net())
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return jnp.mean((nnx.merge(graph, p)(x.astype(jnp.bfloat16)) - y) ** 2).astype(
+            jnp.float32)
+    trainer = SDPStep(spec, loss_fn, optax.sgd(0.1))
+    state = trainer.init(params)
+    state, _ = trainer.train_step(state, trainer.put_batch(data()))
+    assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.bfloat16)}
+    np.asarray(jax.tree.leaves(params)[0])   # the caller's arrays were not donated
+
+
+def test_bad_inputs_refused_before_compute():
+    trainer, _ = make("b-sdp", 0.5)
+    with pytest.raises(ValueError, match="differ from the ones the spec was built from"):
+        trainer.init(Net(depth=DEPTH + 2))
+    with pytest.raises(ValueError, match="does not split over W=4 workers"):
+        trainer.put_batch(data(n=30))
+    with pytest.raises(ValueError, match="grad_clip=nan must be a finite number"):
+        make("b-sdp", 0.5, grad_clip=float("nan"))
+    mesh = jax.make_mesh((W,), ("x",), devices=jax.devices()[:W])
+    with pytest.raises(ValueError, match="none named 'data'"):
+        make("b-sdp", 0.5, mesh=mesh)
+
+
+def test_mesh_of_another_size_refused():
+    spec = sdp.build(Net(), RULES, "b-sdp", W, 0.5)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="mesh axis 'data' has 2 devices but the spec has W=4"):
+        SDPStep(spec, lambda p, b: 0.0, optax.sgd(0.1), mesh)
+
+
+def test_example_runs():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "custom_model.py")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "b-sdp (forward masking), coverage C=0.5: each worker holds 4/8 blocks" in out.stdout
+    assert "nb-sdp (backward masking)" in out.stdout
