@@ -38,21 +38,19 @@ KEPT, STACK, SLOT, NEURON = "kept", "stack", "slot", "neuron"
 class Local:
     """One leaf of a worker's local (compact) tree.
 
-    kind: ``kept`` | ``stack`` (stacked block leaf) | ``slot`` (a leaf of list-form block slot
+    form: ``kept`` | ``stack`` (stacked block leaf) | ``slot`` (a leaf of list-form block slot
     ``slot``; ``rel`` is its path inside the block) | ``neuron``. full: the full leaf's path
     (for ``slot``: block 0's). rule: the spec's rule (None for kept).
     """
 
-    kind: str
+    form: str
     full: tuple
     rule: Any = None
     slot: int = 0
     rel: tuple = ()
 
 
-def _flatten(tree) -> dict:
-    return {tuple(spec_lib._key(k) for k in p): x
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+_flatten = spec_lib.flatten
 
 
 unflatten = spec_lib.unflatten
@@ -94,7 +92,7 @@ class Layout:
         self._tables: dict = {}
         self.stored_shapes: dict[tuple, tuple] = {}   # stored path -> per-worker shape
         for lp, lf in self.leaves.items():
-            if lf.kind == SLOT:
+            if lf.form == SLOT:
                 if lf.slot == 0:
                     self.stored_shapes[self.slots_path(lf)] = (bt.k,) + self.local_shape(lp)
             else:
@@ -109,7 +107,7 @@ class Layout:
         out, slots = {}, {}
         for lp, x in local.items():
             lf = self.leaves[lp]
-            if lf.kind == SLOT:
+            if lf.form == SLOT:
                 slots.setdefault(self.slots_path(lf), {})[lf.slot] = x
             else:
                 out[lp] = x
@@ -119,7 +117,7 @@ class Layout:
 
     def to_local(self, stored: dict) -> dict:
         """Inverse of :meth:`to_stored` (flat dicts)."""
-        return {lp: (stored[self.slots_path(lf)][lf.slot] if lf.kind == SLOT else stored[lp])
+        return {lp: (stored[self.slots_path(lf)][lf.slot] if lf.form == SLOT else stored[lp])
                 for lp, lf in self.leaves.items()}
 
     def stored_compact(self, sp: tuple) -> bool:
@@ -134,9 +132,10 @@ class Layout:
 
     def compact(self, lp: tuple) -> bool:
         """Whether a local leaf is stored per worker (``[W, ...]``, sharded ``P('data')``)."""
-        return self.leaves[lp].kind != KEPT
+        return self.leaves[lp].form != KEPT
 
-    def _block_full(self, lf: Local, g) -> tuple:
+    def block_full(self, lf: Local, g) -> tuple:
+        """Full path of a list-form block leaf ``lf`` in block ``g``."""
         return self.spec.block_path + (self._block_key(g),) + lf.rel
 
     # ------------------------------------------------------------------ prune / unprune
@@ -147,14 +146,14 @@ class Layout:
         spec, out = self.spec, {}
         stacks = {}
         for lp, lf in self.leaves.items():
-            if lf.kind == KEPT:
+            if lf.form == KEPT:
                 out[lp] = flat[lf.full]
-            elif lf.kind == STACK:
+            elif lf.form == STACK:
                 out[lp] = flat[lf.full][jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]]
-            elif lf.kind == SLOT:
+            elif lf.form == SLOT:
                 if lf.rel not in stacks:
                     L = spec.kinds[spec_lib.BLOCK].masks.shape[-1]
-                    stack = jnp.stack([flat[self._block_full(lf, g)] for g in range(L)])
+                    stack = jnp.stack([flat[self.block_full(lf, g)] for g in range(L)])
                     stacks[lf.rel] = stack[jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]]
                 out[lp] = stacks[lf.rel][lf.slot]
             else:
@@ -182,12 +181,12 @@ class Layout:
         slots: dict = {}
         for lp, lf in self.leaves.items():
             x = local[lp]
-            if lf.kind == KEPT:
+            if lf.form == KEPT:
                 flat[lf.full] = x
-            elif lf.kind == STACK:
+            elif lf.form == STACK:
                 held = jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]
                 flat[lf.full] = flat[lf.full].at[held].set(x)
-            elif lf.kind == SLOT:
+            elif lf.form == SLOT:
                 slots.setdefault(lf.rel, {})[lf.slot] = (lf, x)
             else:
                 idx = jnp.asarray(np.stack([spec.indices(lf.rule, v) for v in range(self.W)]))[w]
@@ -206,33 +205,33 @@ class Layout:
             for rel, by_slot in slots.items():
                 lf0 = by_slot[0][0]
                 L = bt.masks.shape[-1]
-                stack = jnp.stack([flat[self._block_full(lf0, g)] for g in range(L)])
+                stack = jnp.stack([flat[self.block_full(lf0, g)] for g in range(L)])
                 stack = stack.at[held].set(jnp.stack([by_slot[j][1] for j in range(bt.k)]))
                 for g in range(L):
-                    flat[self._block_full(lf0, g)] = stack[g]
+                    flat[self.block_full(lf0, g)] = stack[g]
         return flat
 
     def unprune(self, stored: Any) -> dict:
         """Stored layout -> full parameters (host numpy), every component taken from its first
         holder (holders agree after averaging). Nested dict like the spec's parameters."""
         flat = {sp: np.asarray(jax.device_get(x)) for sp, x in _flatten(stored).items()}
-        flat = {lp: (flat[self.slots_path(lf)][:, lf.slot] if lf.kind == SLOT else flat[lp])
+        flat = {lp: (flat[self.slots_path(lf)][:, lf.slot] if lf.form == SLOT else flat[lp])
                 for lp, lf in self.leaves.items()}
         spec, out = self.spec, {}
         for lp, lf in self.leaves.items():
             x = flat[lp]
-            if lf.kind == KEPT:
+            if lf.form == KEPT:
                 out[lf.full] = x
                 continue
             t = spec.kinds[lf.rule.kind]
-            if lf.kind in (STACK, SLOT):
+            if lf.form in (STACK, SLOT):
                 first = np.argmax(t.masks[0], axis=0)                     # [L]
                 slot = t.slot[first, np.arange(len(first))]
-                if lf.kind == STACK:
+                if lf.form == STACK:
                     out[lf.full] = x[first, slot]
                 else:
                     for g in np.flatnonzero(slot == lf.slot):
-                        out[self._block_full(lf, int(g))] = x[first[g]]
+                        out[self.block_full(lf, int(g))] = x[first[g]]
                 continue
             full = np.zeros(spec.shapes[lf.full], x.dtype)
             a = lf.rule.axis
@@ -253,10 +252,10 @@ class Layout:
         block slots: of the stack of all ``k`` slots of that relative path)."""
         from sdp_jax import sync  # pylint: disable=g-import-not-at-top
         lf = self.leaves[lp]
-        key = lf.rel if lf.kind == SLOT else lp
+        key = lf.rel if lf.form == SLOT else lp
         if key not in self._tables:
             t = self.spec.kinds[lf.rule.kind]
-            if lf.kind in (STACK, SLOT):
+            if lf.form in (STACK, SLOT):
                 self._tables[key] = sync.HolderTables(t.held[:, None, :], t.counts[None, :],
                                                       0, False)
             else:
@@ -276,11 +275,11 @@ class Layout:
         lf = self.leaves[lp]
         t = self.spec.kinds[lf.rule.kind]
         shape = self.local_shape(lp)
-        if lf.kind == STACK:
+        if lf.form == STACK:
             c = t.counts[t.held]                                            # [W, k]
             return (1.0 / c).reshape((self.W, shape[0]) + (1,) * (len(shape) - 1)).astype(
                 np.float32)
-        if lf.kind == SLOT:
+        if lf.form == SLOT:
             c = t.counts[t.held[:, lf.slot]]
             return (1.0 / c).reshape((self.W,) + (1,) * len(shape)).astype(np.float32)
         idx = np.stack([self.spec.indices(lf.rule, w) for w in range(self.W)])

@@ -246,7 +246,7 @@ def log_stopped(step: int, total: int, interrupted: list) -> None:
 
 # ---------------------------------------------------------------------------- the run
 
-def check_workdir(workdir: str) -> None:
+def check_workdir_is_dir(workdir: str) -> None:
     """Raise ValueError if ``workdir`` exists and is not a directory."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir {workdir!r} exists and is not a directory; choose another.")
@@ -321,20 +321,20 @@ class Run:
     already_line: Callable
 
 
-def run(config, workdir: str, spec: Run, *, state, start: int, total: int, manager,
+def run(config, workdir: str, family: Run, *, state, start: int, total: int, manager,
         meta: dict, train_iter, t_start: float) -> dict:
     """:func:`train`, then :func:`finish`: the whole run after set-up. Returns the summary."""
     state, step, last_eval, interrupted, last_rec = train(
-        config, workdir, spec, state=state, start=start, total=total, manager=manager,
+        config, workdir, family, state=state, start=start, total=total, manager=manager,
         meta=meta, train_iter=train_iter)
     return finish(workdir, start=start, step=step, total=total, t_start=t_start,
-                  summary=lambda wall: spec.summary(step, last_eval, last_rec, wall),
-                  evaluate=lambda: spec.evaluate(state), last_eval=last_eval,
-                  done_line=spec.done_line, already_line=spec.already_line,
+                  summary=lambda wall: family.summary(step, last_eval, last_rec, wall),
+                  evaluate=lambda: family.evaluate(state), last_eval=last_eval,
+                  done_line=family.done_line, already_line=family.already_line,
                   interrupted=interrupted)
 
 
-def train(config, workdir: str, run: Run, *, state, start: int, total: int, manager,
+def train(config, workdir: str, family: Run, *, state, start: int, total: int, manager,
           meta: dict, train_iter) -> tuple[Any, int, dict, list, dict]:
     """The loop: steps ``start + 1 ..`` up to ``total`` (or ``config.stop_at_step``), with
     evaluation every ``config.eval_every`` steps and at the end, logging every
@@ -355,7 +355,7 @@ def train(config, workdir: str, run: Run, *, state, start: int, total: int, mana
     with StopOnSignal(interrupted):
         try:
             while step < stop and not interrupted:
-                state, m = run.step(state, next(train_iter), step + 1)
+                state, m = family.step(state, next(train_iter), step + 1)
                 # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
                 rec = {k: float(v) for k, v in m.items()}
                 last_rec = rec
@@ -365,16 +365,16 @@ def train(config, workdir: str, run: Run, *, state, start: int, total: int, mana
                 is_eval = step == total or (config.eval_every > 0
                                             and step % config.eval_every == 0)
                 if step % config.log_every == 0 or is_eval or step == stop or interrupted:
-                    rec[run.rate_key] = run.items_per_step * n_window / max(
+                    rec[family.rate_key] = family.items_per_step * n_window / max(
                         time.time() - t_window, 1e-9)
                     t_window, n_window = time.time(), 0
                     if is_eval:
-                        last_eval = run.evaluate(state)
+                        last_eval = family.evaluate(state)
                         rec.update(last_eval)
                         check_finite(rec, step, manager)
                     rec["step"] = step
                     metrics_log.write(rec)
-                    bar.set_postfix(run.postfix(rec), refresh=False)
+                    bar.set_postfix(family.postfix(rec), refresh=False)
                 bar.update(1)
                 every = config.checkpoint_every
                 if (every and step % every == 0) or step == stop or interrupted:

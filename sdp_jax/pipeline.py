@@ -53,7 +53,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import fields, stiefel
+from sdp_jax import fields, stiefel, sync
 from sdp_jax import masks as masks_lib
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import Llama, LlamaConfig, block_apply_fn, next_token_loss
@@ -581,7 +581,7 @@ class PipelineStep:
         g, norm = self._average(g)
         clip = self.optim.grad_clip
         if clip > 0:
-            g = jax.tree.map(lambda x: x * jnp.minimum(1.0, clip / (norm + 1e-6)), g)
+            g = sync.clip_to(g, norm, clip)
         updates, opt_state = self.tx.update(g, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"train_loss": lm, "grad_norm": norm,

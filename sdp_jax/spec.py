@@ -102,14 +102,15 @@ class Rule:
 
     Attributes:
       kind: ``"block"`` or a neuron kind.
-      axis: component axis of the full leaf (0 for stacked blocks; the layer axis counts).
+      axis: component axis of the full leaf (0 for stacked blocks; the layer axis counts);
+        None for a list-form block leaf, which belongs to one block as a whole.
       expand: indices per component along ``axis``.
       layer: neuron leaves of the list form: the layer (mask) index; None when stacked.
       block: block leaves of the list form: the block this leaf belongs to; None when stacked.
     """
 
     kind: str
-    axis: int
+    axis: int | None
     expand: int = 1
     layer: int | None = None
     block: int | None = None
@@ -192,6 +193,12 @@ def flat_shapes(params: Any) -> dict[tuple, tuple]:
     return out
 
 
+def flatten(tree: Any) -> dict[tuple, Any]:
+    """{path (tuple of dict keys / list indices): leaf} of a pytree (nested dicts)."""
+    return {tuple(_key(k) for k in p): x
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def path_str(path: tuple) -> str:
     return "/".join(str(k) for k in path)
 
@@ -240,6 +247,9 @@ class SDPSpec:
         self.shapes = shapes
         self.variant, self.workers = variant, workers
         self.coverage = 1.0 if variant == "ddp" else coverage
+        if isinstance(coverage, (int, float, np.integer, np.floating)) \
+                and not isinstance(coverage, bool) and variant != "ddp":
+            self.coverage = float(coverage)
         self.scheme, self.seed, self.allow_nonuniform = scheme, seed, allow_nonuniform
         self.backward = variant in BACKWARD_VARIANTS
         self.regime = "backward" if self.backward else "forward"
@@ -272,7 +282,11 @@ class SDPSpec:
                 masks_lib.validate_mask(one, require_uniform=False)
             except ValueError as e:
                 raise ValueError(f"matrices[{kind!r}]: {e}") from None
-        k = int(m[0, 0].sum())
+        ks = sorted({int(r) for r in m.sum(-1).flat})
+        if len(ks) > 1:
+            raise ValueError(f"matrices[{kind!r}]: layers hold {ks} components per worker; "
+                             "every layer must hold the same number (C * G).")
+        k = ks[0]
         if abs(k - self.coverage * components) > 1e-6:
             raise ValueError(f"matrices[{kind!r}] gives each worker {k} of {components} "
                              f"components (C={k / components:g}) but coverage={self.coverage:g}; "
@@ -342,7 +356,7 @@ class SDPSpec:
                             "equal blocks (e.g. one Blocks rule per stage of equal blocks is "
                             "not built yet), or use a neuron variant.")
             for p in under if active else ():
-                self._claim(p, Rule(BLOCK, 0, block=int(str(p[len(prefix)]))), rule)
+                self._claim(p, Rule(BLOCK, None, block=int(str(p[len(prefix)]))), rule)
         self.blocks_stacked, self.block_path, self.n_blocks = stacked, prefix, n
         if not active:
             return
@@ -364,6 +378,7 @@ class SDPSpec:
 
     def _add_neurons(self, rules: list[Neurons]) -> None:
         per_kind: dict[str, dict] = {}   # kind -> {layer key: (G, first path)}
+        stacked_len: dict[str, tuple] = {}   # kind -> (layers, first path) of stacked rules
         found: dict[tuple, tuple] = {}   # path -> (rule, layer key, axis)
         for rule in rules:
             if isinstance(rule.expand, bool) or not isinstance(rule.expand, int) \
@@ -399,6 +414,13 @@ class SDPSpec:
                         f"{rule}: {path_str(p)!r} lies under the stacked blocks "
                         f"{path_str(self.block_path)!r}, so its axis 0 is the layer axis; set "
                         "stacked=True (one mask per layer).")
+                if rule.stacked:
+                    first = stacked_len.setdefault(rule.kind, (s[0], p))
+                    if first[0] != s[0]:
+                        raise ValueError(
+                            f"{rule}: {path_str(p)!r} stacks {s[0]} layers but "
+                            f"{path_str(first[1])!r} of the same kind stacks {first[0]}; give "
+                            "stacks of other depths their own kind.")
                 g = s[axis] // rule.expand
                 if pattern[-1] == "*":   # a '*' for the leaf name: leaves of one layer
                     caught = caught[:-1]
@@ -595,7 +617,8 @@ def unflatten(flat: dict) -> dict:
 
 def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0, *,
           scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False,
-          names: dict | None = None, matrices: dict | None = None) -> SDPSpec:
+          names: dict | None = None, matrices: dict | None = None,
+          allow_disconnected: bool = False) -> SDPSpec:
     """Build the :class:`SDPSpec` of a model.
 
     Args:
@@ -614,6 +637,8 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
       matrices: hand-made mask matrices instead of the recipe's, {kind: bool [W, G]} (neuron
         kinds may give ``[layers, W, G]``); every row must hold ``C * G`` components (``C`` =
         ``coverage``) and every component a holder (uniformity is not required). Not with ddp.
+      allow_disconnected: accept masks whose mask graph has spectral gap 0 (groups of workers
+        that share no component, so their copies never mix; Singh et al., Sec. 4).
 
     Returns:
       the spec; the same inputs give the same masks on every host and after a restart.
@@ -621,7 +646,8 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
     Raises:
       ValueError: unknown variant; no rule for the variant's components; a rule that matches
         nothing or is ambiguous (see the module docstring); a coverage not realizable for a kind
-        (names the kind, its count and the nearest valid coverages).
+        (names the kind, its count and the nearest valid coverages); a disconnected mask graph
+        (unless ``allow_disconnected``).
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}.")
@@ -662,6 +688,14 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
         if blocks:
             probe._add_blocks(blocks[0], active=False)
         probe._add_neurons(neurons)
+    if workers > 1 and spec.coverage < 1 and not allow_disconnected \
+            and spec.spectral_gap() < 1e-9:
+        raise ValueError(
+            f"the mask graph of {'hand-made' if matrices else scheme} {variant} masks for "
+            f"W={workers}, C={spec.coverage:g} is disconnected (spectral gap 0): some groups of "
+            "workers share no component, so their copies never mix. Choose a larger coverage, "
+            "another scheme, or set allow_disconnected=True "
+            "(--config.sdp.allow_disconnected=True).")
     unknown = sorted(set(matrices or {}) - set(spec.kinds))
     if unknown:
         raise ValueError(f"matrices for {unknown}, which are not component kinds of {variant} "

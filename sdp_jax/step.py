@@ -17,7 +17,7 @@ The step, inside ``jax.shard_map`` over the mesh axis ``data``: local loss and g
 worker's batch slice -> :func:`sdp_jax.sync.average` (mean over each component's holders,
 invariant 2) -> :func:`sdp_jax.sync.clip_by_global_norm` -> the optimizer on the compact
 parameters -> under backward masking, every worker's full parameters rebuilt from the holders'
-new values (a masked psum divided by the count).
+new values (:func:`sdp_jax.sync.gather_full`: holder ``all_to_all``, then an all-gather).
 
 State layout: forward masking stores parameters and optimizer state compact (``[W, ...]``
 sharded ``P('data')`` per masked leaf, replicated ``P()`` per always-kept leaf); backward masking
@@ -75,7 +75,7 @@ class SDPStep:
         if mesh.shape[AXIS] != W:
             raise ValueError(f"mesh axis '{AXIS}' has {mesh.shape[AXIS]} devices but the "
                              f"spec has W={W} workers.")
-        if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) \
+        if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float, np.floating)) \
                 or not np.isfinite(grad_clip) or grad_clip < 0:
             raise ValueError(f"grad_clip={grad_clip!r} must be a finite number >= 0 "
                              "(0 = no clipping).")
@@ -134,7 +134,7 @@ class SDPStep:
 
     def full_params(self, state) -> dict:
         """The full model's parameters (host numpy, nested dict), each component from its
-        first holder."""
+        first holder (gathers the whole model to this host; one process)."""
         if self.spec.backward:
             return jax.tree.map(np.asarray, jax.device_get(state["params"]))
         return self.layout.unprune(state["params"])
@@ -174,15 +174,9 @@ class SDPStep:
         if spec.backward:   # every worker's full parameters from the holders' new values
             local = lay.to_local({sp: (x[0] if lay.stored_compact(sp) else x)
                                   for sp, x in new.items()})
-            zeros = {p: jnp.zeros(x.shape, x.dtype) for p, x in full.items()}
-            mine = lay.embed(zeros, local, my)
-            out = {}
-            for p, x in mine.items():
-                m = spec.leaf_mask(p)
-                x = x.astype(full[p].dtype)
-                out[p] = (jax.lax.pmean(x, AXIS) if m is None else
-                          jax.lax.psum(x, AXIS) / jnp.asarray(m.sum(0), x.dtype))
-            new_params = layout_lib.unflatten(out)
+            rebuilt = layout_lib._flatten(sync.gather_full(layout_lib.unflatten(local), spec))
+            new_params = layout_lib.unflatten({p: x.astype(full[p].dtype)
+                                               for p, x in rebuilt.items()})
         else:
             new_params = layout_lib.unflatten(new)
         metrics = {"train_loss": jax.lax.pmean(value, AXIS), "grad_norm": norm}
@@ -202,7 +196,9 @@ class SDPStep:
         return self._step
 
     def put_batch(self, batch: Any) -> Any:
-        """A host batch (leading axis ``W * b``) placed on the mesh, sharded ``P('data')``.
+        """A host batch (leading axis ``W * b``) placed on the mesh, sharded ``P('data')``
+        (one process; with several, build the global array with
+        ``jax.make_array_from_process_local_data``).
 
         Raises:
           ValueError: a leaf whose leading axis is not a multiple of ``W``."""

@@ -54,7 +54,7 @@ def worker_index(axis: str = AXIS):
 
 
 def masked_mean(x: jax.Array, mask: np.ndarray, axis: str = AXIS) -> jax.Array:
-    """Reference masked mean over holders, full layout.
+    """Reference masked mean over holders, full layout, for one leaf.
 
     Args:
       x: this worker's full-size values ``[G, ...]`` (entries it does not hold are ignored).
@@ -69,13 +69,7 @@ def masked_mean(x: jax.Array, mask: np.ndarray, axis: str = AXIS) -> jax.Array:
       ValueError: if a component is held by no worker (the mean would divide by zero).
     """
     mask = np.asarray(mask, dtype=bool)
-    counts = mask.sum(0)
-    if (counts == 0).any():
-        raise ValueError(f"components {np.flatnonzero(counts == 0).tolist()} are held by no worker.")
-    bshape = (mask.shape[1],) + (1,) * (x.ndim - 1)
-    mine = jnp.asarray(mask)[worker_index(axis)].reshape(bshape)
-    total = lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
-    return total / jnp.asarray(counts, x.dtype).reshape(bshape)
+    return masked_average(x, mask.reshape(mask.shape + (1,) * (x.ndim - 1)), axis)
 
 
 class CompactTables:
@@ -561,6 +555,22 @@ def holder_mean(tree: dict, tables: dict, axis: str = AXIS,
                              step_bytes)
 
 
+def all_gather_invariant(x: jax.Array, axis: str = AXIS) -> jax.Array:
+    """Tiled all-gather of shards ``[..., rs]`` along the last axis; the result is the same on
+    every worker and typed invariant, so it may leave ``shard_map`` replicated (``P()``)."""
+    for to in ("invarying", "invariant"):  # the spelling of jax 0.10; a later one
+        try:
+            return lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True, to=to)
+        except (TypeError, ValueError):
+            continue
+    gather = getattr(lax, "all_gather_invariant", None)
+    if gather is not None:
+        return gather(x, axis, axis=x.ndim - 1, tiled=True)
+    # Last resort (correct, but an all-reduce more on the wire): make it invariant by a psum.
+    return lax.psum(lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
+                    / lax.axis_size(axis), axis)
+
+
 def shards_sq_norm(shards: dict, axis: str = AXIS) -> jax.Array:
     """Squared L2 norm of shard-layout values: every element lives on exactly one device, so the
     psum counts each component once (DESIGN.md invariant 6). float32 scalar, invariant."""
@@ -647,9 +657,12 @@ def masked_average(tree: Any, masks: Any, axis: str = AXIS) -> Any:
             return lax.pmean(x, axis)
         m = np.asarray(m, bool)
         count = m.sum(0)
+        if (count == 0).any():
+            raise ValueError(f"entries {np.argwhere(count == 0)[:4].tolist()} of a leaf are held "
+                             "by no worker (the mean would divide by zero).")
         mine = jnp.asarray(m)[my]
         total = lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
-        return total / jnp.asarray(np.maximum(count, 1), x.dtype)
+        return total / jnp.asarray(count, x.dtype)
 
     return jax.tree.map(one, masks, tree, is_leaf=lambda m: m is None or isinstance(m, np.ndarray))
 
@@ -663,8 +676,8 @@ def _check_compact(flat: dict, lay) -> None:
 
 
 def _local_flat(tree):
-    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p): x
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    from sdp_jax import spec as spec_lib  # pylint: disable=g-import-not-at-top
+    return spec_lib.flatten(tree)
 
 
 def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
@@ -682,7 +695,9 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
         narrowed neuron leaves); ``compact=False``: full-size values (nested dict like the
         parameters; entries the worker does not hold are ignored).
       spec: the :class:`sdp_jax.spec.SDPSpec`.
-      method: compact layout only: ``"alltoall"`` moves only held bytes (:func:`holder_mean`:
+      compact: whether ``tree`` is in the compact layout (see above).
+      method: compact layout only (the full layout always uses the masked psum):
+        ``"alltoall"`` moves only held bytes (:func:`holder_mean`:
         per device ``2 (W-1)/W`` times the worker's compact bytes, ``C`` times an all-reduce);
         ``"psum"`` scatters into full-size buffers and runs :func:`masked_average` (the
         reference; every method gives the same values).
@@ -702,42 +717,88 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
     flat = _local_flat(tree)
     _check_compact(flat, lay)
     my = worker_index(axis)
-    if method == "psum":
-        dt = jnp.result_type(*flat.values())
-        zeros = {p: jnp.zeros(s, dt) for p, s in spec.shapes.items()}
-        full = lay.embed(zeros, flat, my)
-        masks = {p: spec.leaf_mask(p) for p in spec.shapes}
-        avg = {p: (lax.pmean(x, axis) if masks[p] is None else
-                   lax.psum(x, axis) / jnp.asarray(masks[p].sum(0), x.dtype))
-               for p, x in full.items()}
-        return layout_lib.unflatten(lay.prune(avg, my))
-    out, masked, tabs, slots = {}, {}, {}, {}
+    if method == "psum":   # the reference: full-size buffers, float32 sums
+        wide = {p: x.astype(jnp.result_type(jnp.float32, x.dtype)) for p, x in flat.items()}
+        zeros = {p: jnp.zeros(s, jnp.result_type(*wide.values())) for p, s in spec.shapes.items()}
+        full = lay.embed(zeros, wide, my)
+        avg = masked_average(full, {p: spec.leaf_mask(p) for p in spec.shapes}, axis)
+        back = lay.prune(avg, my)
+        return jax.tree_util.tree_unflatten(jax.tree.structure(tree),
+                                            [back[p].astype(x.dtype) for p, x in flat.items()])
+    plain, rows, tabs, slots = _compact_groups(flat, lay)
+    out = {lp: lax.pmean(x, axis) for lp, x in plain.items()}
+    for key, v in (holder_mean(rows, tabs, axis) if rows else {}).items():
+        if key[0] == "slots" and key[1:] in slots:
+            for j, lp in slots[key[1:]].items():
+                out[lp] = v[j]
+        else:
+            lf = lay.leaves[key]
+            out[key] = v if (lf.form == layout_lib.STACK or lf.rule.layer is None) else v[0]
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [out[p] for p in flat])
+
+
+def _compact_groups(flat: dict, lay) -> tuple[dict, dict, dict, dict]:
+    """Split a worker's compact local leaves for the holder collectives: ``(plain, rows,
+    tables, slots)``: leaves averaged by a plain mean (always-kept, or held by every worker),
+    leaves in the shape :func:`holder_shards` takes (list-form block slots stacked per relative
+    path under the key ``("slots",) + rel``), their tables, and {rel: {slot: local path}}."""
+    from sdp_jax import layout as layout_lib  # pylint: disable=g-import-not-at-top
+    plain, rows, tabs, slots = {}, {}, {}, {}
     for lp, x in flat.items():
         lf = lay.leaves[lp]
-        if lf.kind == layout_lib.KEPT:
-            out[lp] = lax.pmean(x, axis)
-            continue
-        t = lay.holder_tables(lp)
-        if t.full:
-            out[lp] = lax.pmean(x, axis)
-        elif lf.kind == layout_lib.SLOT:   # list-form blocks travel as a stack of slots
+        if lf.form == layout_lib.KEPT or lay.holder_tables(lp).full:
+            plain[lp] = x
+        elif lf.form == layout_lib.SLOT:
             slots.setdefault(lf.rel, {})[lf.slot] = lp
-            tabs[("slots",) + lf.rel] = t
+            tabs[("slots",) + lf.rel] = lay.holder_tables(lp)
         else:
-            masked[lp] = x if (lf.kind == layout_lib.STACK or lf.rule.layer is None) else x[None]
-            tabs[lp] = t
+            rows[lp] = x if lf.form == layout_lib.STACK or lf.rule.layer is None else x[None]
+            tabs[lp] = lay.holder_tables(lp)
     for rel, by_slot in slots.items():
-        masked[("slots",) + rel] = jnp.stack([flat[by_slot[j]] for j in range(len(by_slot))])
-    if masked:
-        mean = holder_mean(masked, tabs, axis)
-        for key, v in mean.items():
-            if key[0] == "slots" and key[1:] in slots:
-                for j, lp in slots[key[1:]].items():
-                    out[lp] = v[j]
-            else:
-                lf = lay.leaves[key]
-                out[key] = v if (lf.kind == layout_lib.STACK or lf.rule.layer is None) else v[0]
-    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [out[p] for p in flat])
+        rows[("slots",) + rel] = jnp.stack([flat[by_slot[j]] for j in range(len(by_slot))])
+    return plain, rows, tabs, slots
+
+
+def gather_full(tree: Any, spec, axis: str = AXIS) -> dict:
+    """The full parameters, the same on every worker, from every worker's compact local values
+    (each component the mean over its holders; after an averaged update the holders agree, so
+    it is their value). Used by backward masking to rebuild every worker's full model.
+
+    Args:
+      tree: a worker's local tree in the compact layout (inside ``jax.shard_map``).
+    Returns:
+      nested dict like the spec's parameters, invariant over ``axis``, in the local dtypes.
+      Bytes per device: the holder ``all_to_all`` of the worker's compact bytes plus an
+      all-gather of the full model (``(W-1)/W`` of it), instead of a full-size all-reduce.
+    """
+    from sdp_jax import layout as layout_lib  # pylint: disable=g-import-not-at-top
+    lay = layout_lib.of(spec)
+    flat = _local_flat(tree)
+    _check_compact(flat, lay)
+    out = {}
+    plain, rows, tabs, slots = _compact_groups(flat, lay)
+    for lp, x in plain.items():   # always-kept, or every worker holds all in order
+        lf = lay.leaves[lp]
+        v = lax.pmean(x, axis)
+        out[lay.block_full(lf, lf.slot) if lf.form == layout_lib.SLOT else lp] = v
+    for key, sh in (holder_shards(rows, tabs, axis) if rows else {}).items():
+        t = tabs[key]
+        if key[0] == "slots" and key[1:] in slots:
+            lf = lay.leaves[slots[key[1:]][0]]
+            dt = flat[slots[key[1:]][0]].dtype
+            L = t.size
+            full = from_rows(all_gather_invariant(sh.astype(dt), axis),
+                             (L,) + spec.shapes[lf.full], t)
+            for g in range(L):
+                out[lay.block_full(lf, g)] = full[g]
+            continue
+        lf, dt = lay.leaves[key], flat[key].dtype
+        g = all_gather_invariant(sh.astype(dt), axis)
+        if lf.form == layout_lib.STACK or lf.rule.layer is None:
+            out[key] = from_rows(g, spec.shapes[key], t)
+        else:
+            out[key] = from_rows(g, (1,) + spec.shapes[key], t)[0]
+    return layout_lib.unflatten({p: out[p] for p in spec.shapes})
 
 
 def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> jax.Array:
@@ -764,7 +825,7 @@ def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> j
     local = []
     for lp, x in flat.items():
         x2 = jnp.square(x.astype(jnp.float32))
-        if lay.leaves[lp].kind == layout_lib.KEPT:
+        if lay.leaves[lp].form == layout_lib.KEPT:
             sq = sq + jnp.sum(x2)
         else:
             local.append(jnp.sum(x2 * jnp.asarray(lay.inverse_counts(lp))[my]))
@@ -783,7 +844,14 @@ def clip_by_global_norm(tree: Any, spec, max_norm: float, *, compact: bool = Tru
       ``optax.clip_by_global_norm`` inside ``shard_map``, which sees only one worker's values.
     """
     norm = global_norm(tree, spec, compact=compact, axis=axis)
+    return clip_to(tree, norm, max_norm), norm
+
+
+def clip_to(tree: Any, norm: jax.Array, max_norm: float) -> Any:
+    """``tree * min(1, max_norm / (norm + 1e-6))``: global-norm clipping (Pascanu et al. 2013,
+    "On the difficulty of training recurrent neural networks", Sec. 3.2) by a ``norm`` that the
+    caller computed so that every holder gets the same one; ``max_norm <= 0``: unchanged."""
     if max_norm <= 0:
-        return tree, norm
+        return tree
     scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-    return jax.tree.map(lambda g: g * scale.astype(g.dtype), tree), norm
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), tree)

@@ -130,16 +130,19 @@ def make_optimizer(optim: OptimConfig, total_steps: int,
 
 
 def make_plan(variant: str, cfg: LlamaConfig, workers: int, coverage: float,
-              scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False) -> SDPSpec:
+              scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False,
+              allow_disconnected: bool = False) -> SDPSpec:
     """The :class:`sdp_jax.spec.SDPSpec` of a LLaMA model for a variant (DDP: all-ones block
     mask), from the model's declared rules (:func:`sdp_jax.models.llama.sdp_rules`).
 
     Raises:
-      ValueError: unknown variant, or a coverage not realizable for a component kind.
+      ValueError: unknown variant, a coverage not realizable for a component kind, or a
+        disconnected mask graph (unless ``allow_disconnected``).
     """
     shapes = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
     return spec_lib.build(shapes, sdp_rules(cfg), variant, workers, coverage, scheme=scheme,
-                          seed=seed, allow_nonuniform=allow_nonuniform, names=SDP_NAMES)
+                          seed=seed, allow_nonuniform=allow_nonuniform, names=SDP_NAMES,
+                          allow_disconnected=allow_disconnected)
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -162,22 +165,6 @@ def _select(tree, pred):
 def _merge(tree, flat):
     """Replace the leaves of ``tree`` found in ``flat`` (path -> leaf)."""
     return _map_paths(lambda p, x: flat.get(p, x), tree)
-
-
-def _all_gather_invariant(x):
-    """Tiled all-gather of shards ``[..., rs]`` along the last axis; the result is the same on
-    every worker and typed invariant, so it may leave ``shard_map`` replicated (``P()``)."""
-    for to in ("invarying", "invariant"):  # the spelling of jax 0.10; a later one
-        try:
-            return jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True, to=to)
-        except (TypeError, ValueError):
-            continue
-    gather = getattr(jax.lax, "all_gather_invariant", None)
-    if gather is not None:
-        return gather(x, AXIS, axis=x.ndim - 1, tiled=True)
-    # Last resort (correct, but an all-reduce more on the wire): make it invariant by a psum.
-    return jax.lax.psum(jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
-                        / jax.lax.axis_size(AXIS), AXIS)
 
 
 def _take(x, idx, axis):
@@ -694,7 +681,7 @@ class StepBuilder:
                 continue
             shards = sync.holder_shards({p: x[0] for p, x in group.items()}, tabs, AXIS)
             for p, sh in shards.items():
-                g = _all_gather_invariant(sh.astype(self.full_param_shapes_flat[p].dtype))
+                g = sync.all_gather_invariant(sh.astype(self.full_param_shapes_flat[p].dtype))
                 out[p] = sync.from_rows(g, self.full_param_shapes_flat[p].shape, tabs[p])
         return _merge(full, out)
 
@@ -709,9 +696,7 @@ class StepBuilder:
         else:
             grads = self.average(grads)
             gnorm = self.grad_norm(grads)
-        if self.optim.grad_clip > 0:
-            scale = jnp.minimum(1.0, self.optim.grad_clip / (gnorm + 1e-6))
-            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        grads = sync.clip_to(grads, gnorm, self.optim.grad_clip)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], compact)
         new = optax.apply_updates(compact, updates)
         if self.plan.backward and not self.fsdp:

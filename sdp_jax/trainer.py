@@ -104,8 +104,7 @@ def resolve(config, device_count: int) -> RunSpec:
                          "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
     # With a pipeline the masks are over one stage's L / P blocks (the same in every stage).
     plan = ts.make_plan(sdp.variant, plan_model, workers, sdp.coverage, sdp.scheme,
-                        sdp.mask_seed, sdp.allow_nonuniform)
-    loop.check_mask_graph(plan, config)
+                        sdp.mask_seed, sdp.allow_nonuniform, sdp.allow_disconnected)
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
         total = ts.flop_matched_steps(config.steps, plan.coverage)
@@ -193,7 +192,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     t_start = time.time()
     loop.canonical_dtype(config)
     spec = resolve(config, jax.device_count())
-    loop.check_workdir(workdir)
+    loop.check_workdir_is_dir(workdir)
     W, T, pipe = spec.workers, config.seq_len, spec.pipe
     devices = jax.devices()[:W * pipe.stages]
     if pipe.stages > 1:

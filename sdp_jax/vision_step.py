@@ -441,7 +441,7 @@ class VisionStepBuilder:
             shards = sync.holder_shards(masked, tabs, AXIS)
             for lp, sh in shards.items():
                 lf = leaves[lp]
-                g = ts._all_gather_invariant(sh.astype(lf.dtype))
+                g = sync.all_gather_invariant(sh.astype(lf.dtype))
                 if lf.kind == "slots":
                     n = len(lf.full)
                     val = sync.from_rows(g, (n,) + lf.shape[1:], lf.tables)
@@ -577,9 +577,7 @@ class VisionStepBuilder:
             new_stats, _ = self._holder_average(self.s_leaves, new_stats)
         grads, sq = self._holder_average(self.p_leaves, grads, norm=True)
         gnorm = jnp.sqrt(sq)
-        if self.optim.grad_clip > 0:
-            scale = jnp.minimum(1.0, self.optim.grad_clip / (gnorm + 1e-6))
-            grads = {p: g * scale for p, g in grads.items()}
+        grads = sync.clip_to(grads, gnorm, self.optim.grad_clip)
         lead = lambda t: {p: (x[None] if self.o_layout[p] == "C" else x)  # noqa: E731
                           for p, x in t.items()}
         updates, opt_state = self.optimizer.update(_unflatten(lead(grads)), state["opt_state"],

@@ -94,7 +94,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     t_start = time.time()
     loop.canonical_dtype(config)
     spec = resolve(config, jax.device_count())
-    loop.check_workdir(workdir)
+    loop.check_workdir_is_dir(workdir)
     W, cfg = spec.workers, spec.model
     devices = jax.devices()[:W]
     mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)

@@ -108,16 +108,18 @@ def test_unequal_list_blocks_refused():
 
 
 class Nested(nnx.Module):
-    """Blocks under a list index: stages/0/blocks/{0,1}."""
+    """Blocks under a list index: stages/0/blocks/{0..3}."""
 
     def __init__(self):
         rngs = nnx.Rngs(0)
-        self.stages = nnx.List([nnx.Dict(blocks=nnx.List([Block(4, 6, rngs) for _ in range(2)]))])
+        self.stages = nnx.List([nnx.Dict(blocks=nnx.List([Block(4, 6, rngs) for _ in range(4)]))])
 
 
 def test_paths_through_list_indices_and_wildcard_leaf_names():
-    spec = sdp.build(Nested(), [sdp.Blocks("stages/0/blocks")], "b-sdp", 2, 0.5)
-    assert spec.kinds["block"].masks.shape == (1, 2, 2)
+    spec = sdp.build(Nested(), [sdp.Blocks("stages/0/blocks")], "b-sdp", 4, 0.5)
+    assert spec.kinds["block"].masks.shape == (1, 4, 4)
+    with pytest.raises(ValueError, match="disconnected .* allow_disconnected=True"):
+        sdp.build(Nested(), [sdp.Blocks("stages/0/blocks")], "b-sdp", 2, 0.5)
     # A '*' in the leaf position: kernel and bias of one layer share the layer's mask.
     spec = sdp.build(ListNet(), [sdp.Neurons("blocks/*/up/*", -1, "mlp")], "n-sdp", 4, 0.5)
     assert spec.kinds["mlp"].masks.shape == (4, 4, 6)
@@ -146,6 +148,23 @@ def test_more_refusals():
                   "n-sdp", 2, 0.5)
 
 
+# mask_sha256 that the plans before sdp_jax.spec wrote into checkpoints for these recipes (LLaMA
+# d=32, L=8, H=4, K=2, F=48, W=8, seed 3): the spec must reproduce them, or old runs stop resuming.
+OLD_RECORDS = [
+    ("b-sdp", 0.5, "cyclic", "177382ab1cd735ffabc433078135efa3333dd59b9493fdb58ad49f5365bbac44"),
+    ("n-sdp", 0.5, "random", "3534cd8805b348bce3498351365db7acf913ec3d8b49d4c07df00cbb293af51b"),
+    ("bb-sdp", 0.75, "random", "4d0f5e5d24f2f93e37fcbb282b76c62671afb4391ec269c1e0b573e37b149ad9"),
+    ("ddp", 1.0, "cyclic", "6b178d810e7dc2d0734d0df644546352d05a6e605a1675011102f405d1796cb5"),
+]
+
+
+@pytest.mark.parametrize("variant, coverage, scheme, sha", OLD_RECORDS)
+def test_llama_masks_equal_those_of_earlier_checkpoints(variant, coverage, scheme, sha):
+    cfg = LlamaConfig(d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=48)
+    spec = ts.make_plan(variant, cfg, 8, coverage, scheme, 3)
+    assert spec.record()["mask_sha256"] == sha
+
+
 def test_llama_rules_give_the_recipe_masks():
     cfg = LlamaConfig(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48)
     b = ts.make_plan("b-sdp", cfg, 4, 0.5)
@@ -161,6 +180,24 @@ def test_llama_rules_give_the_recipe_masks():
 
 # ---------------------------------------------------------------- tree-level average and norm
 
+def stacked_params(L=4, d=6, H=4, K=2, h=3, F=8):
+    """A stacked-block model as a pure dict: GQA attention (H query heads, K key/value groups)
+    and an MLP, every block leaf [L, ...]."""
+    rng = np.random.default_rng(1)
+    n = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    return {"embed": n(5, d), "blocks": {"norm": n(L, d), "wq": n(L, d, H, h),
+                                         "wk": n(L, d, K, h), "wo": n(L, H, h, d),
+                                         "up": n(L, d, F), "down": n(L, F, d)}}
+
+
+STACKED_RULES = [sdp.Blocks("blocks"),
+                 sdp.Neurons("blocks/wq", 2, "heads", 2, stacked=True),
+                 sdp.Neurons("blocks/wk", 2, "heads", stacked=True),
+                 sdp.Neurons("blocks/wo", 1, "heads", 2, stacked=True),
+                 sdp.Neurons("blocks/up", 2, "mlp", stacked=True),
+                 sdp.Neurons("blocks/down", 1, "mlp", stacked=True)]
+
+
 # Hand-made block mask: block 0 held by worker 0 alone, block 3 by worker 2 alone,
 # block 1 by everyone, block 2 by workers 1 and 3. Equal row sums (2), not uniform.
 HAND = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 1, 0, 1], [0, 1, 1, 0]], bool)
@@ -174,13 +211,18 @@ def _mesh(W):
     return jax.make_mesh((W,), ("data",), devices=jax.devices()[:W])
 
 
-@pytest.mark.parametrize("variant, matrices", [("b-sdp", {"block": HAND}), ("n-sdp", None)])
-def test_tree_average_equals_masked_psum_reference(variant, matrices):
+@pytest.mark.parametrize("form, variant, matrices", [
+    ("list", "b-sdp", {"block": HAND}), ("list", "n-sdp", None),
+    ("stacked", "b-sdp", {"block": HAND}), ("stacked", "nb-sdp", None)])
+def test_tree_average_equals_masked_psum_reference(form, variant, matrices):
     W = 4
-    model = ListNet()
-    spec = sdp.build(model, RULES, variant, W, 0.5, matrices=matrices)
+    if form == "list":
+        full = nnx.to_pure_dict(nnx.state(ListNet(), nnx.Param))
+        spec = sdp.build(full, RULES, variant, W, 0.5, matrices=matrices)
+    else:
+        full = stacked_params()
+        spec = sdp.build(full, STACKED_RULES, variant, W, 0.5, matrices=matrices)
     lay = layout_lib.of(spec)
-    full = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     # Every worker's own values: different per worker, in the compact layout.
     rng = np.random.default_rng(0)
     noisy = [jax.tree.map(lambda x: np.asarray(x) + rng.normal(size=x.shape).astype(np.float32),
@@ -222,9 +264,25 @@ def test_tree_average_equals_masked_psum_reference(variant, matrices):
     norm = np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in expect.values()))
     assert float(n_fast) == pytest.approx(norm, rel=1e-5)
     assert float(n_ref) == pytest.approx(norm, rel=1e-5)
-    if variant == "b-sdp":   # worker 0 alone holds block 0: its value is kept as it is
+    if variant == "b-sdp" and form == "list":   # worker 0 alone holds block 0: kept as it is
         got = np.asarray(layout_lib._flatten(fast)[("blocks", 0, "up", "kernel")])[0]
         np.testing.assert_allclose(got, noisy[0]["blocks"][0]["up"]["kernel"], rtol=1e-6)
+    if variant == "b-sdp" and form == "stacked":
+        got = np.asarray(fast["blocks"]["up"])[0, 0]          # worker 0, slot 0 = block 0
+        np.testing.assert_allclose(got, noisy[0]["blocks"]["up"][0], rtol=1e-6)
+
+    # gather_full rebuilds the full averaged model on every worker from the compact means.
+    def gather_fn(t):
+        t = jax.tree.map(lambda x: x[0], t)
+        return sync.gather_full(sync.average(t, spec), spec)
+    specs = layout_lib.unflatten({lp: P("data") for lp in lay.leaves})
+    rebuilt = jax.jit(jax.shard_map(
+        gather_fn, mesh=mesh, in_specs=(specs,),
+        out_specs=layout_lib.unflatten({p: P() for p in spec.shapes})))(
+        _put(layout_lib.unflatten(stacked), mesh))
+    for p in spec.shapes:
+        np.testing.assert_allclose(layout_lib._flatten(rebuilt)[p], expect[p], rtol=1e-5,
+                                   atol=1e-5, err_msg=str(p))
 
     # Full layout: the masked psum gives every worker the same averaged full tree.
     full_noisy = {p: jnp.stack([layout_lib._flatten(n)[p] for n in noisy]) for p in spec.shapes}
@@ -248,7 +306,7 @@ def test_tree_average_equals_masked_psum_reference(variant, matrices):
 def test_hand_made_matrices_are_checked():
     with pytest.raises(ValueError, match=r"matrices for \['blocks'\].*kinds: \['block'\]"):
         sdp.build(ListNet(), RULES, "b-sdp", 4, 0.5, matrices={"blocks": HAND})
-    with pytest.raises(ValueError, match="gives each worker 2 of 4 components .* pass coverage=0.5"):
+    with pytest.raises(ValueError, match="each worker 2 of 4 components .* pass coverage=0.5"):
         sdp.build(ListNet(), RULES, "b-sdp", 4, 0.25, matrices={"block": HAND})
     with pytest.raises(ValueError, match="variant ddp holds every component"):
         sdp.build(ListNet(), RULES, "ddp", 4, matrices={"block": HAND})
