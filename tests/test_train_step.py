@@ -30,8 +30,10 @@ def batches(mesh):
             for _ in range(3)]
 
 
-def builder(mesh, variant, coverage, method="auto", scheme="cyclic", optim=OPT, cfg=CFG, **kw):
-    plan = ts.make_plan(variant, cfg, W, coverage, scheme, 0)
+def builder(mesh, variant, coverage, method="auto", scheme="cyclic", optim=OPT, cfg=CFG,
+            allow_disconnected=False, **kw):
+    plan = ts.make_plan(variant, cfg, W, coverage, scheme, 0,
+                        allow_disconnected=allow_disconnected)
     return ts.StepBuilder(cfg, plan, optim, mesh, total_steps=10, method=method, **kw)
 
 
@@ -197,7 +199,8 @@ def test_backward_masking_is_unbiased(mesh, variant):
 def test_nsdp_component_held_by_one_worker_is_updated_from_that_worker_alone(mesh, batches):
     cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=48,
                       max_seq_len=16)
-    b = builder(mesh, "n-sdp", 0.25, cfg=cfg)  # every neuron and head held by exactly one worker
+    # every neuron and head held by exactly one worker (a disconnected mask graph, on purpose)
+    b = builder(mesh, "n-sdp", 0.25, cfg=cfg, allow_disconnected=True)
     assert b.plan.kinds["mlp"].counts.max() == 1 and b.plan.kinds["heads"].counts.max() == 1
     state = b.init_state(seed=0)
     _, grads = b.grads_fn()(state["params"], batches[0])
