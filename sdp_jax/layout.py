@@ -51,8 +51,6 @@ class Local:
 
 
 _flatten = spec_lib.flatten
-
-
 unflatten = spec_lib.unflatten
 
 
@@ -134,6 +132,16 @@ class Layout:
         """Whether a local leaf is stored per worker (``[W, ...]``, sharded ``P('data')``)."""
         return self.leaves[lp].form != KEPT
 
+    def indices(self, lf: Local) -> np.ndarray:
+        """int32 ``[W, ...]``: every worker's held indices along a neuron leaf's component
+        axis (:meth:`sdp_jax.spec.SDPSpec.indices` of each worker, stacked)."""
+        return np.stack([self.spec.indices(lf.rule, w) for w in range(self.W)])
+
+    def _all_blocks(self, flat: dict, lf: Local):
+        """The ``L`` list-form blocks' leaves at ``lf.rel``, stacked ``[L, ...]``."""
+        L = self.spec.kinds[spec_lib.BLOCK].masks.shape[-1]
+        return jnp.stack([flat[self.block_full(lf, g)] for g in range(L)])
+
     def block_full(self, lf: Local, g) -> tuple:
         """Full path of a list-form block leaf ``lf`` in block ``g``."""
         return self.spec.block_path + (self._block_key(g),) + lf.rel
@@ -152,12 +160,11 @@ class Layout:
                 out[lp] = flat[lf.full][jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]]
             elif lf.form == SLOT:
                 if lf.rel not in stacks:
-                    L = spec.kinds[spec_lib.BLOCK].masks.shape[-1]
-                    stack = jnp.stack([flat[self.block_full(lf, g)] for g in range(L)])
-                    stacks[lf.rel] = stack[jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]]
+                    held = jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]
+                    stacks[lf.rel] = self._all_blocks(flat, lf)[held]
                 out[lp] = stacks[lf.rel][lf.slot]
             else:
-                idx = jnp.asarray(np.stack([spec.indices(lf.rule, v) for v in range(self.W)]))[w]
+                idx = jnp.asarray(self.indices(lf))[w]
                 x = flat[lf.full]
                 if lf.rule.layer is None:
                     out[lp] = jax.vmap(lambda xl, il: jnp.take(xl, il, axis=lf.rule.axis - 1))(
@@ -189,7 +196,7 @@ class Layout:
             elif lf.form == SLOT:
                 slots.setdefault(lf.rel, {})[lf.slot] = (lf, x)
             else:
-                idx = jnp.asarray(np.stack([spec.indices(lf.rule, v) for v in range(self.W)]))[w]
+                idx = jnp.asarray(self.indices(lf))[w]
                 a = lf.rule.axis
                 if lf.rule.layer is None:
                     def put(xl, il, vl, a=a):
@@ -204,10 +211,9 @@ class Layout:
             held = jnp.asarray(bt.held)[w]
             for rel, by_slot in slots.items():
                 lf0 = by_slot[0][0]
-                L = bt.masks.shape[-1]
-                stack = jnp.stack([flat[self.block_full(lf0, g)] for g in range(L)])
-                stack = stack.at[held].set(jnp.stack([by_slot[j][1] for j in range(bt.k)]))
-                for g in range(L):
+                stack = self._all_blocks(flat, lf0).at[held].set(
+                    jnp.stack([by_slot[j][1] for j in range(bt.k)]))
+                for g in range(stack.shape[0]):
                     flat[self.block_full(lf0, g)] = stack[g]
         return flat
 
@@ -259,7 +265,7 @@ class Layout:
                 self._tables[key] = sync.HolderTables(t.held[:, None, :], t.counts[None, :],
                                                       0, False)
             else:
-                idx = np.stack([self.spec.indices(lf.rule, w) for w in range(self.W)])
+                idx = self.indices(lf)
                 counts = np.repeat(t.counts, lf.rule.expand, axis=1)
                 if lf.rule.layer is None:
                     self._tables[key] = sync.HolderTables(idx, counts, lf.rule.axis, True)
@@ -282,7 +288,7 @@ class Layout:
         if lf.form == SLOT:
             c = t.counts[t.held[:, lf.slot]]
             return (1.0 / c).reshape((self.W,) + (1,) * len(shape)).astype(np.float32)
-        idx = np.stack([self.spec.indices(lf.rule, w) for w in range(self.W)])
+        idx = self.indices(lf)
         counts = np.repeat(t.counts, lf.rule.expand, axis=1)                 # [Lg, G * e]
         a = lf.rule.axis
         if lf.rule.layer is None:

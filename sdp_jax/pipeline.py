@@ -579,9 +579,7 @@ class PipelineStep:
         (loss, lm), g = jax.value_and_grad(self.pipelined_loss_fn(), has_aux=True)(
             state["params"], tokens)
         g, norm = self._average(g)
-        clip = self.optim.grad_clip
-        if clip > 0:
-            g = sync.clip_to(g, norm, clip)
+        g = sync.clip_to(g, norm, self.optim.grad_clip)
         updates, opt_state = self.tx.update(g, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"train_loss": lm, "grad_norm": norm,

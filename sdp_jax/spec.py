@@ -255,6 +255,7 @@ class SDPSpec:
         self.regime = "backward" if self.backward else "forward"
         self.kinds: dict[str, KindTables] = {}
         self.leaf_rules: dict[tuple, Rule] = {}
+        self._str_rules: dict[tuple, Rule] = {}   # the same, keyed by string keys
         self.blocks_stacked: bool | None = None
         self.block_path: tuple | None = None
         self.n_blocks: int | None = None
@@ -375,6 +376,7 @@ class SDPSpec:
             raise ValueError(f"parameter {path_str(path)!r} is matched by two rules (the second "
                              f"is {rule}); each leaf may carry one component axis.")
         self.leaf_rules[path] = leaf_rule
+        self._str_rules[tuple(str(k) for k in path)] = leaf_rule
 
     def _add_neurons(self, rules: list[Neurons]) -> None:
         per_kind: dict[str, dict] = {}   # kind -> {layer key: (G, first path)}
@@ -472,14 +474,8 @@ class SDPSpec:
         both name list entries), or None if every worker holds it (always-kept)."""
         r = self.leaf_rules.get(tuple(path))
         if r is None:
-            r = self._by_str.get(tuple(str(k) for k in path))
+            r = self._str_rules.get(tuple(str(k) for k in path))
         return r
-
-    @property
-    def _by_str(self) -> dict:
-        if not hasattr(self, "_str_rules"):
-            self._str_rules = {tuple(str(k) for k in p): r for p, r in self.leaf_rules.items()}
-        return self._str_rules
 
     def rules(self, tree: Any) -> Any:
         """Pytree of :class:`Rule` / None matching ``tree`` (nested dicts)."""

@@ -144,6 +144,11 @@ class SDPStep:
         """Stored leaves of this worker (flat) -> with the leading worker axis of size 1."""
         return {sp: x[None] if self.layout.stored_compact(sp) else x for sp, x in flat.items()}
 
+    def _strip(self, flat):
+        """Inverse of :meth:`_lead`, then the local view (list-form block slots unstacked)."""
+        return self.layout.to_local({sp: x[0] if self.layout.stored_compact(sp) else x
+                                     for sp, x in flat.items()})
+
     def _local_step(self, state, batch):
         lay, spec = self.layout, self.spec
         my = sync.worker_index(AXIS)
@@ -156,8 +161,7 @@ class SDPStep:
             def loss(local, batch):
                 return self.loss_fn(layout_lib.unflatten(lay.embed(frozen, local, my)), batch)
         else:
-            local = lay.to_local({sp: (x[0] if lay.stored_compact(sp) else x)
-                                  for sp, x in layout_lib._flatten(params).items()})
+            local = self._strip(layout_lib._flatten(params))
 
             def loss(local, batch):
                 return self.loss_fn(layout_lib.unflatten(local), batch)
@@ -172,8 +176,7 @@ class SDPStep:
                                                    tree(compact))
         new = layout_lib._flatten(optax.apply_updates(tree(compact), updates))
         if spec.backward:   # every worker's full parameters from the holders' new values
-            local = lay.to_local({sp: (x[0] if lay.stored_compact(sp) else x)
-                                  for sp, x in new.items()})
+            local = self._strip(new)
             rebuilt = layout_lib._flatten(sync.gather_full(layout_lib.unflatten(local), spec))
             new_params = layout_lib.unflatten({p: x.astype(full[p].dtype)
                                                for p, x in rebuilt.items()})

@@ -32,6 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sdp_jax import layout as layout_lib
+from sdp_jax import spec as spec_lib
+
 AXIS = "data"
 
 
@@ -675,11 +678,6 @@ def _check_compact(flat: dict, lay) -> None:
                          "(sdp_jax.layout.Layout.prune).")
 
 
-def _local_flat(tree):
-    from sdp_jax import spec as spec_lib  # pylint: disable=g-import-not-at-top
-    return spec_lib.flatten(tree)
-
-
 def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
             axis: str = AXIS) -> Any:
     """Mean of every component over exactly the workers that hold it, for a whole tree.
@@ -708,13 +706,12 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
     Raises:
       ValueError: unknown ``method``.
     """
-    from sdp_jax import layout as layout_lib  # pylint: disable=g-import-not-at-top
     if method not in ("alltoall", "psum"):
         raise ValueError(f"method={method!r}; use alltoall or psum.")
     if not compact:
         return masked_average(tree, spec.mask_tree(), axis)
     lay = layout_lib.of(spec)
-    flat = _local_flat(tree)
+    flat = spec_lib.flatten(tree)
     _check_compact(flat, lay)
     my = worker_index(axis)
     if method == "psum":   # the reference: full-size buffers, float32 sums
@@ -742,7 +739,6 @@ def _compact_groups(flat: dict, lay) -> tuple[dict, dict, dict, dict]:
     tables, slots)``: leaves averaged by a plain mean (always-kept, or held by every worker),
     leaves in the shape :func:`holder_shards` takes (list-form block slots stacked per relative
     path under the key ``("slots",) + rel``), their tables, and {rel: {slot: local path}}."""
-    from sdp_jax import layout as layout_lib  # pylint: disable=g-import-not-at-top
     plain, rows, tabs, slots = {}, {}, {}, {}
     for lp, x in flat.items():
         lf = lay.leaves[lp]
@@ -771,9 +767,8 @@ def gather_full(tree: Any, spec, axis: str = AXIS) -> dict:
       Bytes per device: the holder ``all_to_all`` of the worker's compact bytes plus an
       all-gather of the full model (``(W-1)/W`` of it), instead of a full-size all-reduce.
     """
-    from sdp_jax import layout as layout_lib  # pylint: disable=g-import-not-at-top
     lay = layout_lib.of(spec)
-    flat = _local_flat(tree)
+    flat = spec_lib.flatten(tree)
     _check_compact(flat, lay)
     out = {}
     plain, rows, tabs, slots = _compact_groups(flat, lay)
@@ -812,8 +807,7 @@ def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> j
       float32 scalar, invariant over ``axis``. Compact layout: each worker weights its entries
       by ``1 / m`` (multiplicity) and one psum adds them up.
     """
-    from sdp_jax import layout as layout_lib  # pylint: disable=g-import-not-at-top
-    flat = _local_flat(tree)
+    flat = spec_lib.flatten(tree)
     sq = jnp.float32(0.0)
     if not compact:
         for x in flat.values():

@@ -667,23 +667,16 @@ class StepBuilder:
         return jax.jit(fn)
 
     def _writeback(self, full, compact):
-        """Backward masking: every worker's full parameters from the holders' new values: the
-        holder mean sent to the owners (all_to_all of held bytes), then an all-gather."""
-        out = {}
+        """Backward masking: every worker's full parameters from the holders' new values
+        (:func:`sdp_jax.sync.gather_full`: the holder mean sent to the owners by an all_to_all
+        of held bytes, then an all-gather). Always-kept leaves are already the same everywhere
+        and are taken as they are."""
         kept, blocks, neurons = self._by_kind(compact)
-        out.update(kept)
-        for group in (blocks, neurons):
-            if not group:
-                continue
-            tabs = {p: self.holder_tables[p] for p in group}
-            if all(t.full for t in tabs.values()):
-                out.update({p: jax.lax.pmean(x[0], AXIS) for p, x in group.items()})
-                continue
-            shards = sync.holder_shards({p: x[0] for p, x in group.items()}, tabs, AXIS)
-            for p, sh in shards.items():
-                g = sync.all_gather_invariant(sh.astype(self.full_param_shapes_flat[p].dtype))
-                out[p] = sync.from_rows(g, self.full_param_shapes_flat[p].shape, tabs[p])
-        return _merge(full, out)
+        local = {p: (x[0] if self.compact_layout[p] == "C" else x)
+                 for p, x in _select(compact, lambda p: True).items()}
+        rebuilt = _select(sync.gather_full(layout_lib.unflatten(local), self.plan),
+                          lambda p: True)
+        return _merge(full, {**kept, **{p: rebuilt[p] for p in (*blocks, *neurons)}})
 
     def _local_step(self, state, batch, sync_now: bool):
         params = state["params"]
