@@ -66,6 +66,7 @@ def load_config(path: str):
 
 
 def _builder(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unroll=False):
+    from sdp_jax import tasks
     from sdp_jax import train_step as ts
     from sdp_jax.models.llama import LlamaConfig
 
@@ -79,8 +80,8 @@ def _builder(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, un
         plan = ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
                             allow_nonuniform=True)
         uniform = False
-    b = ts.StepBuilder(model, plan, optim, mesh, config.steps, method=sdp.method, unroll=unroll,
-                       fsdp=fsdp, remat=remat, dtype=dtype)
+    b = tasks.language_model_step(model, plan, optim, mesh, config.steps, method=sdp.method,
+                                  unroll=unroll, fsdp=fsdp, remat=remat, dtype=dtype)
     return b, uniform
 
 
@@ -106,8 +107,13 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
     """
     from sdp_jax import comm
     from sdp_jax import train_step as ts
+    from sdp_jax.models.llama import LlamaConfig
 
-    batch_shape = (workers * config.batch_per_worker, config.seq_len + 1)
+    import jax
+    import numpy as np
+
+    batch_shape = jax.ShapeDtypeStruct((workers * config.batch_per_worker, config.seq_len + 1),
+                                       np.int32)
     t0 = time.time()
     builder, uniform = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
                                 dtype=dtype)
@@ -118,7 +124,7 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
         unrolled, _ = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
                                dtype=dtype, unroll=True)
         n_flops = ts.flops_per_device(unrolled.compiled_train_step(batch_shape))
-    plan = builder.plan
+    plan = builder.spec
     tokens = config.batch_per_worker * config.seq_len
     held = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}
     return {"variant": variant, "setting": setting_name(variant, fsdp, remat), "fsdp": fsdp,
@@ -131,7 +137,7 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
             "flops_per_device": n_flops,
             "model_flops_per_device": (
-                ts.model_flops_per_token(builder.model_cfg, config.seq_len,
+                ts.model_flops_per_token(LlamaConfig.from_config(config.model), config.seq_len,
                                          plan.kinds["block"].k) * tokens
                 if variant in ("ddp", "b-sdp") else None),
             "params_per_device": builder.per_device_param_count(),
@@ -211,7 +217,7 @@ def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, rema
         builder, _ = _builder(config, run["variant"], workers, run["coverage"], mesh, fsdp=fsdp,
                               remat=remat, dtype=dtype)
         batch = jax.device_put(jnp.asarray(rng.integers(
-            0, builder.model_cfg.vocab_size,
+            0, config.model.vocab_size,
             (workers * config.batch_per_worker, config.seq_len + 1)), jnp.int32),
             builder.batch_sharding())
         jobs.append([builder.train_step_fn(), builder.init_state(seed=0), batch, []])
@@ -448,7 +454,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtype", default=None,
                    help="compute dtype: float32 (fp32), bfloat16 (bf16) (default: the config's)")
     p.add_argument("--method", default=None,
-                   help="averaging: auto, alltoall, blockwise, reference (default: the config's "
+                   help="averaging: auto, alltoall, reference (default: the config's "
                         "sdp.method)")
     p.add_argument("--no-flops", action="store_true",
                    help="skip the second (unrolled) compile that counts FLOPs")
@@ -464,6 +470,8 @@ def main(argv=None) -> list[dict]:
                         "(default: the config's sdp.stage_blocks, else apportioned from C)")
     args = p.parse_args(argv)
 
+    from sdp_jax import step as step_lib
+    from sdp_jax import tasks
     from sdp_jax import train_step as ts
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers={args.workers} must be >= 1")
@@ -471,12 +479,12 @@ def main(argv=None) -> list[dict]:
                     ("--time-steps", args.time_steps)):
         if v is not None and v < 1:
             p.error(f"{flag}={v} must be >= 1")
-    if args.remat is not None and args.remat not in ts.REMAT:
-        p.error(f"--remat={args.remat!r}; choose one of {', '.join(ts.REMAT)}")
+    if args.remat is not None and args.remat not in step_lib.REMAT:
+        p.error(f"--remat={args.remat!r}; choose one of {', '.join(step_lib.REMAT)}")
     if args.dtype is not None and args.dtype not in ts.DTYPES:
         p.error(f"--dtype={args.dtype!r}; choose float32, fp32, bfloat16 or bf16")
-    if args.method is not None and args.method not in ts.METHODS:
-        p.error(f"--method={args.method!r}; choose one of {', '.join(ts.METHODS)}")
+    if args.method is not None and args.method not in tasks.METHODS:
+        p.error(f"--method={args.method!r}; choose one of {', '.join(tasks.METHODS)}")
     if args.json:
         folder = os.path.dirname(os.path.abspath(args.json))
         if os.path.isdir(args.json):

@@ -32,7 +32,7 @@ def base_config() -> ml_collections.ConfigDict:
         allow_disconnected=False, # accept a mask graph with spectral gap 0
         average="gradients",      # gradients (every step) | parameters (every sync_every steps)
         sync_every=1,             # H: steps between parameter averagings (average=parameters)
-        method="auto",            # averaging: auto | alltoall | blockwise | reference
+        method="auto",            # averaging: auto (= alltoall) | alltoall | reference (masked psum)
     ))
     c.optim = ml_collections.ConfigDict(dict(
         name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,

@@ -611,13 +611,13 @@ class PipelineStep:
             self._eval = jax.jit(lambda p, t: fn(self.compact_to_full(p), t)[1])
         return self._eval
 
-    def compiled_train_step(self, batch_shape):
-        """The train step lowered and compiled for abstract inputs: tokens int32
-        ``batch_shape = (W * b, T + 1)``."""
-        tok = jax.ShapeDtypeStruct(tuple(batch_shape), jnp.int32, sharding=self.batch_sharding())
+    def compiled_train_step(self, batch):
+        """The train step lowered and compiled for abstract inputs: ``batch`` a
+        ``jax.ShapeDtypeStruct`` of the int32 tokens ``(W * b, T + 1)``."""
+        tok = jax.ShapeDtypeStruct(batch.shape, jnp.int32, sharding=self.batch_sharding())
         return self.train_step_fn().lower(self.abstract_state(), tok).compile()
 
-    # The interface of sdp_jax.train_step.StepBuilder that the training loop uses.
+    # The interface of sdp_jax.step.SDPStep that the training loop uses.
     def eval_step_fn(self):
         return self.eval_loss_fn()
 

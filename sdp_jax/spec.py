@@ -236,7 +236,7 @@ class SDPSpec:
       backward: the variant masks gradients only (full forward pass); regime: its name.
       kinds: {kind: :class:`KindTables`} of the active rules.
       leaf_rules: {path: :class:`Rule`} of every masked leaf (paths are tuples of keys).
-      shapes: {path: full shape} of every parameter leaf.
+      shapes: {path: full shape} of every parameter leaf; dtypes: {path: its dtype}.
       blocks_stacked, block_path, n_blocks: the declared block rule's form (stacked or a list),
         subtree and ``L`` (None when the rules declare no blocks).
     """
@@ -245,6 +245,7 @@ class SDPSpec:
                  scheme: str, seed: int, allow_nonuniform: bool, names: dict | None = None,
                  matrices: dict | None = None):
         self.shapes = shapes
+        self.dtypes = {p: np.dtype(np.float32) for p in shapes}
         self.variant, self.workers = variant, workers
         self.coverage = 1.0 if variant == "ddp" else coverage
         if isinstance(coverage, (int, float, np.integer, np.floating)) \
@@ -661,6 +662,8 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
     shapes = flat_shapes(params)
     spec = SDPSpec(shapes, variant, workers, coverage, scheme, seed, allow_nonuniform, names,
                    matrices)
+    spec.dtypes = {p: np.dtype(getattr(x, "dtype", np.float32))
+                   for p, x in flatten(pure_tree(params)).items()}
     rules = list(rules)
     blocks = [r for r in rules if isinstance(r, Blocks)]
     neurons = [r for r in rules if isinstance(r, Neurons)]

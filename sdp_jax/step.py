@@ -1,27 +1,51 @@
-"""An SDP training step for any model: a spec, a loss function and an optax optimizer.
+"""The SDP training step: one builder for every variant, for the built-in language models and
+for a model that is not part of this package.
 
-:class:`SDPStep` builds the pure, jitted ``train_step(state, batch) -> (state, metrics)`` of a
-model that is not part of this package, from
+:class:`SDPStep` builds the pure, jitted ``train_step(state, batch) -> (state, metrics)`` from
 
 * an :class:`sdp_jax.spec.SDPSpec` (the model's declared rules, variant, W, C, scheme, seed);
-* ``loss_fn(params, batch) -> float32 scalar``: the mean loss of a worker's batch, for the
-  worker's *local* parameters (a nested dict like ``nnx.to_pure_dict`` gives). Under forward
-  masking (``ddp``, ``b-sdp``, ``n-sdp``) these are compact: ``k`` blocks, narrowed neuron leaves
-  (:mod:`sdp_jax.layout`), so the worker's subnetwork alone runs; under backward masking
-  (``bb-sdp``, ``nb-sdp``) they are the full model, and only the held components get gradients;
-* an ``optax.GradientTransformation`` (without ``clip_by_global_norm``: pass ``grad_clip``, which
-  is computed from the averaged gradient with every component counted once, DESIGN.md
-  invariant 6).
+* a loss function (float32 scalar: the mean loss of a worker's slice of the batch) for the
+  worker's *local* parameters (nested dicts). Under forward masking (``ddp``, ``b-sdp``,
+  ``n-sdp``) they are compact: ``k`` blocks, narrowed neuron leaves (:mod:`sdp_jax.layout`), so
+  the worker's subnetwork alone runs (DESIGN.md invariant 4); under backward masking (``bb-sdp``,
+  ``nb-sdp``) they are the full model, and only the held components get gradients;
+* an ``optax.GradientTransformation`` without clipping (``grad_clip`` clips by the norm of the
+  averaged gradient with every component counted once, invariant 6).
 
-The step, inside ``jax.shard_map`` over the mesh axis ``data``: local loss and gradient of the
-worker's batch slice -> :func:`sdp_jax.sync.average` (mean over each component's holders,
-invariant 2) -> :func:`sdp_jax.sync.clip_by_global_norm` -> the optimizer on the compact
-parameters -> under backward masking, every worker's full parameters rebuilt from the holders'
-new values (:func:`sdp_jax.sync.gather_full`: holder ``all_to_all``, then an all-gather).
+Two forms of the loss:
 
-State layout: forward masking stores parameters and optimizer state compact (``[W, ...]``
-sharded ``P('data')`` per masked leaf, replicated ``P()`` per always-kept leaf); backward masking
-stores the full parameters replicated and the optimizer state compact.
+* ``loss_fn(params, batch)``: ``params`` is the whole local tree;
+* with ``block_fn`` (the *block runner* hook; needed by FSDP and activation checkpointing):
+  ``loss_fn(params, batch, run)``, where ``params`` holds every leaf outside the stacked block
+  subtree (``Blocks(path, stacked=True)``) and ``run(h) -> h`` applies the worker's blocks in
+  depth order, each as ``block_fn(block_params, h)`` on one block's parameters (no stack axis).
+  The step decides where each block's parameters come from (the compact stack, the frozen full
+  model under backward masking, or an FSDP gather of only the held rows), and wraps each block
+  in ``jax.checkpoint`` for ``remat``.
+
+The step, inside ``jax.shard_map`` over the mesh axis ``data``: local loss and gradient ->
+:func:`sdp_jax.sync.average` (mean over each component's holders, invariant 2) -> clipping by
+:func:`sdp_jax.sync.global_norm` -> the optimizer on the compact parameters -> under backward
+masking, every worker's full parameters rebuilt from the holders' new values
+(:func:`sdp_jax.sync.gather_full`). With periodic parameter averaging (``averaging=
+"parameters"``) each worker steps on its own gradient and the parameters are averaged over
+their holders every ``sync_every`` steps instead.
+
+State layout, per stored leaf (mesh axis ``data``, ``W`` workers):
+
+* ``R``: replicated ``P()`` (always-kept leaves; every leaf under backward masking);
+* ``C``: compact, a global ``[W, ...]`` array sharded ``P('data')``: device ``w`` stores only its
+  worker's part (parameters under forward masking, optimizer state always);
+* ``Rw``: a per-worker copy ``[W, ...]`` of an always-kept leaf (periodic averaging, where the
+  workers drift apart between averaging steps);
+* ``S`` (``fsdp=True``, ZeRO-3): the *full* leaf, each element stored once, in the rows view of
+  :mod:`sdp_jax.sync` (``[n]``, ``[L, r]`` or ``[L, Gc, r]``, zero-padded), sharded over ``data``
+  on its last axis. The same devices are SDP workers and FSDP shards: worker ``w`` gathers only
+  the blocks (neurons, heads) it holds, one block per scan step (an all_to_all with static
+  tables); the transpose sends its gradients back to their owners (the masked sum over holders).
+
+Mixed precision (``dtype="bfloat16"``): compute and FSDP gathers in bf16; master parameters,
+optimizer state and gradient averaging in float32.
 """
 
 from __future__ import annotations
@@ -32,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,27 +65,124 @@ from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 
 AXIS = sync.AXIS
+AVERAGING = ("gradients", "parameters")
+REMAT = ("none", "full", "dots")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
+          "bf16": jnp.bfloat16}
+METHODS = ("alltoall", "psum")
+_GATHERED = "fsdp_gathered"  # checkpoint_name of FSDP-gathered parameters (never saved)
+_flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
+
+
+def shardings(mesh, specs):
+    """NamedShardings on ``mesh`` of a tree of PartitionSpecs."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+class Runner:
+    """The block stack as ``loss_fn`` sees it: ``run(h) -> h`` applies the worker's blocks.
+
+    Attributes:
+      train: True in the train step, False in evaluation (full model, no checkpointing).
+      remat: the step's activation checkpointing (``none``, ``full``, ``dots``).
+      unroll: whether scans are unrolled (for FLOP counting).
+    """
+
+    def __init__(self, fn: Callable, train: bool, remat: str, unroll: bool):
+        self._fn, self.train, self.remat, self.unroll = fn, train, remat, unroll
+
+    def __call__(self, h):
+        return self._fn(h)
 
 
 class SDPStep:
-    """The train step of a model described by an :class:`sdp_jax.spec.SDPSpec`.
+    """The train step, evaluation and state layout of one SDP run.
 
     Args:
       spec: the spec (``W`` = the mesh's ``data`` size).
-      loss_fn: ``(params, batch) -> loss`` (float32 scalar), see the module docstring; ``batch``
-        is the worker's slice (leading axis ``b``) of the global batch.
+      loss_fn: ``(params, batch) -> loss`` or, with ``block_fn``, ``(params, batch, run) ->
+        loss`` (float32 scalar; ``(loss, aux dict)`` with ``has_aux``); see the module
+        docstring. ``batch`` is the worker's slice (leading axis ``b``) of the global batch.
       optimizer: an optax transformation, applied to the compact parameters.
       mesh: a mesh with an axis ``data`` of size ``W``; default: the first ``W`` devices.
+      block_fn: ``(block_params, h) -> h`` for one block of the stacked block subtree.
       grad_clip: global-norm clipping threshold of the averaged gradient (0 = none).
       method: averaging of masked leaves, ``alltoall`` (holder-only bytes) or ``psum`` (the
         full-size reference); see :func:`sdp_jax.sync.average`.
+      averaging: ``gradients`` (every step; C = 1 is DDP) or ``parameters`` (each worker steps
+        on its own gradient; parameters averaged over holders every ``sync_every`` steps;
+        forward variants without FSDP).
+      sync_every: ``H`` of parameter averaging (a positive integer).
+      fsdp: shard parameters, gradients and optimizer state over the workers (ZeRO-3, layout
+        ``S``); needs ``block_fn``.
+      remat: activation checkpointing of each block (Chen et al. 2016, "Training deep nets with
+        sublinear memory cost"): ``none``, ``full`` (save only the block input) or ``dots``
+        (also save matmul outputs against weights); needs ``block_fn``.
+      dtype: compute dtype, ``float32`` or ``bfloat16``: floating parameters are cast to it
+        before the loss (None, the default: as stored).
+      schedule: optional optax schedule, reported as metric ``lr``.
+      init_fn: optional ``seed -> full parameters`` for :meth:`init_state`.
+      total_steps: the run's length, for :meth:`is_sync_step` (the last step averages).
+      unroll: unroll the block scan (XLA counts a loop body's FLOPs once; same results).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; the aux values are averaged over workers
+        and reported as metrics.
 
     Raises:
-      ValueError: the mesh's ``data`` size differs from ``W``; fewer devices than ``W``.
+      ValueError: the mesh's ``data`` size differs from ``W`` or too few devices; a bad
+        ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat`` or ``dtype``;
+        parameter averaging with backward masking or FSDP; FSDP or remat without ``block_fn``;
+        ``block_fn`` without a stacked block subtree; FSDP with a masked leaf outside it.
     """
 
     def __init__(self, spec: spec_lib.SDPSpec, loss_fn: Callable, optimizer, mesh=None, *,
-                 grad_clip: float = 0.0, method: str = "alltoall"):
+                 block_fn: Callable | None = None, grad_clip: float = 0.0,
+                 method: str = "alltoall", averaging: str = "gradients", sync_every: int = 1,
+                 fsdp: bool = False, remat: str = "none", dtype: str | None = None,
+                 schedule: Callable | None = None, init_fn: Callable | None = None,
+                 total_steps: int | None = None, unroll: bool = False, has_aux: bool = False):
+        mesh = self._check(spec, mesh, block_fn, grad_clip, method, averaging, sync_every, fsdp,
+                           remat, dtype)
+        self.spec, self.loss_fn, self.optimizer, self.mesh = spec, loss_fn, optimizer, mesh
+        self.block_fn, self.grad_clip, self.method = block_fn, float(grad_clip), method
+        self.averaging, self.sync_every, self.fsdp, self.remat = (averaging, sync_every, fsdp,
+                                                                  remat)
+        self.dtype = None if dtype is None else jnp.dtype(DTYPES[dtype])
+        self.periodic = averaging == "parameters"
+        self.schedule, self.init_fn, self.unroll, self.has_aux = (schedule, init_fn, unroll,
+                                                                  has_aux)
+        self.total_steps = total_steps
+        self.layout = lay = layout_lib.of(spec)
+        self.prefix = spec.block_path if block_fn is not None else None
+        self._rows = self._row_tables() if fsdp else {}
+
+        def code(sp, which):
+            if fsdp:
+                return "S"
+            if which == "params" and spec.backward:
+                return "R"
+            if lay.stored_compact(sp):
+                return "C"
+            return "Rw" if self.periodic else "R"
+        p_keys = spec.shapes if (spec.backward or fsdp) else lay.stored_shapes
+        o_keys = spec.shapes if fsdp else lay.stored_shapes
+        self.param_layout = {p: code(p, "params") for p in p_keys}
+        self.compact_layout = {p: code(p, "opt") for p in o_keys}
+        self.param_specs, self.param_shapes = self._struct(self.param_layout)
+        self.compact_specs, self.compact_shapes = self._struct(self.compact_layout)
+        self.opt_specs = layout_lib.opt_state_specs(optimizer, self.compact_specs,
+                                                    self.compact_shapes)
+        self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
+                            "step": P()}
+        self._train_steps: dict[bool, Any] = {}
+        self._eval_step = None
+        if block_fn is not None:
+            self._eval_tables()
+
+    @staticmethod
+    def _check(spec, mesh, block_fn, grad_clip, method, averaging, sync_every, fsdp, remat,
+               dtype):
+        """Every refusal of the step's settings, before any tracing; returns the mesh."""
         W = spec.workers
         if mesh is None:
             if len(jax.devices()) < W:
@@ -79,124 +201,461 @@ class SDPStep:
                 or not np.isfinite(grad_clip) or grad_clip < 0:
             raise ValueError(f"grad_clip={grad_clip!r} must be a finite number >= 0 "
                              "(0 = no clipping).")
-        if method not in ("alltoall", "psum"):
+        if method not in METHODS:
             raise ValueError(f"method={method!r}; use alltoall or psum.")
-        self.spec, self.loss_fn, self.optimizer, self.mesh = spec, loss_fn, optimizer, mesh
-        self.grad_clip, self.method = float(grad_clip), method
-        self.layout = layout_lib.of(spec)
-        lay = self.layout
-        compact_specs = {sp: P(AXIS) if lay.stored_compact(sp) else P()
-                         for sp in lay.stored_shapes}
-        self.compact_specs = layout_lib.unflatten(compact_specs)
-        self.compact_shapes = layout_lib.unflatten({
-            sp: jax.ShapeDtypeStruct(((W,) if lay.stored_compact(sp) else ()) + shape,
-                                     jnp.float32) for sp, shape in lay.stored_shapes.items()})
-        if spec.backward:
-            self.param_specs = layout_lib.unflatten({p: P() for p in spec.shapes})
-        else:
-            self.param_specs = self.compact_specs
-        self.opt_specs = layout_lib.opt_state_specs(optimizer, self.compact_specs,
-                                                    self.compact_shapes)
-        self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
-                            "step": P()}
-        self._step = None
+        if averaging not in AVERAGING:
+            raise ValueError(f"averaging={averaging!r}; choose one of {AVERAGING}.")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r} must be a positive integer.")
+        if remat not in REMAT:
+            raise ValueError(f"remat={remat!r}; use one of {', '.join(REMAT)}.")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}; use float32 or bfloat16 (None: as stored).")
+        if not isinstance(fsdp, bool):
+            raise ValueError(f"fsdp={fsdp!r} must be True or False.")
+        if averaging == "parameters" and spec.backward:
+            raise ValueError(f"periodic parameter averaging is not available for {spec.variant}: "
+                             "backward masking keeps every worker's full parameters identical "
+                             "after each step. Use a forward variant or averaging=gradients.")
+        if averaging == "parameters" and fsdp:
+            raise ValueError("periodic parameter averaging needs per-worker copies of the "
+                             "parameters, but FSDP stores one sharded copy: use "
+                             "averaging=gradients with fsdp, or fsdp=False.")
+        for name, on in (("fsdp", fsdp), ("remat", remat != "none")):
+            if on and block_fn is None:
+                raise ValueError(f"{name} works block by block inside the block runner: pass "
+                                 "block_fn (one block's apply) and a loss_fn(params, batch, run) "
+                                 f"that calls run(h), or set {name} off.")
+        if block_fn is not None and not spec.blocks_stacked:
+            raise ValueError("block_fn needs a stacked block subtree (rules with "
+                             "Blocks(path, stacked=True)); this spec has "
+                             + ("list-form blocks" if spec.block_path else "no Blocks rule")
+                             + ": drop block_fn and use loss_fn(params, batch).")
+        if fsdp:
+            outside = [p for p in spec.leaf_rules if p[:len(spec.block_path)] != spec.block_path]
+            if outside:
+                raise ValueError(f"FSDP streams masked leaves block by block, but "
+                                 f"{spec_lib.path_str(outside[0])!r} is masked outside the block "
+                                 f"subtree {spec_lib.path_str(spec.block_path)!r}; set fsdp off.")
+        return mesh
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ layout
+    def _in_block(self, p) -> bool:
+        return self.prefix is not None and p[:len(self.prefix)] == self.prefix
+
+    def _row_tables(self) -> dict:
+        """FSDP: the rows view of every leaf (:class:`sdp_jax.sync.HolderTables`; None for a
+        leaf outside the block subtree, stored flat)."""
+        lay, spec = self.layout, self.spec
+        L, W = spec.n_blocks, spec.workers
+        every = sync.HolderTables(np.tile(np.arange(L), (W, 1, 1)), np.full((1, L), W), 0,
+                                  False)
+        out = {}
+        for p in spec.shapes:
+            if not self._in_block(p):
+                out[p] = None
+            elif lay.leaves[p].form == layout_lib.KEPT:
+                out[p] = every    # held by all, but stacked per block (e.g. N-SDP norms)
+            else:
+                out[p] = lay.holder_tables(p)
+        return out
+
+    def _shard_shape(self, p) -> tuple:
+        W, full_shape = self.spec.workers, self.spec.shapes[p]
+        t = self._rows[p]
+        if t is None:
+            return (W * -(-int(np.prod(full_shape)) // W),)
+        rows = (full_shape[0],) if not t.grouped else (full_shape[0], full_shape[t.axis])
+        return rows + (W * t.shard_len(full_shape),)
+
+    def _struct(self, codes: dict):
+        W, lay = self.spec.workers, self.layout
+        specs, shapes = {}, {}
+        for p, c in codes.items():
+            if c == "S":
+                shape = self._shard_shape(p)
+                specs[p] = P(*([None] * (len(shape) - 1) + [AXIS]))
+            else:
+                base = lay.stored_shapes.get(p, self.spec.shapes.get(p))
+                if c == "R" and p in self.spec.shapes:
+                    base = self.spec.shapes[p]
+                shape = ((W,) if c in ("C", "Rw") else ()) + tuple(base)
+                specs[p] = P() if c == "R" else P(AXIS)
+            lf = lay.leaves.get(p)
+            dt = self.spec.dtypes.get(p if lf is None else lf.full)
+            if dt is None:   # the stacked slots of list-form blocks: block 0's dtype
+                lf = next(f for f in lay.leaves.values() if f.form == layout_lib.SLOT
+                          and lay.slots_path(f) == p)
+                dt = self.spec.dtypes[lf.full]
+            shapes[p] = jax.ShapeDtypeStruct(shape, dt,
+                                             sharding=NamedSharding(self.mesh, specs[p]))
+        return _unflatten(specs), _unflatten(shapes)
+
     def shardings(self, specs=None):
         """NamedShardings of ``specs`` (default: the state's)."""
-        specs = self.state_specs if specs is None else specs
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                            is_leaf=lambda x: isinstance(x, P))
+        return shardings(self.mesh, self.state_specs if specs is None else specs)
+
+    def abstract_state(self):
+        """ShapeDtypeStruct tree (with shardings) of the train state, for compile and restore."""
+        opt = jax.eval_shape(self.optimizer.init, self.compact_shapes)
+        shapes = {"params": self.param_shapes, "opt_state": opt,
+                  "step": jax.ShapeDtypeStruct((), jnp.int32)}
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.shardings())
+
+    def batch_sharding(self):
+        return NamedSharding(self.mesh, P(AXIS))
+
+    def per_device_param_count(self) -> int:
+        """Parameter elements stored per device (compact where the layout is compact; a 1/W
+        shard under FSDP, padding included)."""
+        W = self.spec.workers
+        total = 0
+        for p, s in _flatten(self.param_shapes).items():
+            c = self.param_layout[p]
+            total += np.prod(s.shape) // W if c == "S" else np.prod(
+                s.shape[1:] if c != "R" else s.shape)
+        return int(total)
+
+    # ------------------------------------------------------------------ FSDP rows
+    def _rows_len(self, p) -> int:
+        t, shape = self._rows[p], self.spec.shapes[p]
+        return int(np.prod(shape)) if t is None else t.row_len(shape)
+
+    def _to_shards(self, p, x):
+        """Full leaf -> layout ``S`` (rows view, padded to a multiple of W)."""
+        W, t = self.spec.workers, self._rows[p]
+        rows = x.reshape(-1) if t is None else sync.to_rows(x, t)
+        if t is not None and not t.grouped:
+            rows = rows[0]
+        return sync.pad_last(rows, W * -(-rows.shape[-1] // W))
+
+    def _from_shards(self, p, x):
+        """Inverse of :meth:`_to_shards` (the padding is dropped)."""
+        shape, t = self.spec.shapes[p], self._rows[p]
+        if t is None:
+            return x[:int(np.prod(shape))].reshape(shape)
+        return sync.from_rows(x, shape, t)
+
+    # ------------------------------------------------------------------ init
+    def _store(self, full) -> dict:
+        """Full parameters -> the stored parameter layout (nested dict)."""
+        flat = _flatten(spec_lib.pure_tree(full))
+        if self.fsdp:
+            return _unflatten({p: self._to_shards(p, x) for p, x in flat.items()})
+        if self.spec.backward:
+            return _unflatten(flat)
+        W = self.spec.workers
+        stored = _flatten(self.layout.stored(flat))
+        return _unflatten({p: (jnp.broadcast_to(x, (W,) + x.shape)
+                               if self.param_layout[p] == "Rw" else x)
+                           for p, x in stored.items()})
 
     def init(self, full_params: Any) -> dict:
-        """State ``{params, opt_state, step}`` on the mesh from the full model's parameters
-        (an ``nnx.Module``, ``nnx.State`` or nested dict): every holder of a component starts
-        from the same values."""
-        flat = layout_lib._flatten(spec_lib.pure_tree(full_params))
-        got = {p: tuple(x.shape) for p, x in flat.items()}
+        """State ``{params, opt_state, step}`` on the mesh from the full model's parameters: an
+        ``nnx.Module``, ``nnx.State`` or nested dict, or a function of no arguments that
+        returns one (then called inside ``jit``, so no device holds the whole model). Every
+        holder of a component starts from the same values.
+
+        Raises:
+          ValueError: the parameters differ in paths or shapes from the spec's."""
+        make = full_params if callable(full_params) and not hasattr(full_params, "items") \
+            and not _is_module(full_params) else (lambda: full_params)
+        got = spec_lib.flat_shapes(jax.eval_shape(lambda: spec_lib.pure_tree(make())))
         if got != self.spec.shapes:
             diff = sorted(set(got.items()) ^ set(self.spec.shapes.items()), key=str)[:2]
             raise ValueError(f"the parameters differ from the ones the spec was built from "
                              f"({diff}); build the spec from this model, or init from the "
                              "model the spec describes.")
-        full = layout_lib.unflatten(flat)
-        lay = self.layout
-        if self.spec.backward:   # a copy: the step donates the state, not the caller's model
-            params = jax.jit(lambda t: t, out_shardings=self.shardings(self.param_specs))(full)
-            compact = jax.jit(lay.stored, out_shardings=self.shardings(self.compact_specs))(full)
-        else:
-            params = jax.jit(lay.stored, out_shardings=self.shardings(self.param_specs))(full)
+        out = self.shardings(self.param_specs)
+        if make is full_params:
+            params = jax.jit(lambda: self._store(make()), out_shardings=out)()
+        else:   # a copy: the step donates the state, not the caller's model
+            params = jax.jit(lambda t: jax.tree.map(jnp.copy, self._store(t)),
+                             out_shardings=out)(spec_lib.pure_tree(full_params))
+
+        def opt_init(params):
             compact = params
-        opt_state = jax.jit(self.optimizer.init,
-                            out_shardings=self.shardings(self.opt_specs))(compact)
+            if self.spec.backward and not self.fsdp:
+                compact = self.layout.stored(params)
+            return self.optimizer.init(compact)
+        opt_state = jax.jit(opt_init, out_shardings=self.shardings(self.opt_specs))(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
         return {"params": params, "opt_state": opt_state, "step": step}
 
-    def full_params(self, state) -> dict:
+    def init_state(self, seed: int) -> dict:
+        """:meth:`init` from ``init_fn(seed)`` (the constructor's ``init_fn``)."""
+        if self.init_fn is None:
+            raise ValueError("init_state needs init_fn (seed -> full parameters); or call "
+                             "init(full_params).")
+        return self.init(lambda: self.init_fn(seed))
+
+    def full_params(self, params) -> dict:
         """The full model's parameters (host numpy, nested dict), each component from its
-        first holder (gathers the whole model to this host; one process)."""
+        first holder (always-kept per-worker copies: worker 0's). Accepts the state or its
+        ``params``; gathers the whole model to this host (one process)."""
+        if isinstance(params, dict) and "opt_state" in params:
+            params = params["params"]
+        flat = {p: np.asarray(jax.device_get(x)) for p, x in _flatten(params).items()}
+        if self.fsdp:
+            return _unflatten({p: np.asarray(self._from_shards(p, x)) for p, x in flat.items()})
         if self.spec.backward:
-            return jax.tree.map(np.asarray, jax.device_get(state["params"]))
-        return self.layout.unprune(state["params"])
+            return _unflatten(flat)
+        flat = {p: x[0] if self.param_layout[p] == "Rw" else x for p, x in flat.items()}
+        return self.layout.unprune(_unflatten(flat))
 
-    # ------------------------------------------------------------------ the step
-    def _lead(self, flat):
-        """Stored leaves of this worker (flat) -> with the leading worker axis of size 1."""
-        return {sp: x[None] if self.layout.stored_compact(sp) else x for sp, x in flat.items()}
+    # ------------------------------------------------------------------ the loss
+    def _cast(self, x):
+        if self.dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(self.dtype)
 
-    def _strip(self, flat):
-        """Inverse of :meth:`_lead`, then the local view (list-form block slots unstacked)."""
-        return self.layout.to_local({sp: x[0] if self.layout.stored_compact(sp) else x
-                                     for sp, x in flat.items()})
+    def _remat_body(self, body):
+        """Activation checkpointing of one block: ``full`` saves only the block input, ``dots``
+        also matmul outputs against weights. Under FSDP the gathered parameters are never
+        saved: the backward pass gathers them again, as FSDP does."""
+        cp = jax.checkpoint_policies
+        if self.remat == "full":
+            policy = cp.nothing_saveable
+        elif self.remat == "dots":
+            policy = cp.dots_with_no_batch_dims_saveable
+        elif self.fsdp:
+            policy = cp.save_anything_except_these_names(_GATHERED)
+        else:
+            return body
+        return jax.checkpoint(body, policy=policy, prevent_cse=False)
 
-    def _local_step(self, state, batch):
+    def _call(self, kept: dict, n: int, get, batch, train=True, xs=None):
+        """``loss_fn`` with the block runner: ``kept`` {path: leaf} outside the block subtree;
+        ``n`` blocks whose leaf ``path`` of block ``i`` (traced) is ``get(path, i, x)`` in the
+        compute dtype, ``x`` slice ``i`` of ``xs`` (stacked leaves scanned over: their gradients
+        are then stacked, not accumulated in a carry)."""
+        prefix, paths = self.prefix, [p for p in self.spec.shapes if self._in_block(p)]
+
+        def body(h, ix):
+            i, x = ix
+            block = _unflatten({p[len(prefix):]: get(p, i, x) for p in paths})
+            return self.block_fn(block, h), None
+        if train:
+            body = self._remat_body(body)
+
+        def run(h):
+            h, _ = jax.lax.scan(body, h, (jnp.arange(n), xs),
+                                unroll=self.unroll if train else 1)
+            return h
+        runner = Runner(run, train, self.remat if train else "none", self.unroll)
+        return self.loss_fn(_unflatten({p: self._cast(x) for p, x in kept.items()}), batch,
+                            runner)
+
+    def _forward_loss(self, local: dict, batch):
+        """Forward masking: the worker's compact subnetwork alone (flat local leaves)."""
+        if self.block_fn is None:
+            return self.loss_fn(_unflatten({p: self._cast(x) for p, x in local.items()}), batch)
+        blocks = {p: x for p, x in local.items() if self._in_block(p)}
+        kept = {p: x for p, x in local.items() if not self._in_block(p)}
+        n = next(iter(blocks.values())).shape[0]
+        return self._call(kept, n, lambda p, i, x: self._cast(x[p]), batch, xs=blocks)
+
+    def _backward_loss(self, mine: dict, full: dict, batch):
+        """Backward masking: the full forward pass; gradients flow only into ``mine`` (this
+        worker's compact part of every masked leaf, and the always-kept leaves)."""
         lay, spec = self.layout, self.spec
         my = sync.worker_index(AXIS)
-        params = state["params"]
-        if spec.backward:   # full forward; gradients of the held components only
-            full = layout_lib._flatten(params)
-            local = lay.prune(full, my)
-            frozen = jax.lax.stop_gradient(full)
+        frozen = jax.lax.stop_gradient(full)
+        if self.block_fn is None:
+            return self.loss_fn(_unflatten({p: self._cast(x) for p, x in lay.embed(
+                frozen, mine, my).items()}), batch)
+        bt = spec.kinds.get(spec_lib.BLOCK)
 
-            def loss(local, batch):
-                return self.loss_fn(layout_lib.unflatten(lay.embed(frozen, local, my)), batch)
-        else:
-            local = self._strip(layout_lib._flatten(params))
+        def get(p, g, _):
+            lf = lay.leaves[p]
+            if lf.form == layout_lib.KEPT:
+                return self._cast(jax.lax.dynamic_index_in_dim(mine[p], g, 0, False))
+            base = jax.lax.dynamic_index_in_dim(frozen[p], g, 0, False)
+            if lf.form == layout_lib.STACK:   # held: the differentiable copy; else frozen
+                s = jnp.asarray(bt.slot)[my, g]
+                own = jax.lax.dynamic_index_in_dim(mine[p], jnp.maximum(s, 0), 0, False)
+                return self._cast(jnp.where(s >= 0, own, base))
+            a = lf.rule.axis
+            idx = jnp.asarray(lay.indices(lf))[my, g]
+            own = jnp.moveaxis(jax.lax.dynamic_index_in_dim(mine[p], g, 0, False), a - 1, 0)
+            base = jnp.moveaxis(base, a - 1, 0).at[idx].set(own)
+            return self._cast(jnp.moveaxis(base, 0, a - 1))
 
-            def loss(local, batch):
-                return self.loss_fn(layout_lib.unflatten(local), batch)
-        compact = lay.to_stored(local)
-        diff = {lp: x if lay.compact(lp) else sync.to_varying(x) for lp, x in local.items()}
-        value, grads = jax.value_and_grad(loss)(diff, batch)
-        grads = sync.average(layout_lib.unflatten(grads), spec, method=self.method)
-        grads, norm = sync.clip_by_global_norm(grads, spec, self.grad_clip)
-        grads = lay.to_stored(layout_lib._flatten(grads))
-        tree = lambda flat: layout_lib.unflatten(self._lead(flat))  # noqa: E731
-        updates, opt_state = self.optimizer.update(tree(grads), state["opt_state"],
-                                                   tree(compact))
-        new = layout_lib._flatten(optax.apply_updates(tree(compact), updates))
-        if spec.backward:   # every worker's full parameters from the holders' new values
-            local = self._strip(new)
-            rebuilt = layout_lib._flatten(sync.gather_full(layout_lib.unflatten(local), spec))
-            new_params = layout_lib.unflatten({p: x.astype(full[p].dtype)
-                                               for p, x in rebuilt.items()})
+        kept = {p: x for p, x in mine.items() if not self._in_block(p)}
+        return self._call(kept, spec.n_blocks, get, batch)
+
+    def _fsdp_loss(self, shards, batch, train=True):
+        """Loss from FSDP shards (layout ``S``): each leaf is gathered, in the compute dtype,
+        when it is used. Train: forward variants gather only the worker's held blocks /
+        neurons / heads (all_to_all); backward variants gather whole blocks and keep the
+        gradients of the held parts only. Eval: the full model."""
+        flat = _flatten(shards)
+        my = sync.worker_index(AXIS)
+        pruned, masked_grads = train and not self.spec.backward, train and self.spec.backward
+        kept = {p: self._from_shards(p, sync.fsdp_gather(x[None], self._rows_len(p),
+                                                         self.dtype)[0])
+                for p, x in flat.items() if not self._in_block(p)}
+        bt = self.spec.kinds.get(spec_lib.BLOCK)
+        n = bt.k if pruned and bt is not None else self.spec.n_blocks
+
+        def get(p, i, _):
+            x, t = flat[p], self._rows[p]
+            shape, rlen = self.spec.shapes[p], self._rows_len(p)
+            if t.grouped:  # neuron leaf: layer i, [Gc, rs]
+                sh = jax.lax.dynamic_index_in_dim(x, i, 0, False)
+                if pruned and not t.full:
+                    rows = sync.fsdp_gather(sh, rlen, self.dtype,
+                                            idx=sync.slot_indices(t, i, 0, t.kc))
+                else:
+                    keep = (jnp.asarray(t.held)[my, i] if masked_grads and not t.full
+                            else None)
+                    rows = sync.fsdp_gather(sh, rlen, self.dtype, keep=keep)
+                leaf = list((1,) + shape[1:])
+                leaf[t.axis] = rows.shape[0]
+                val = sync.from_rows(rows[None], leaf, t)[0]
+            else:  # block leaf: block (or slot) i, [L, rs]
+                if pruned and not t.full:
+                    rows = sync.fsdp_gather(x, rlen, self.dtype,
+                                            idx=sync.slot_indices(t, 0, i, 1))
+                else:
+                    keep = (jnp.asarray(t.held)[my, 0, i][None] if masked_grads and not t.full
+                            else None)
+                    rows = sync.fsdp_gather(jax.lax.dynamic_slice_in_dim(x, i, 1, 0), rlen,
+                                            self.dtype, keep=keep)
+                val = rows.reshape(shape[1:])
+            return checkpoint_name(val, _GATHERED)
+
+        return self._call(kept, n, get, batch, train=train)
+
+    def _divide_counts(self, grads: dict) -> dict:
+        """FSDP: masked sums in layout ``S`` -> masked means (multiplicity of every row)."""
+        W, out = self.spec.workers, {}
+        for p, g in grads.items():
+            t = self._rows[p]
+            if t is None:
+                out[p] = g / W
+            else:
+                c = t.counts[0][:, None] if not t.grouped else t.counts[..., None]
+                out[p] = g / jnp.asarray(c, g.dtype)
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def _strip(self, params: dict) -> dict:
+        """Flat stored leaves -> this worker's view (the leading per-worker axis of C / Rw
+        leaves dropped)."""
+        return {p: x[0] if self.param_layout[p] in ("C", "Rw") else x
+                for p, x in _flatten(params).items()}
+
+    def _value_and_grad(self, fn, *args):
+        out, grads = jax.value_and_grad(fn, has_aux=self.has_aux)(*args)
+        loss, aux = out if self.has_aux else (out, {})
+        return loss, aux, grads
+
+    def _local_grads(self, params, batch):
+        """(loss, aux, the worker's local gradient and local parameters, flat, in the compact
+        layout without the worker axis). Under FSDP: the masked-mean gradient in layout S."""
+        lay = self.layout
+        if self.fsdp:
+            loss, aux, g = self._value_and_grad(self._fsdp_loss, params, batch)
+            return loss, aux, self._divide_counts(_flatten(g)), _flatten(params)
+        if self.spec.backward:
+            full = _flatten(params)
+            local = lay.prune(full, sync.worker_index(AXIS))
+            diff = {p: sync.to_varying(x) if lay.leaves[p].form == layout_lib.KEPT else x
+                    for p, x in local.items()}   # local gradients for always-kept leaves too
+            loss, aux, g = self._value_and_grad(self._backward_loss, diff, full, batch)
+            return loss, aux, g, local
+        local = lay.to_local(self._strip(params))
+        diff = {lp: sync.to_varying(x) if self.param_layout.get(lp) == "R" else x
+                for lp, x in local.items()}
+        loss, aux, g = self._value_and_grad(self._forward_loss, diff, batch)
+        return loss, aux, g, local
+
+    def _average(self, local: dict) -> dict:
+        return _flatten(sync.average(_unflatten(local), self.spec, method=self.method))
+
+    def _lead(self, local: dict, codes: dict) -> dict:
+        """Local leaves (flat) -> the stored tree (list-form slots stacked, a leading worker
+        axis of size 1 on C / Rw leaves)."""
+        if not self.fsdp:
+            local = self.layout.to_stored(local)
+        return _unflatten({p: x[None] if codes[p] in ("C", "Rw") else x
+                           for p, x in local.items()})
+
+    def _local_step(self, state, batch, sync_now: bool):
+        spec, lay = self.spec, self.layout
+        loss, aux, grads, local = self._local_grads(state["params"], batch)
+        if self.fsdp:   # every element of the averaged gradient lives on one device
+            gnorm = jnp.sqrt(sync.shards_sq_norm(grads, AXIS))
+        elif self.periodic:   # each worker on its own gradient: the norm of its subnetwork
+            gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                                 for g in grads.values()))
         else:
-            new_params = layout_lib.unflatten(new)
-        metrics = {"train_loss": jax.lax.pmean(value, AXIS), "grad_norm": norm}
-        return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+            grads = self._average(grads)
+            gnorm = sync.global_norm(_unflatten(grads), spec)
+        grads = sync.clip_to(grads, gnorm, self.grad_clip)
+        codes = self.compact_layout
+        compact = self._lead(local, codes)
+        updates, opt_state = self.optimizer.update(self._lead(grads, codes),
+                                                   state["opt_state"], compact)
+        new = _flatten(optax.apply_updates(compact, updates))
+        if spec.backward and not self.fsdp:   # every worker's full model from the holders
+            mine = lay.to_local({p: x[0] if codes[p] == "C" else x for p, x in new.items()})
+            rebuilt = _flatten(sync.gather_full(_unflatten(mine), spec))
+            params = _unflatten({p: mine[p] if p in mine and lay.leaves[p].form == layout_lib.KEPT
+                                 else rebuilt[p] for p in spec.shapes})  # kept: already equal
+        elif self.periodic and sync_now:
+            mine = lay.to_local({p: x[0] for p, x in new.items()})
+            params = self._lead(self._average(mine), codes)
+        else:
+            params = _unflatten(new)
+        if self.periodic:
+            gnorm = jax.lax.pmean(gnorm, AXIS)
+        metrics = {"train_loss": jax.lax.pmean(loss, AXIS), "grad_norm": gnorm,
+                   **{k: jax.lax.pmean(v, AXIS) for k, v in aux.items()}}
+        if self.schedule is not None:
+            metrics["lr"] = self.schedule(state["step"])
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    def train_step_fn(self, sync_now: bool = True):
+        """Jitted ``(state, batch) -> (state, metrics)``; ``batch`` is a pytree of arrays whose
+        leading axis is the global batch ``W * b`` (sharded ``P('data')``); ``state`` is
+        donated. metrics: ``train_loss`` (mean over workers), ``grad_norm`` (of the averaged
+        gradient, before clipping), ``lr`` (with a schedule), the loss's aux values. With
+        parameter averaging, ``sync_now=False`` gives the step without the averaging."""
+        sync_now = bool(sync_now) or not self.periodic
+        if sync_now not in self._train_steps:
+            fn = jax.shard_map(lambda s, b: self._local_step(s, b, sync_now), mesh=self.mesh,
+                               in_specs=(self.state_specs, P(AXIS)),
+                               out_specs=(self.state_specs, P()))
+            self._train_steps[sync_now] = jax.jit(fn, donate_argnums=0)
+        return self._train_steps[sync_now]
 
     @property
     def train_step(self):
-        """Jitted ``(state, batch) -> (state, metrics)``; ``batch`` is a pytree of arrays whose
-        leading axis is the global batch ``W * b`` (sharded ``P('data')``); ``state`` is donated.
-        metrics: ``train_loss`` (mean over workers), ``grad_norm`` (of the averaged gradient,
-        before clipping)."""
-        if self._step is None:
-            fn = jax.shard_map(self._local_step, mesh=self.mesh,
-                               in_specs=(self.state_specs, P(AXIS)),
-                               out_specs=(self.state_specs, P()))
-            self._step = jax.jit(fn, donate_argnums=0)
-        return self._step
+        """:meth:`train_step_fn` (with the averaging)."""
+        return self.train_step_fn()
+
+    def is_sync_step(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) ends with parameter averaging."""
+        return (not self.periodic or step % self.sync_every == 0
+                or (self.total_steps is not None and step == self.total_steps))
+
+    def _averaged_grads(self, params, batch):
+        loss, _, g, _ = self._local_grads(params, batch)
+        if not self.fsdp:
+            g = self._average(g)
+        return jax.lax.pmean(loss, AXIS), self._lead(g, self.compact_layout)
+
+    def grads_fn(self):
+        """Jitted ``(params, batch) -> (loss, averaged gradient)``, the gradient in the
+        compact layout (``compact_specs``; layout ``S`` under FSDP). For inspection and
+        tests."""
+        fn = jax.shard_map(self._averaged_grads, mesh=self.mesh,
+                           in_specs=(self.param_specs, P(AXIS)),
+                           out_specs=(P(), self.compact_specs))
+        return jax.jit(fn)
 
     def put_batch(self, batch: Any) -> Any:
         """A host batch (leading axis ``W * b``) placed on the mesh, sharded ``P('data')``
@@ -211,11 +670,86 @@ class SDPStep:
                 raise ValueError(f"a batch leaf of shape {getattr(x, 'shape', ())} does not "
                                  f"split over W={W} workers; give every leaf a leading axis "
                                  f"that is a multiple of {W} (b examples per worker).")
-        sh = NamedSharding(self.mesh, P(AXIS))
-        return jax.tree.map(lambda x: jax.device_put(x, sh), batch)
+        return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding()), batch)
 
-    def compile(self, state, batch):
-        """The train step lowered and compiled for ``state`` and ``batch`` (arrays or
-        ``jax.ShapeDtypeStruct`` with shardings): read its per-device memory with
-        ``memory_analysis()`` (:func:`sdp_jax.train_step.memory_stats`)."""
-        return self.train_step.lower(state, batch).compile()
+    def compiled_train_step(self, batch: Any):
+        """The train step lowered and compiled for abstract inputs (no data, no state in device
+        memory): ``batch`` a pytree of ``jax.ShapeDtypeStruct`` of the global batch. Read its
+        per-device memory with ``memory_analysis()``
+        (:func:`sdp_jax.train_step.memory_stats`)."""
+        batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                            sharding=self.batch_sharding()),
+                             batch)
+        return self.train_step_fn().lower(self.abstract_state(), batch).compile()
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_tables(self):
+        """Static tables of the streamed full-model evaluation (block runner)."""
+        lay, spec = self.layout, self.spec
+        bt = spec.kinds.get(spec_lib.BLOCK)
+        self._blocks = sync.CompactTables(bt.masks[0]) if bt is not None else None
+        self._layers = {}
+        for p, lf in lay.leaves.items():
+            if lf.form == layout_lib.NEURON and self._in_block(p):
+                t = spec.kinds[lf.rule.kind]
+                self._layers[p] = sync.LayerTables(lay.indices(lf),
+                                                   np.repeat(t.counts, lf.rule.expand, axis=1),
+                                                   lf.rule.axis)
+
+    def _local_eval(self, params, batch):
+        if self.fsdp:
+            out = self._fsdp_loss(params, batch, train=False)
+        elif self.block_fn is None:
+            if self.spec.backward:
+                full = _flatten(params)
+            else:
+                full = _flatten(sync.gather_full(_unflatten(self.layout.to_local(
+                    self._strip(params))), self.spec))
+            out = self.loss_fn(_unflatten({p: self._cast(x) for p, x in full.items()}), batch)
+        else:
+            out = self._streamed_eval(params, batch)
+        loss = out[0] if self.has_aux else out
+        return jax.lax.pmean(loss, AXIS)
+
+    def _streamed_eval(self, params, batch):
+        """The full model with the block runner: each block's parameters fetched from their
+        holders when it is reached, so no device stores the full model."""
+        flat, lay = _flatten(params), self.layout
+        kept = {p: x[0] if self.param_layout[p] == "Rw" else x
+                for p, x in flat.items() if not self._in_block(p)}
+        if self.periodic:   # evaluate the holders' average
+            kept = {p: jax.lax.pmean(x, AXIS) if self.param_layout[p] == "Rw" else x
+                    for p, x in kept.items()}
+
+        def get(p, g, _):
+            code, lf = self.param_layout[p], lay.leaves[p]
+            if code == "R":
+                v = jax.lax.dynamic_index_in_dim(flat[p], g, 0, False)
+            elif lf.form == layout_lib.KEPT:   # Rw
+                v = jax.lax.pmean(jax.lax.dynamic_index_in_dim(flat[p][0], g, 0, False), AXIS)
+            elif lf.form == layout_lib.STACK:
+                if self._blocks.full and not self.periodic:
+                    v = jax.lax.dynamic_index_in_dim(flat[p][0], g, 0, False)
+                else:
+                    v = sync.component_mean({p: flat[p]}, g, self._blocks, AXIS)[p]
+            else:
+                v = jnp.moveaxis(sync.layer_value({p: flat[p]}, {p: self._layers[p]}, g,
+                                                  AXIS)[p], 0, lf.rule.axis - 1)
+            return self._cast(v)
+
+        return self._call(kept, self.spec.n_blocks, get, batch, train=False)
+
+    def eval_step_fn(self):
+        """Jitted full-model loss ``(params, batch) -> float32`` (mean over workers of each
+        worker's slice): every block with all its neurons and heads, each component the mean
+        over its holders (FSDP: gathered from its owners)."""
+        if self._eval_step is None:
+            fn = jax.shard_map(self._local_eval, mesh=self.mesh,
+                               in_specs=(self.param_specs, P(AXIS)), out_specs=P())
+            self._eval_step = jax.jit(fn)
+        return self._eval_step
+
+
+def _is_module(x) -> bool:
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    return isinstance(x, (nnx.Module, nnx.State))

@@ -62,13 +62,15 @@ def measure_bytes(config) -> dict:
     """Compile the config's pipelined train step (no training) and read its boundary bytes
     (:func:`sdp_jax.pipeline.boundary_bytes`)."""
     import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
 
     from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
     from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
 
     spec = trainer.resolve(config, jax.device_count())
     builder = trainer.pipeline_step(config, spec, pl.make_mesh(spec.workers, spec.pipe.stages))
-    compiled = builder.compiled_train_step((spec.global_batch, config.seq_len + 1))
+    compiled = builder.compiled_train_step(
+        jax.ShapeDtypeStruct((spec.global_batch, config.seq_len + 1), np.int32))
     return builder.boundary_bytes(compiled, config.batch_per_worker, config.seq_len)
 
 

@@ -10,10 +10,10 @@ worker holds (always-kept) use the plain mean over all ``W`` workers.
 
 Two layouts exist:
 * *full* layout: every device has a full-size array whose leading axis indexes components, and a
-  bool mask says which entries it holds (:func:`masked_mean`). Always correct; the reference.
+  bool mask says which entries it holds (:func:`masked_average`). Always correct; the reference.
 * *compact* layout: every device stores only its ``k`` held components, ``[1, k, ...]`` locally
   (a global ``[W, k, ...]`` array sharded ``P('data')``), with static tables from
-  :mod:`sdp_jax.masks` mapping slots to global components (:func:`compact_masked_mean`).
+  :mod:`sdp_jax.masks` mapping slots to global components (:func:`average`).
 
 Holder-only averaging (:func:`holder_mean`) and the FSDP gathers (:func:`fsdp_gather`) use a third,
 *shard* layout and ``all_to_all`` so that a worker moves only the bytes of what it holds; see the
@@ -54,25 +54,6 @@ def to_varying(tree: Any, axis: str = AXIS) -> Any:
 def worker_index(axis: str = AXIS):
     """This device's worker index along ``axis`` (int32 scalar)."""
     return lax.axis_index(axis)
-
-
-def masked_mean(x: jax.Array, mask: np.ndarray, axis: str = AXIS) -> jax.Array:
-    """Reference masked mean over holders, full layout, for one leaf.
-
-    Args:
-      x: this worker's full-size values ``[G, ...]`` (entries it does not hold are ignored).
-      mask: static numpy bool ``[W, G]`` mask matrix.
-      axis: mesh axis name of the workers.
-
-    Returns:
-      ``[G, ...]``: for each component the mean over the workers holding it; the same on every
-      worker (invariant over ``axis``).
-
-    Raises:
-      ValueError: if a component is held by no worker (the mean would divide by zero).
-    """
-    mask = np.asarray(mask, dtype=bool)
-    return masked_average(x, mask.reshape(mask.shape + (1,) * (x.ndim - 1)), axis)
 
 
 class CompactTables:
@@ -118,75 +99,6 @@ def component_mean(tree: Any, g, tables: CompactTables, axis: str = AXIS) -> Any
 
     total = lax.psum(jax.tree.map(one, tree), axis)
     return jax.tree.map(lambda t: t / count.astype(t.dtype), total)
-
-
-def compact_masked_mean(tree: Any, tables: CompactTables, axis: str = AXIS, *,
-                        method: str = "auto") -> Any:
-    """Average compact per-worker values over the holders of each component.
-
-    Args:
-      tree: pytree of leaves with local shape ``[1, k, ...]`` (varying over ``axis``).
-      tables: :class:`CompactTables` of the mask in use.
-      method: ``"auto"`` (plain mean when every worker holds every component, else
-        ``"blockwise"``), ``"blockwise"`` (loop over the ``G`` components, one component-sized
-        psum each: temporary memory of one component) or ``"reference"`` (scatter into a
-        full-size ``[G, ...]`` buffer, one psum, gather back: the DESIGN.md reference).
-
-    Returns:
-      pytree like ``tree``: slot ``j`` of worker ``w`` holds the mean over all holders of
-      component ``held[w, j]``.
-
-    Communication: every method moves ``G`` components' bytes per device through all-reduce (as
-    many as DDP); :func:`holder_mean` moves only the held bytes.
-    """
-    if method == "auto":
-        method = "mean" if tables.full else "blockwise"
-    if method == "mean":
-        if not tables.full:
-            raise ValueError("method='mean' is only valid when every worker holds every component.")
-        return jax.tree.map(lambda x: lax.pmean(x, axis), tree)
-    if method == "reference":
-        held = jnp.asarray(tables.held)[worker_index(axis)]
-
-        def ref(x):
-            buf = jnp.zeros((tables.components,) + x.shape[2:], x.dtype).at[held].set(x[0])
-            total = lax.psum(buf, axis)
-            avg = total / jnp.asarray(tables.counts, x.dtype).reshape(
-                (-1,) + (1,) * (x.ndim - 2))
-            return avg[held][None]
-        return jax.tree.map(ref, tree)
-    if method != "blockwise":
-        raise ValueError(f"unknown averaging method {method!r}; use auto, blockwise or reference.")
-
-    def body(g, acc):
-        held, s = _my_slot(tables, g, axis)
-        avg = component_mean(tree, g, tables, axis)
-
-        def put(a, v):
-            cur = lax.dynamic_index_in_dim(a[0], s, 0, keepdims=False)
-            new = jnp.where(held, v.astype(a.dtype), cur)
-            return lax.dynamic_update_index_in_dim(a, new[None], s, 1)
-        return jax.tree.map(put, acc, avg)
-
-    return lax.fori_loop(0, tables.components, body, tree)
-
-
-def compact_sq_norm(tree: Any, tables: CompactTables, axis: str = AXIS) -> jax.Array:
-    """Squared global L2 norm of *averaged* compact values, each component counted once.
-
-    Each worker sums its slots' squared norms weighted by ``1 / m_g``; the psum over workers then
-    counts every component exactly once, so the result is identical on every worker (DESIGN.md
-    invariant 6: clipping computed from a per-worker norm would make holders drift apart).
-
-    Returns: float32 scalar, invariant over ``axis``.
-    """
-    held = jnp.asarray(tables.held)[worker_index(axis)]
-    w = 1.0 / jnp.asarray(tables.counts, jnp.float32)[held]  # [k]
-    local = jnp.float32(0.0)
-    for x in jax.tree.leaves(tree):
-        per_slot = jnp.sum(jnp.square(x[0].astype(jnp.float32)).reshape(x.shape[1], -1), axis=1)
-        local = local + jnp.sum(per_slot * w)
-    return lax.psum(local, axis)
 
 
 # ------------------------------------------------------------------------------------------
@@ -243,41 +155,6 @@ def layer_value(tree: Any, tables: Any, layer, axis_name: str = AXIS) -> Any:
         c = jnp.asarray(tab.counts)[layer].astype(t.dtype)
         return t / c.reshape((-1,) + (1,) * (t.ndim - 1))
     return jax.tree.map(div, total, tables)
-
-
-def layer_masked_mean(tree: Any, tables: Any, axis_name: str = AXIS) -> Any:
-    """Masked mean over holders for compact neuron-level leaves, one layer at a time (temporary
-    memory: one full-size layer per leaf). Same contract as :func:`compact_masked_mean`."""
-    first = jax.tree.leaves(tables, is_leaf=lambda t: isinstance(t, LayerTables))[0]
-    if all(t.full for t in jax.tree.leaves(tables, is_leaf=lambda t: isinstance(t, LayerTables))):
-        return jax.tree.map(lambda x: lax.pmean(x, axis_name), tree)
-    my = worker_index(axis_name)
-
-    def body(layer, acc):
-        vals = layer_value(acc, tables, layer, axis_name)
-
-        def put(x, v, t):
-            idx = jnp.asarray(t.indices)[my, layer]
-            upd = jnp.moveaxis(v[idx], 0, t.axis - 1)
-            return lax.dynamic_update_index_in_dim(x, upd[None].astype(x.dtype), layer, 1)
-        return jax.tree.map(put, acc, vals, tables)
-
-    return lax.fori_loop(0, first.layers, body, tree)
-
-
-def layer_sq_norm(tree: Any, tables: Any, axis_name: str = AXIS) -> jax.Array:
-    """Squared norm of averaged compact neuron-level leaves, every index counted once
-    (weights ``1 / m``), identical on every worker. float32 scalar."""
-    my = worker_index(axis_name)
-    local = jnp.float32(0.0)
-    for x, t in zip(jax.tree.leaves(tree),
-                    jax.tree.leaves(tables, is_leaf=lambda t: isinstance(t, LayerTables))):
-        idx = jnp.asarray(t.indices)[my]                                  # [L, kc]
-        w = 1.0 / jnp.take_along_axis(jnp.asarray(t.counts, jnp.float32), idx, axis=1)
-        xm = jnp.moveaxis(x[0].astype(jnp.float32), t.axis, 1)            # [L, kc, ...]
-        per = jnp.sum(jnp.square(xm).reshape(xm.shape[0], xm.shape[1], -1), axis=2)
-        local = local + jnp.sum(per * w)
-    return lax.psum(local, axis_name)
 
 
 # ------------------------------------------------------------------------------------------
@@ -549,8 +426,8 @@ def holder_mean(tree: dict, tables: dict, axis: str = AXIS,
                 step_bytes: int | None = STEP_BYTES) -> dict:
     """Masked mean over holders of compact leaves, moving only held bytes.
 
-    Same contract as :func:`compact_masked_mean` / :func:`layer_masked_mean` (leaves without the
-    worker axis here): every worker gets, for each component it holds, the mean over all its
+    Leaves without the worker axis (block leaves ``[k, ...]``, neuron leaves ``[L, ..., kc, ...]``
+    in the rows view of their tables): every worker gets, for each component it holds, the mean over all its
     holders. Two all_to_all passes (to the owners, and back) over the worker's ``C * G``
     components: ``2 (W-1)/W`` times the compact bytes per device, ``C`` times an all-reduce.
     """

@@ -3,7 +3,7 @@
 ``train(config, workdir)`` is what ``python train.py`` runs for a language model. It validates
 everything it can before any compute (variant, coverage, worker count, data files, config
 compatibility with an existing checkpoint), builds the mesh and the step
-(:class:`sdp_jax.train_step.StepBuilder`, or :class:`sdp_jax.pipeline.PipelineStep` with
+(:class:`sdp_jax.step.SDPStep`, or :class:`sdp_jax.pipeline.PipelineStep` with
 ``pipeline.stages > 1``), and hands them to the shared loop :mod:`sdp_jax.loop` (checkpoints,
 progress, ``metrics.jsonl``, signals, ``summary.json``).
 """
@@ -24,6 +24,8 @@ from sdp_jax import data as data_lib
 from sdp_jax import loop
 from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
+from sdp_jax import step as step_lib
+from sdp_jax import tasks
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import LlamaConfig
 
@@ -77,19 +79,20 @@ def resolve(config, device_count: int) -> RunSpec:
         workers = loop.resolve_workers(config, device_count)
         plan_model = model
     sdp = config.sdp
-    if sdp.method not in ts.METHODS:
-        raise ValueError(f"config.sdp.method={sdp.method!r}; use one of {', '.join(ts.METHODS)}.")
+    if sdp.method not in tasks.METHODS:
+        raise ValueError(f"config.sdp.method={sdp.method!r}; use one of "
+                         f"{', '.join(tasks.METHODS)}.")
     if not isinstance(config.fsdp, bool):
         raise ValueError(f"config.fsdp={config.fsdp!r} must be True or False.")
-    if config.remat not in ts.REMAT:
-        raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(ts.REMAT)}.")
+    if config.remat not in step_lib.REMAT:
+        raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(step_lib.REMAT)}.")
     if config.dtype not in ts.DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
     if config.fsdp and sdp.average == "parameters":
         raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, but "
                          "--config.fsdp=True stores one sharded copy; use average=gradients "
                          "or fsdp=False.")
-    if sdp.average not in ts.AVERAGING:
+    if sdp.average not in step_lib.AVERAGING:
         raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
     if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
             or sdp.sync_every < 1:
@@ -217,10 +220,10 @@ def train(config, workdir: str) -> dict[str, Any]:
     if pipe.stages > 1:
         builder = pipeline_step(config, spec, mesh)
     else:
-        builder = ts.StepBuilder(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
-                                 averaging=config.sdp.average, sync_every=config.sdp.sync_every,
-                                 method=config.sdp.method, fsdp=config.fsdp,
-                                 remat=config.remat, dtype=config.dtype)
+        builder = tasks.language_model_step(
+            spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
+            averaging=config.sdp.average, sync_every=config.sdp.sync_every,
+            method=config.sdp.method, fsdp=config.fsdp, remat=config.remat, dtype=config.dtype)
     counts = spec.model.param_count()
     loop.log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
              f"process(es)); {spec.plan.describe()}"
@@ -250,7 +253,7 @@ def train(config, workdir: str) -> dict[str, Any]:
 
     batch_shape = (spec.global_batch, T + 1)
     t0 = time.time()
-    step_fn = builder.compiled_train_step(batch_shape)
+    step_fn = builder.compiled_train_step(jax.ShapeDtypeStruct(batch_shape, np.int32))
     step_fn_local = builder.train_step_fn(sync_now=False)  # = step_fn unless average=parameters
     mem = ts.memory_stats(step_fn)
     loop.log(f"compiled train step in {time.time() - t0:.1f}s: peak "

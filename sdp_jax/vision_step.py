@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 from sdp_jax import masks as masks_lib
 from sdp_jax import layout as layout_lib
 from sdp_jax import spec as spec_lib
+from sdp_jax import step as step_lib
 from sdp_jax import sync
 from sdp_jax import train_step as ts
 from sdp_jax.models import vision as vm
@@ -463,7 +464,9 @@ class VisionStepBuilder:
             out[lf.full[0]] = val
 
     # ------------------------------------------------------------------ layout helpers
-    shardings = ts.StepBuilder.shardings  # specs (default: the state's) -> NamedShardings
+    def shardings(self, specs=None):
+        """NamedShardings of ``specs`` (default: the state's)."""
+        return step_lib.shardings(self.mesh, self.state_specs if specs is None else specs)
 
     def abstract_state(self):
         """ShapeDtypeStruct tree (with shardings) of the train state."""

@@ -127,7 +127,7 @@ def test_b_sdp_compact_layout_stores_c_times_ddp_block_bytes():
     for variant, c in (("ddp", 1.0), ("b-sdp", 0.5)):
         trainer, _ = make(variant, c)
         state = trainer.init(Net())
-        compiled = trainer.compile(state, trainer.put_batch(data()))
+        compiled = trainer.compiled_train_step(data())
         figures[variant] = (_block_bytes_per_device(compiled, state, "params"),
                             _block_bytes_per_device(compiled, state, "opt_state"),
                             ts.memory_stats(compiled)["peak_bytes_per_device"])
@@ -209,3 +209,44 @@ def test_example_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "b-sdp (forward masking), coverage C=0.5: each worker holds 4/8 blocks" in out.stdout
     assert "nb-sdp (backward masking)" in out.stdout
+
+
+@pytest.mark.parametrize("variant", ["b-sdp", "n-sdp"])
+def test_periodic_averaging_on_a_users_model(variant):
+    """H = 1 with SGD is gradient averaging; H = 2 lets the workers' copies drift, then agree."""
+    sgd = optax.sgd(0.05)
+    grads, _ = make(variant, 0.5, sgd)
+    every, _ = make(variant, 0.5, sgd, averaging="parameters", sync_every=1)
+    two, _ = make(variant, 0.5, sgd, averaging="parameters", sync_every=2)
+    sg, se, s2 = grads.init(Net()), every.init(Net()), two.init(Net())
+    for s in range(2):
+        b = data(seed=s)
+        sg, _ = grads.train_step(sg, grads.put_batch(b))
+        se, _ = every.train_step(se, every.put_batch(b))
+        s2, _ = two.train_step_fn(two.is_sync_step(s + 1))(s2, two.put_batch(b))
+        inp = np.asarray(s2["params"]["inp"]["kernel"])   # [W, ...]: per-worker copies
+        assert inp.shape[0] == W
+        spread = np.abs(inp - inp[0]).max()
+        assert (spread > 0) if s == 0 else (spread == 0)
+    assert_trees_close(grads.full_params(sg), every.full_params(se), 1e-5)
+
+
+def test_bf16_compute_on_a_users_model_keeps_float32_state():
+    trainer, _ = make("b-sdp", 0.5, dtype="bfloat16")
+    state = trainer.init(Net())
+    losses = []
+    for _ in range(6):   # the same batch: the loss must fall
+        state, m = trainer.train_step(state, trainer.put_batch(data()))
+        losses.append(float(m["train_loss"]))
+    assert losses[-1] < losses[0]
+    assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.float32)}
+
+
+def test_block_runner_options_refused_without_a_runner():
+    spec = sdp.build(Net(), RULES, "b-sdp", W, 0.5)
+    for kw, what in (({"fsdp": True}, "fsdp works block by block"),
+                     ({"remat": "full"}, "remat works block by block")):
+        with pytest.raises(ValueError, match=what):
+            SDPStep(spec, lambda p, b: 0.0, optax.sgd(0.1), **kw)
+    with pytest.raises(ValueError, match="block_fn needs a stacked block subtree"):
+        SDPStep(spec, lambda p, b, run: 0.0, optax.sgd(0.1), block_fn=lambda p, h: h)

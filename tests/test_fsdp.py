@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import comm
+from sdp_jax import comm, tasks
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import LlamaConfig
 
@@ -37,7 +37,7 @@ def batches(mesh):
 
 def builder(mesh, variant, cfg=CFG, optim=OPT, **kw):
     plan = ts.make_plan(variant, cfg, W, COVERAGE[variant], "cyclic", 0)
-    return ts.StepBuilder(cfg, plan, optim, mesh, total_steps=10, **kw)
+    return tasks.language_model_step(cfg, plan, optim, mesh, 10, **kw)
 
 
 def run(b, batches):
@@ -90,7 +90,7 @@ def test_activation_checkpointing_changes_no_result(mesh, batches, variant, fsdp
 def test_full_remat_saves_activation_memory(mesh):
     cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=128,
                       max_seq_len=64)
-    shape = (8 * W, 65)
+    shape = jax.ShapeDtypeStruct((8 * W, 65), jnp.int32)
     mem = {r: ts.memory_stats(builder(mesh, "ddp", cfg=cfg, remat=r).compiled_train_step(shape))
            for r in ("none", "full")}
     assert mem["full"]["temp_bytes"] < 0.6 * mem["none"]["temp_bytes"]
@@ -125,16 +125,15 @@ def test_bad_fsdp_remat_dtype_settings(mesh):
 
 def _comm_bound(b, variant):
     """C x DDP's all-reduce bytes of the masked leaves + DDP's bytes of the always-kept ones."""
-    n = b.model_cfg.param_count()
+    n = CFG.param_count()
     ring = 2 * (W - 1) / W * 4  # fp32 all-reduce bus bytes per element
-    masked = sum(int(np.prod(s.shape)) for p, s in b.full_param_shapes_flat.items()
-                 if b.rule_of[p] is not None)
+    masked = sum(int(np.prod(s)) for p, s in b.spec.shapes.items() if b.spec.rule(p) is not None)
     return ring * (COVERAGE[variant] * masked + (n["total"] - masked))
 
 
 @pytest.mark.parametrize("variant", ["b-sdp", "n-sdp"])
 def test_communication_in_proportion_to_coverage(mesh, variant):
-    shape = (2 * W, 13)
+    shape = jax.ShapeDtypeStruct((2 * W, 13), jnp.int32)
     rows = {}
     for v in ("ddp", variant):
         b = builder(mesh, v)

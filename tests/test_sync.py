@@ -6,6 +6,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 
 W = 4
@@ -29,10 +30,11 @@ def numpy_masked_mean(x, mask):
     return (x * m).sum(0) / mask.sum(0).reshape((-1,) + (1,) * (x.ndim - 2))
 
 
-def test_masked_mean_full_layout_matches_numpy(mesh):
+def test_masked_average_full_layout_matches_numpy(mesh):
     x = np.random.default_rng(0).normal(size=(W, 4, 3)).astype(np.float32)
-    fn = jax.jit(jax.shard_map(lambda v: sync.masked_mean(v[0], HAND)[None], mesh=mesh,
-                               in_specs=P("data"), out_specs=P("data")))
+    fn = jax.jit(jax.shard_map(
+        lambda v: sync.masked_average({"a": v[0]}, {"a": HAND[:, :, None]})["a"][None],
+        mesh=mesh, in_specs=P("data"), out_specs=P("data")))
     out = np.asarray(fn(jax.device_put(x, NamedSharding(mesh, P("data")))))
     ref = numpy_masked_mean(x, HAND)
     for w in range(W):
@@ -48,47 +50,35 @@ def _compact(mask, rows=3, seed=0):
     return tables, rng.normal(size=(W, tables.k, rows)).astype(np.float32)
 
 
-@pytest.mark.parametrize("method", ["blockwise", "reference"])
-def test_compact_masked_mean_matches_numpy(mesh, method):
-    mask = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
-    # components 1 and 3 are each held by a single worker (0 and 3); 0 and 2 by three workers
-    hand = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 0], [0, 0, 1, 1]], bool)
-    for m in (mask, hand):
-        tables, xc = _compact(m)
-        fn = jax.jit(jax.shard_map(
-            lambda t: sync.compact_masked_mean({"a": t}, tables, method=method)["a"], mesh=mesh,
-            in_specs=P("data"), out_specs=P("data")))
-        out = np.asarray(fn(jax.device_put(xc, NamedSharding(mesh, P("data")))))
-        full = np.zeros((W, 4, 3), np.float32)
-        for w in range(W):
-            full[w, tables.held[w]] = xc[w]
-        ref = numpy_masked_mean(full, m)
-        for w in range(W):
-            np.testing.assert_allclose(out[w], ref[tables.held[w]], rtol=1e-6, atol=1e-7)
-        single = np.flatnonzero(m.sum(0) == 1)
-        for g in single:  # held by one worker: that worker's own value, untouched
-            w = int(np.flatnonzero(m[:, g])[0])
-            np.testing.assert_array_equal(out[w, tables.slot[w, g]], xc[w, tables.slot[w, g]])
-
-
-def test_compact_sq_norm_counts_each_component_once(mesh):
+def test_global_norm_counts_each_component_once(mesh):
     mask = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
     tables, xc = _compact(mask, seed=3)
-    fn = jax.jit(jax.shard_map(
-        lambda t: sync.compact_sq_norm({"a": sync.compact_masked_mean({"a": t}, tables)["a"]},
-                                       tables)[None],
-        mesh=mesh, in_specs=P("data"), out_specs=P("data")))
-    out = np.asarray(fn(jax.device_put(xc, NamedSharding(mesh, P("data")))))
+    spec = spec_lib.build({"blocks": {"a": np.zeros((4, 3), np.float32)}},
+                          [spec_lib.Blocks("blocks", stacked=True)], "b-sdp", W, 0.5,
+                          matrices={"block": mask})
+
+    def fn(t):
+        avg = sync.average({"blocks": {"a": t[0]}}, spec)
+        return sync.global_norm(avg, spec)[None]
+    out = np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("data"),
+                                           out_specs=P("data")))(
+        jax.device_put(xc, NamedSharding(mesh, P("data")))))
     full = np.zeros((W, 4, 3), np.float32)
     for w in range(W):
         full[w, tables.held[w]] = xc[w]
-    ref = float((numpy_masked_mean(full, mask) ** 2).sum())
+    ref = float(np.sqrt((numpy_masked_mean(full, mask) ** 2).sum()))
     np.testing.assert_allclose(out, ref, rtol=1e-5)  # identical on every worker
 
 
 @pytest.mark.parametrize("step_bytes", [None, 1])  # all slots in one all_to_all; one per step
 def test_holder_mean_moves_held_rows_and_matches_numpy(mesh, step_bytes):
-    hand = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 0], [0, 0, 1, 1]], bool)
+    # components 1 and 3... : 1 held by worker 0 alone; the cyclic mask below by two each
+    for hand in (np.array([[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 0], [0, 0, 1, 1]], bool),
+                 np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)):
+        _check_holder_mean(mesh, hand, step_bytes)
+
+
+def _check_holder_mean(mesh, hand, step_bytes):
     tables, xc = _compact(hand, rows=5, seed=4)
     ht = sync.HolderTables.for_blocks(tables)
 
@@ -105,9 +95,12 @@ def test_holder_mean_moves_held_rows_and_matches_numpy(mesh, step_bytes):
     ref = numpy_masked_mean(full, hand)
     for w in range(W):
         np.testing.assert_allclose(np.asarray(out)[w], ref[tables.held[w]], rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(out3)[w], 3 * ref[tables.held[w]], rtol=1e-6)
-    # component 1 is held by worker 0 alone: its own value comes back exactly
-    np.testing.assert_array_equal(np.asarray(out)[0, 1], xc[0, 1])
+        np.testing.assert_allclose(np.asarray(out3)[w], 3 * ref[tables.held[w]], rtol=1e-6,
+                                   atol=1e-6)
+    for g in np.flatnonzero(hand.sum(0) == 1):  # held by one worker: its own value, exactly
+        w = int(np.flatnonzero(hand[:, g])[0])
+        np.testing.assert_array_equal(np.asarray(out)[w, tables.slot[w, g]],
+                                      xc[w, tables.slot[w, g]])
 
 
 def test_holder_mean_neuron_leaves_match_layer_reference(mesh):
@@ -125,15 +118,25 @@ def test_holder_mean_neuron_leaves_match_layer_reference(mesh):
 
     def fn(t, u):
         out = sync.holder_mean({"a": t[0], "b": u[0]}, {"a": ht, "b": ht1})
-        return (out["a"][None], out["b"][None],
-                sync.layer_masked_mean({"a": t}, {"a": lt})["a"],
-                sync.layer_masked_mean({"b": u}, {"b": lt1})["b"])
-    a, b, ra, rb = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P("data")),
-                                         out_specs=(P("data"),) * 4))(
+        return out["a"][None], out["b"][None]
+    a, b = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P("data")),
+                                 out_specs=(P("data"),) * 2))(
         jax.device_put(x, NamedSharding(mesh, P("data"))),
         jax.device_put(y, NamedSharding(mesh, P("data"))))
-    np.testing.assert_allclose(np.asarray(a), np.asarray(ra), rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(b), np.asarray(rb), rtol=1e-6, atol=1e-7)
+    for got, vals, axis in ((a, x, 2), (b, y, 1)):   # numpy: per layer, the mean over holders
+        full = np.zeros((W, L) + tuple(F if i == axis else n
+                                       for i, n in enumerate(vals.shape[1:]) if i > 0), np.float32)
+        for w in range(W):
+            for layer in range(L):
+                np.moveaxis(full[w, layer], axis - 1, 0)[idx[w, layer]] = np.moveaxis(
+                    vals[w, layer], axis - 1, 0)
+        ref = full.sum(0) / 2
+        for w in range(W):
+            for layer in range(L):
+                want = np.moveaxis(np.moveaxis(ref[layer], axis - 1, 0)[idx[w, layer]], 0,
+                                   axis - 1)
+                np.testing.assert_allclose(np.asarray(got)[w, layer], want, rtol=1e-6,
+                                           atol=1e-7)
     assert not np.allclose(np.asarray(a), x)  # something was averaged
 
 

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax import tasks
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import LlamaConfig, next_token_loss
 
@@ -34,7 +35,11 @@ def builder(mesh, variant, coverage, method="auto", scheme="cyclic", optim=OPT, 
             allow_disconnected=False, **kw):
     plan = ts.make_plan(variant, cfg, W, coverage, scheme, 0,
                         allow_disconnected=allow_disconnected)
-    return ts.StepBuilder(cfg, plan, optim, mesh, total_steps=10, method=method, **kw)
+    return tasks.language_model_step(cfg, plan, optim, mesh, 10, method=method, **kw)
+
+
+def graph(cfg=CFG):
+    return tasks.LanguageModel(cfg).graphdef
 
 
 def run(b, batches):
@@ -59,7 +64,7 @@ def test_ddp_gradient_is_single_device_gradient_of_global_batch(mesh, batches):
     x = np.asarray(batches[0])
 
     def single(p):
-        model = nnx.merge(b.graphdef, p)
+        model = nnx.merge(graph(), p)
         return next_token_loss(model(x[:, :-1]), x[:, 1:])
 
     ref_loss, ref = jax.value_and_grad(single)(full)
@@ -71,7 +76,7 @@ def test_ddp_gradient_is_single_device_gradient_of_global_batch(mesh, batches):
 
 def test_bsdp_at_full_coverage_matches_ddp_after_three_steps(mesh, batches):
     s_ddp, l_ddp = run(builder(mesh, "ddp", 1.0), batches)
-    for method in ("blockwise", "reference"):  # the general masked-mean paths, not pmean
+    for method in ("reference", "alltoall"):  # the masked psum, and the holder all_to_all
         b = builder(mesh, "b-sdp", 1.0, method=method, scheme="random")
         s, losses = run(b, batches)
         np.testing.assert_allclose(losses, l_ddp, rtol=1e-6)
@@ -82,7 +87,7 @@ def test_bsdp_holders_agree_and_paths_match(mesh, batches):
     b = builder(mesh, "b-sdp", 0.5)
     s, losses = run(b, batches)
     assert np.all(np.isfinite(losses))
-    held = b.block_tables.held
+    held = b.spec.kinds["block"].held
     for leaf in jax.tree.leaves(s["params"]["blocks"]):
         arr = np.asarray(leaf)
         assert arr.shape[:2] == (W, 2)  # compact: 2 of 4 blocks per worker
@@ -102,20 +107,21 @@ def test_bsdp_block_gradient_is_mean_over_holders(mesh, batches):
     _, grads = b.grads_fn()(state["params"], batches[0])
     full = b.full_params(state["params"])
     x = np.asarray(batches[0]).reshape(W, 2, -1)
+    bt = b.spec.kinds["block"]
     local = []
     for w in range(W):
-        sub = dict(full, blocks=jax.tree.map(lambda a: a[b.block_tables.held[w]], full["blocks"]))
+        sub = dict(full, blocks=jax.tree.map(lambda a: a[bt.held[w]], full["blocks"]))
 
         def loss(p, xs=x[w]):
-            return next_token_loss(nnx.merge(b.graphdef, p)(xs[:, :-1]), xs[:, 1:])
+            return next_token_loss(nnx.merge(graph(), p)(xs[:, :-1]), xs[:, 1:])
         local.append(jax.grad(loss)(sub))
     g0 = np.asarray(grads["blocks"]["mlp"]["w_up"])
     for g in range(CFG.n_layers):
-        holders = [w for w in range(W) if b.block_tables.mask[w, g]]
-        ref = np.mean([np.asarray(local[w]["blocks"]["mlp"]["w_up"])[list(b.block_tables.held[w]).index(g)]
+        holders = [w for w in range(W) if bt.masks[0][w, g]]
+        ref = np.mean([np.asarray(local[w]["blocks"]["mlp"]["w_up"])[list(bt.held[w]).index(g)]
                        for w in holders], axis=0)
         for w in holders:
-            np.testing.assert_allclose(g0[w, b.block_tables.slot[w, g]], ref, rtol=2e-4, atol=1e-8)
+            np.testing.assert_allclose(g0[w, bt.slot[w, g]], ref, rtol=2e-4, atol=1e-8)
     emb = np.mean([np.asarray(local[w]["embed"]) for w in range(W)], axis=0)
     np.testing.assert_allclose(np.asarray(grads["embed"]), emb, rtol=2e-4, atol=1e-8)
 
@@ -126,16 +132,18 @@ def test_clipping_is_identical_on_all_holders(mesh, batches):
     b = builder(mesh, "b-sdp", 0.5, optim=opt)
     s, _ = run(b, batches)
     arr = np.asarray(s["params"]["blocks"]["attn"]["wq"])
+    bt = b.spec.kinds["block"]
     for g in range(CFG.n_layers):
-        ws = [w for w in range(W) if b.block_tables.mask[w, g]]
-        np.testing.assert_array_equal(arr[ws[0], b.block_tables.slot[ws[0], g]],
-                                      arr[ws[1], b.block_tables.slot[ws[1], g]])
+        ws = [w for w in range(W) if bt.masks[0][w, g]]
+        np.testing.assert_array_equal(arr[ws[0], bt.slot[ws[0], g]],
+                                      arr[ws[1], bt.slot[ws[1], g]])
 
 
 def test_forward_masking_really_prunes(mesh):
     rows = {}
     for v, c in (("ddp", 1.0), ("b-sdp", 0.5)):
-        compiled = builder(mesh, v, c).compiled_train_step((W * 2, 13))
+        compiled = builder(mesh, v, c).compiled_train_step(
+            jax.ShapeDtypeStruct((W * 2, 13), jnp.int32))
         rows[v] = ts.memory_stats(compiled)
     # state (params + AdamW moments) is compact: blocks are half, always-kept are not
     assert rows["b-sdp"]["argument_bytes"] < 0.8 * rows["ddp"]["argument_bytes"]
@@ -148,7 +156,7 @@ def test_full_model_eval_streams_blocks_from_holders(mesh, batches):
     got = float(b.eval_step_fn()(s["params"], batches[0]))
     full = b.full_params(s["params"])
     x = np.asarray(batches[0])
-    ref = float(next_token_loss(nnx.merge(b.graphdef, full)(x[:, :-1]), x[:, 1:]))
+    ref = float(next_token_loss(nnx.merge(graph(), full)(x[:, :-1]), x[:, 1:]))
     np.testing.assert_allclose(got, ref, rtol=1e-5)
 
 
@@ -187,9 +195,9 @@ def test_backward_masking_is_unbiased(mesh, variant):
     full = b.full_params(state["params"])
 
     def single(p):
-        return next_token_loss(nnx.merge(b.graphdef, p)(one[:, :-1]), one[:, 1:])
+        return next_token_loss(nnx.merge(graph(), p)(one[:, :-1]), one[:, 1:])
     ref = jax.tree.map(np.asarray, jax.grad(single)(full))
-    want = jax.tree.map(np.asarray, b.prune_all(ref, b.compact_layout))
+    want = jax.tree.map(np.asarray, b.layout.stored(ref))
     leaves_close(grads, want, rtol=2e-4, atol=1e-7)
     # backward masking keeps the full model on every worker: params are replicated
     assert b.param_layout[("blocks", "mlp", "w_up")] == "R"
@@ -201,7 +209,7 @@ def test_nsdp_component_held_by_one_worker_is_updated_from_that_worker_alone(mes
                       max_seq_len=16)
     # every neuron and head held by exactly one worker (a disconnected mask graph, on purpose)
     b = builder(mesh, "n-sdp", 0.25, cfg=cfg, allow_disconnected=True)
-    assert b.plan.kinds["mlp"].counts.max() == 1 and b.plan.kinds["heads"].counts.max() == 1
+    assert b.spec.kinds["mlp"].counts.max() == 1 and b.spec.kinds["heads"].counts.max() == 1
     state = b.init_state(seed=0)
     _, grads = b.grads_fn()(state["params"], batches[0])
     x = np.asarray(batches[0]).reshape(W, 2, -1)
@@ -211,7 +219,7 @@ def test_nsdp_component_held_by_one_worker_is_updated_from_that_worker_alone(mes
             lambda p, a: a[w] if b.param_layout[tuple(k.key for k in p)] != "R" else a, params)
 
         def loss(p, xs=x[w]):
-            return next_token_loss(nnx.merge(b.graphdef, p)(xs[:, :-1]), xs[:, 1:])
+            return next_token_loss(nnx.merge(graph(cfg), p)(xs[:, :-1]), xs[:, 1:])
         own = jax.grad(loss)(mine)
         for path in (("mlp", "w_gate"), ("mlp", "w_down"), ("attn", "wq"), ("attn", "wo")):
             got = np.asarray(grads["blocks"][path[0]][path[1]])[w]
@@ -257,14 +265,18 @@ def test_nsdp_holders_of_each_neuron_and_head_agree(mesh, batches):
     opt = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)  # clipping active
     b = builder(mesh, "n-sdp", 0.5, optim=opt, scheme="random")
     s, _ = run(b, batches)
-    for path, t in b.layer_tables.items():
-        arr = np.moveaxis(np.asarray(s["params"][path[0]][path[1]][path[2]]), t.axis + 1, 2)
-        for layer in range(t.layers):
+    lay = b.layout
+    neurons = {p: lf for p, lf in lay.leaves.items() if lf.form == "neuron"}
+    assert len(neurons) == 7
+    for path, lf in neurons.items():
+        idx, axis = lay.indices(lf), lf.rule.axis
+        arr = np.moveaxis(np.asarray(s["params"][path[0]][path[1]][path[2]]), axis + 1, 2)
+        for layer in range(idx.shape[1]):
             seen = {}
             for w in range(W):
-                for j, i in enumerate(t.indices[w, layer]):
+                for j, i in enumerate(idx[w, layer]):
                     v = arr[w, layer, j]
                     if i in seen:
                         np.testing.assert_array_equal(v, seen[i])  # bit-identical copies
                     seen[i] = v
-            assert len(seen) == t.size  # every index held by someone
+            assert len(seen) == b.spec.shapes[path][axis]  # every index held by someone
