@@ -132,7 +132,7 @@ class SDPStep:
       ValueError: the mesh's ``data`` size differs from ``W`` or too few devices; a bad
         ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat`` or ``dtype``;
         parameter averaging with backward masking or FSDP; FSDP or remat without ``block_fn``;
-        ``block_fn`` without a stacked block subtree; FSDP with a masked leaf outside it.
+        ``block_fn`` without a stacked block subtree, or with a masked leaf outside it.
     """
 
     def __init__(self, spec: spec_lib.SDPSpec, loss_fn: Callable, optimizer, mesh=None, *,
@@ -231,12 +231,13 @@ class SDPStep:
                              "Blocks(path, stacked=True)); this spec has "
                              + ("list-form blocks" if spec.block_path else "no Blocks rule")
                              + ": drop block_fn and use loss_fn(params, batch).")
-        if fsdp:
+        if block_fn is not None:
             outside = [p for p in spec.leaf_rules if p[:len(spec.block_path)] != spec.block_path]
             if outside:
-                raise ValueError(f"FSDP streams masked leaves block by block, but "
+                raise ValueError(f"the block runner handles masked leaves block by block, but "
                                  f"{spec_lib.path_str(outside[0])!r} is masked outside the block "
-                                 f"subtree {spec_lib.path_str(spec.block_path)!r}; set fsdp off.")
+                                 f"subtree {spec_lib.path_str(spec.block_path)!r}; move its rule "
+                                 "into the blocks, or drop block_fn (and fsdp, remat).")
         return mesh
 
     # ------------------------------------------------------------------ layout
@@ -493,8 +494,9 @@ class SDPStep:
         flat = _flatten(shards)
         my = sync.worker_index(AXIS)
         pruned, masked_grads = train and not self.spec.backward, train and self.spec.backward
+        dtype = self.dtype if self.dtype is not None else next(iter(flat.values())).dtype
         kept = {p: self._from_shards(p, sync.fsdp_gather(x[None], self._rows_len(p),
-                                                         self.dtype)[0])
+                                                         dtype)[0])
                 for p, x in flat.items() if not self._in_block(p)}
         bt = self.spec.kinds.get(spec_lib.BLOCK)
         n = bt.k if pruned and bt is not None else self.spec.n_blocks
@@ -505,24 +507,24 @@ class SDPStep:
             if t.grouped:  # neuron leaf: layer i, [Gc, rs]
                 sh = jax.lax.dynamic_index_in_dim(x, i, 0, False)
                 if pruned and not t.full:
-                    rows = sync.fsdp_gather(sh, rlen, self.dtype,
+                    rows = sync.fsdp_gather(sh, rlen, dtype,
                                             idx=sync.slot_indices(t, i, 0, t.kc))
                 else:
                     keep = (jnp.asarray(t.held)[my, i] if masked_grads and not t.full
                             else None)
-                    rows = sync.fsdp_gather(sh, rlen, self.dtype, keep=keep)
+                    rows = sync.fsdp_gather(sh, rlen, dtype, keep=keep)
                 leaf = list((1,) + shape[1:])
                 leaf[t.axis] = rows.shape[0]
                 val = sync.from_rows(rows[None], leaf, t)[0]
             else:  # block leaf: block (or slot) i, [L, rs]
                 if pruned and not t.full:
-                    rows = sync.fsdp_gather(x, rlen, self.dtype,
+                    rows = sync.fsdp_gather(x, rlen, dtype,
                                             idx=sync.slot_indices(t, 0, i, 1))
                 else:
                     keep = (jnp.asarray(t.held)[my, 0, i][None] if masked_grads and not t.full
                             else None)
                     rows = sync.fsdp_gather(jax.lax.dynamic_slice_in_dim(x, i, 1, 0), rlen,
-                                            self.dtype, keep=keep)
+                                            dtype, keep=keep)
                 val = rows.reshape(shape[1:])
             return checkpoint_name(val, _GATHERED)
 
@@ -622,7 +624,8 @@ class SDPStep:
         """Jitted ``(state, batch) -> (state, metrics)``; ``batch`` is a pytree of arrays whose
         leading axis is the global batch ``W * b`` (sharded ``P('data')``); ``state`` is
         donated. metrics: ``train_loss`` (mean over workers), ``grad_norm`` (of the averaged
-        gradient, before clipping), ``lr`` (with a schedule), the loss's aux values. With
+        gradient, before clipping; with parameter averaging the mean over workers of each
+        worker's own gradient norm), ``lr`` (with a schedule), the loss's aux values. With
         parameter averaging, ``sync_now=False`` gives the step without the averaging."""
         sync_now = bool(sync_now) or not self.periodic
         if sync_now not in self._train_steps:
@@ -634,8 +637,17 @@ class SDPStep:
 
     @property
     def train_step(self):
-        """:meth:`train_step_fn` (with the averaging)."""
-        return self.train_step_fn()
+        """``(state, batch) -> (state, metrics)``: :meth:`train_step_fn`; with periodic
+        parameter averaging every ``H > 1`` steps, a function that runs the step with or
+        without the averaging as :meth:`is_sync_step` says for the state's next step (it reads
+        the step counter from the device, waiting for the previous step)."""
+        if not self.periodic or self.sync_every == 1:
+            return self.train_step_fn()
+
+        def step(state, batch):
+            n = int(jax.device_get(state["step"])) + 1
+            return self.train_step_fn(self.is_sync_step(n))(state, batch)
+        return step
 
     def is_sync_step(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based) ends with parameter averaging."""

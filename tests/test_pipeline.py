@@ -148,7 +148,7 @@ def test_boundary_bytes_of_compiled_step():
     out = {}
     for method, rvq in (("none", 0), ("mapl", 0), ("rvq", 2)):
         b = _builder("mapl" if rvq else method, ratio=4, cfg=cfg, rvq_levels=rvq)
-        c = b.compiled_train_step((b.W * 4, T + 1))
+        c = b.compiled_train_step(jax.ShapeDtypeStruct((b.W * 4, T + 1), jnp.int32))
         out[method] = b.boundary_bytes(c, 4, T)
     ticks = (2 + 2 - 1) / 2   # (M + P - 1) / M transfers per microbatch
     # uncompressed: d float32 forward and d float32 gradients back per token
