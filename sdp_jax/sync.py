@@ -698,8 +698,11 @@ def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> j
         x2 = jnp.square(x.astype(jnp.float32))
         if lay.leaves[lp].form == layout_lib.KEPT:
             sq = sq + jnp.sum(x2)
-        else:
-            local.append(jnp.sum(x2 * jnp.asarray(lay.inverse_counts(lp))[my]))
+            continue
+        inv = jnp.asarray(lay.inverse_counts(lp))[my]   # per component: sum first, no full temp
+        per = jnp.sum(x2, axis=tuple(i for i, n in enumerate(inv.shape) if n == 1),
+                      keepdims=True)
+        local.append(jnp.sum(per * inv))
     if local:
         sq = sq + lax.psum(sum(local), axis)
     return jnp.sqrt(sq)
