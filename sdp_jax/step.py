@@ -80,6 +80,16 @@ def shardings(mesh, specs):
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def abstract_state(builder, stored: dict) -> dict:
+    """ShapeDtypeStruct tree (with the builder's state shardings) of a train state: the
+    ``stored`` entries (e.g. ``params``), the optimizer state of ``builder.compact_shapes``
+    and the int32 step."""
+    opt = jax.eval_shape(builder.optimizer.init, builder.compact_shapes)
+    shapes = {**stored, "opt_state": opt, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, builder.shardings())
+
+
 class Runner:
     """The block stack as ``loss_fn`` sees it: ``run(h) -> h`` applies the worker's blocks.
 
@@ -298,11 +308,7 @@ class SDPStep:
 
     def abstract_state(self):
         """ShapeDtypeStruct tree (with shardings) of the train state, for compile and restore."""
-        opt = jax.eval_shape(self.optimizer.init, self.compact_shapes)
-        shapes = {"params": self.param_shapes, "opt_state": opt,
-                  "step": jax.ShapeDtypeStruct((), jnp.int32)}
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.shardings())
+        return abstract_state(self, {"params": self.param_shapes})
 
     def batch_sharding(self):
         return NamedSharding(self.mesh, P(AXIS))

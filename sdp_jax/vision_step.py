@@ -470,11 +470,8 @@ class VisionStepBuilder:
 
     def abstract_state(self):
         """ShapeDtypeStruct tree (with shardings) of the train state."""
-        opt = jax.eval_shape(self.optimizer.init, self.compact_shapes)
-        shapes = {"params": self.param_shapes, "stats": self.stats_shapes, "opt_state": opt,
-                  "step": jax.ShapeDtypeStruct((), jnp.int32)}
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.shardings())
+        return step_lib.abstract_state(self, {"params": self.param_shapes,
+                                              "stats": self.stats_shapes})
 
     def batch_sharding(self):
         return NamedSharding(self.mesh, P(AXIS))
