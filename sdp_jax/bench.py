@@ -178,7 +178,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     kinds = spec.plan.summary()["kinds"]
     held = ", ".join(f"{v['per_worker']}/{v['components']} {k}" for k, v in kinds.items()
                      if variant != "ddp")
-    if spec.plan.neurons:  # one entry per kind: held / count in every stage
+    if variant in ("n-sdp", "nb-sdp"):  # one entry per kind: held / count in every stage
         per: dict = {}
         for k, v in kinds.items():
             per.setdefault(k.split(".", 1)[1], []).append(f"{v['per_worker']}/{v['components']}")

@@ -5,7 +5,8 @@ A worker's *local* parameters in the compact layout (forward masking, DESIGN.md 
 * an always-kept leaf: the full leaf;
 * a stacked block leaf ``[L, ...]``: its ``k = C * L`` held blocks ``[k, ...]`` in depth order;
 * list-form blocks ``blocks/0 .. blocks/L-1``: ``k`` blocks ``blocks/0 .. blocks/k-1``, slot ``j``
-  holding global block ``held[w, j]`` (a model built with ``k`` blocks runs them);
+  holding global block ``held[w, j]`` (a model built with ``k`` blocks runs them); blocks of a
+  ``Blocks(..., pad=True)`` rule zero-padded to the stack's largest shape;
 * a neuron leaf: narrowed to the held indices along its component axis (per layer).
 
 Every worker's local tree has the same structure and shapes (equal row sums of the masks), so
@@ -66,39 +67,36 @@ class Layout:
         self.spec = spec
         self.W = spec.workers
         self.leaves: dict[tuple, Local] = {}
-        bt = spec.kinds.get(spec_lib.BLOCK)
-        prefix = spec.block_path
         for p in spec.shapes:
             r = spec.rule(p)
+            st = spec.stacks.get(r.kind) if r is not None else None
             if r is None:
                 self.leaves[p] = Local(KEPT, p)
-            elif r.kind == spec_lib.BLOCK and r.block is None:
+            elif st is not None and r.block is None:
                 self.leaves[p] = Local(STACK, p, r)
-            elif r.kind == spec_lib.BLOCK:
+            elif st is not None:
                 if r.block != 0:
                     continue
-                rel = p[len(prefix) + 1:]
-                key0 = p[len(prefix)]
-                for j in range(bt.k):
-                    key = j if isinstance(key0, int) else str(j)
-                    self.leaves[prefix + (key,) + rel] = Local(SLOT, p, r, j, rel)
+                rel = p[len(st.path) + 1:]
+                for j in range(spec.kinds[r.kind].k):
+                    self.leaves[st.path + (st.block_key(j),) + rel] = Local(SLOT, p, r, j, rel)
             else:
                 self.leaves[p] = Local(NEURON, p, r)
-        if prefix is not None and not spec.blocks_stacked:
-            key0 = next(p[len(prefix)] for p in spec.shapes if p[:len(prefix)] == prefix)
-            self._block_key = (lambda g: g) if isinstance(key0, int) else str
         self._tables: dict = {}
         self.stored_shapes: dict[tuple, tuple] = {}   # stored path -> per-worker shape
+        self.slot_leaves: dict[tuple, tuple] = {}   # stored slots path -> slot 0's local path
         for lp, lf in self.leaves.items():
             if lf.form == SLOT:
                 if lf.slot == 0:
-                    self.stored_shapes[self.slots_path(lf)] = (bt.k,) + self.local_shape(lp)
+                    self.stored_shapes[self.slots_path(lf)] = (
+                        (spec.kinds[lf.rule.kind].k,) + self.local_shape(lp))
+                    self.slot_leaves[self.slots_path(lf)] = lp
             else:
                 self.stored_shapes[lp] = self.local_shape(lp)
 
     def slots_path(self, lf: Local) -> tuple:
         """Stored path of the stacked slots of a list-form block leaf."""
-        return self.spec.block_path + ("slots",) + lf.rel
+        return self.spec.stacks[lf.rule.kind].path + ("slots",) + lf.rel
 
     def to_stored(self, local: dict) -> dict:
         """A worker's local leaves (flat) -> its stored leaves (list-form slots stacked)."""
@@ -138,13 +136,21 @@ class Layout:
         return np.stack([self.spec.indices(lf.rule, w) for w in range(self.W)])
 
     def _all_blocks(self, flat: dict, lf: Local):
-        """The ``L`` list-form blocks' leaves at ``lf.rel``, stacked ``[L, ...]``."""
-        L = self.spec.kinds[spec_lib.BLOCK].masks.shape[-1]
-        return jnp.stack([flat[self.block_full(lf, g)] for g in range(L)])
+        """The ``L`` list-form blocks' leaves at ``lf.rel``, stacked ``[L, ...]`` (each
+        zero-padded to the slot shape)."""
+        st = self.spec.stacks[lf.rule.kind]
+        shape = st.union[lf.rel]
+        return jnp.stack([_pad(flat[self.block_full(lf, g)], shape) for g in range(st.n)])
 
     def block_full(self, lf: Local, g) -> tuple:
         """Full path of a list-form block leaf ``lf`` in block ``g``."""
-        return self.spec.block_path + (self._block_key(g),) + lf.rel
+        st = self.spec.stacks[lf.rule.kind]
+        return st.path + (st.block_key(g),) + lf.rel
+
+    def unpad(self, lf: Local, g, x):
+        """A slot-shaped value of list-form block ``g`` -> that block's own shape."""
+        shape = self.spec.shapes[self.block_full(lf, g)]
+        return x[tuple(slice(0, n) for n in shape)]
 
     # ------------------------------------------------------------------ prune / unprune
     def prune(self, full: Any, w) -> dict:
@@ -157,12 +163,13 @@ class Layout:
             if lf.form == KEPT:
                 out[lp] = flat[lf.full]
             elif lf.form == STACK:
-                out[lp] = flat[lf.full][jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]]
+                out[lp] = flat[lf.full][jnp.asarray(spec.kinds[lf.rule.kind].held)[w]]
             elif lf.form == SLOT:
-                if lf.rel not in stacks:
-                    held = jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]
-                    stacks[lf.rel] = self._all_blocks(flat, lf)[held]
-                out[lp] = stacks[lf.rel][lf.slot]
+                key = self.slots_path(lf)
+                if key not in stacks:
+                    held = jnp.asarray(spec.kinds[lf.rule.kind].held)[w]
+                    stacks[key] = self._all_blocks(flat, lf)[held]
+                out[lp] = stacks[key][lf.slot]
             else:
                 idx = jnp.asarray(self.indices(lf))[w]
                 x = flat[lf.full]
@@ -191,10 +198,10 @@ class Layout:
             if lf.form == KEPT:
                 flat[lf.full] = x
             elif lf.form == STACK:
-                held = jnp.asarray(spec.kinds[spec_lib.BLOCK].held)[w]
+                held = jnp.asarray(spec.kinds[lf.rule.kind].held)[w]
                 flat[lf.full] = flat[lf.full].at[held].set(x)
             elif lf.form == SLOT:
-                slots.setdefault(lf.rel, {})[lf.slot] = (lf, x)
+                slots.setdefault(self.slots_path(lf), {})[lf.slot] = (lf, x)
             else:
                 idx = jnp.asarray(self.indices(lf))[w]
                 a = lf.rule.axis
@@ -206,15 +213,13 @@ class Layout:
                 else:
                     flat[lf.full] = jnp.moveaxis(jnp.moveaxis(flat[lf.full], a, 0).at[idx].set(
                         jnp.moveaxis(x, a, 0)), 0, a)
-        if slots:
-            bt = spec.kinds[spec_lib.BLOCK]
-            held = jnp.asarray(bt.held)[w]
-            for rel, by_slot in slots.items():
-                lf0 = by_slot[0][0]
-                stack = self._all_blocks(flat, lf0).at[held].set(
-                    jnp.stack([by_slot[j][1] for j in range(bt.k)]))
-                for g in range(stack.shape[0]):
-                    flat[self.block_full(lf0, g)] = stack[g]
+        for by_slot in slots.values():
+            lf0 = by_slot[0][0]
+            bt = spec.kinds[lf0.rule.kind]
+            stack = self._all_blocks(flat, lf0).at[jnp.asarray(bt.held)[w]].set(
+                jnp.stack([by_slot[j][1] for j in range(bt.k)]))
+            for g in range(stack.shape[0]):
+                flat[self.block_full(lf0, g)] = self.unpad(lf0, g, stack[g])
         return flat
 
     def unprune(self, stored: Any) -> dict:
@@ -237,7 +242,7 @@ class Layout:
                     out[lf.full] = x[first, slot]
                 else:
                     for g in np.flatnonzero(slot == lf.slot):
-                        out[self.block_full(lf, int(g))] = x[first[g]]
+                        out[self.block_full(lf, int(g))] = self.unpad(lf, int(g), x[first[g]])
                 continue
             full = np.zeros(spec.shapes[lf.full], x.dtype)
             a = lf.rule.axis
@@ -255,10 +260,11 @@ class Layout:
     # ------------------------------------------------------------------ tables
     def holder_tables(self, lp: tuple):
         """:class:`sdp_jax.sync.HolderTables` of a compact local leaf in its rows view (list
-        block slots: of the stack of all ``k`` slots of that relative path)."""
+        block slots: of the stack of all ``k`` slots of that relative path; ``lp`` may also be
+        that stack's stored path)."""
         from sdp_jax import sync  # pylint: disable=g-import-not-at-top
-        lf = self.leaves[lp]
-        key = lf.rel if lf.form == SLOT else lp
+        lf = self.leaves[self.slot_leaves.get(lp, lp)]
+        key = self.slots_path(lf) if lf.form == SLOT else lp
         if key not in self._tables:
             t = self.spec.kinds[lf.rule.kind]
             if lf.form in (STACK, SLOT):
@@ -277,7 +283,13 @@ class Layout:
     def inverse_counts(self, lp: tuple) -> np.ndarray:
         """float32 ``[W, ...]`` broadcastable to a compact local leaf: ``1 / m`` of the
         component each of its entries belongs to (so a psum of weighted squares counts every
-        component once)."""
+        component once). ``lp`` may also be the stored path of a stack of slots."""
+        if lp in self.slot_leaves:
+            t = self.spec.kinds[self.leaves[self.slot_leaves[lp]].rule.kind]
+            shape = self.stored_shapes[lp]
+            c = t.counts[t.held]                                            # [W, k]
+            return (1.0 / c).reshape((self.W, shape[0]) + (1,) * (len(shape) - 1)).astype(
+                np.float32)
         lf = self.leaves[lp]
         t = self.spec.kinds[lf.rule.kind]
         shape = self.local_shape(lp)
@@ -308,6 +320,13 @@ def opt_state_specs(optimizer, params_specs, params_shapes):
     return optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_opt, params_specs,
                                  transform_non_params=lambda _: P(),
                                  is_leaf=lambda x: isinstance(x, P))
+
+
+def _pad(x, shape):
+    """Zero-pad ``x`` at the end of each axis to ``shape``."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)])
 
 
 def _is_flat(tree) -> bool:

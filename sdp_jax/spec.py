@@ -3,11 +3,13 @@
 A model, built-in or a user's own, declares which of its parameters SDP may switch off, as
 *rules* (host-side, no tracing):
 
-* :class:`Blocks` ``(path)``: the residual blocks under ``path``. Either a *list* of blocks (the
-  children of ``path`` are keyed ``0 .. L-1``, as ``nnx.List`` gives) or a *stacked* block axis
-  (every leaf under ``path`` is ``[L, ...]``, as ``nnx.vmap``-built blocks give). Used by the
-  block variants (``ddp``, ``b-sdp``, ``bb-sdp``); a dropped block is its shortcut (DESIGN.md
-  invariant 5), so the model must add each block's output to a residual stream.
+* :class:`Blocks` ``(path, stacked, key, pad)``: the residual blocks under ``path``. Either a
+  *list* of blocks (the children of ``path`` keyed ``0 .. L-1``, as ``nnx.List`` gives, or by the
+  format ``key``, e.g. ``b0, b1``; ``pad`` for blocks that differ in leaf shapes only) or a
+  *stacked* block axis (every leaf under ``path`` is ``[L, ...]``, as ``nnx.vmap``-built blocks
+  give). Several rules declare several stacks (stage-balanced masks, e.g. a ResNet's stages).
+  Used by the block variants (``ddp``, ``b-sdp``, ``bb-sdp``); a dropped block is its shortcut
+  (DESIGN.md invariant 5), so the model must add each block's output to a residual stream.
 * :class:`Neurons` ``(pattern, axis, kind, expand, stacked)``: the leaves matching ``pattern``
   carry components of ``kind`` (MLP neurons, attention key/value head groups, conv channels)
   along ``axis``; ``expand`` indices per component (a key/value head group takes its ``H / K``
@@ -63,15 +65,54 @@ BLOCK = "block"
 class Blocks:
     """The residual blocks under ``path`` (``"/"``-separated keys, e.g. ``"blocks"``).
 
+    Several ``Blocks`` rules declare several stacks (e.g. the stages of a ResNet, whose blocks
+    differ in width from stage to stage); see :func:`build` for how ``C`` splits over them.
+
     Attributes:
       path: the subtree holding the blocks.
       stacked: True: every leaf under ``path`` has a leading block axis ``[L, ...]``; False: the
-        children of ``path`` are the blocks, keyed ``0 .. L-1``; None (default): False when the
-        children are keyed ``0 .. L-1``, else True.
+        children of ``path`` keyed ``key.format(0) .. key.format(L-1)`` are the blocks (other
+        children, e.g. a stage's projection shortcut, are always-kept); None (default): False
+        when such children exist, else True.
+      key: list form: the format of block ``j``'s key, e.g. ``"b{}"`` for children ``b0, b1``
+        (default ``"{}"``: keyed ``0 .. L-1`` as ``nnx.List`` gives).
+      pad: list form: the blocks may differ in the shapes (not the structure) of their leaves,
+        e.g. a downsampling first block with fewer input channels; a worker's slots then hold
+        each block zero-padded at the end of every axis to the largest shape, and the model
+        must run a padded block (see :mod:`sdp_jax.models.vision`).
     """
 
     path: str
     stacked: bool | None = None
+    key: str = "{}"
+    pad: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """A block stack as :func:`build` resolved it from a :class:`Blocks` rule.
+
+    Attributes:
+      kind: its component kind (``"block"`` for the only stack; ``"{path}.blocks"`` when the
+        rules declare several).
+      path: the subtree holding the blocks (keys as the tree spells them).
+      stacked: leading block axis (True) or a list of blocks (False).
+      n: ``L``, its number of blocks.
+      keys: list form: the key of each block under ``path`` (block order).
+      union: list form: {path inside a block: the largest shape over the blocks} (the shape of
+        a stored slot; equal to every block's shape unless the rule has ``pad=True``).
+    """
+
+    kind: str
+    path: tuple
+    stacked: bool
+    n: int
+    keys: tuple = ()
+    union: dict = dataclasses.field(default_factory=dict)
+
+    def block_key(self, g: int):
+        """The key of block ``g`` under :attr:`path` (list form)."""
+        return self.keys[g]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +142,8 @@ class Rule:
     """How one parameter leaf is masked (what :meth:`SDPSpec.rule` returns).
 
     Attributes:
-      kind: ``"block"`` or a neuron kind.
+      kind: a block kind (``"block"``; ``"{path}.blocks"`` with several stacks) or a neuron
+        kind.
       axis: component axis of the full leaf (0 for stacked blocks; the layer axis counts);
         None for a list-form block leaf, which belongs to one block as a whole.
       expand: indices per component along ``axis``.
@@ -120,10 +162,12 @@ class Rule:
 class KindTables:
     """Static tables of one component kind.
 
-    ``block``: ``masks`` bool [1, W, L], ``held`` int32 [W, k] (held blocks, depth order),
-    ``slot`` int32 [W, L] (-1 = not held), ``counts`` int32 [L].
+    A block kind (``"block"``, or ``"{path}.blocks"`` of one of several stacks): ``masks`` bool
+    [1, W, L], ``held`` int32 [W, k] (held blocks, depth order), ``slot`` int32 [W, L] (-1 = not
+    held), ``counts`` int32 [L].
     A neuron kind: ``masks`` bool [Lg, W, G] (one per layer), ``held`` int32 [W, Lg, k],
-    ``counts`` int32 [Lg, G].
+    ``counts`` int32 [Lg, G], ``layers`` the key of each layer (the keys ``*`` caught, in mask
+    order; ``(i,)`` for stacked leaves).
     """
 
     kind: str
@@ -132,6 +176,7 @@ class KindTables:
     counts: np.ndarray
     slot: np.ndarray | None = None
     recipe: dict | None = None
+    layers: tuple = ()
 
     @property
     def full(self) -> bool:
@@ -232,13 +277,16 @@ class SDPSpec:
     """Which parameters each worker holds, built by :func:`build` (host-side, static).
 
     Attributes:
-      variant, workers (``W``), coverage (``C``; 1 for ddp), scheme, seed, allow_nonuniform.
+      variant, workers (``W``), coverage (``C``; 1 for ddp), scheme, seed, allow_nonuniform,
+        stage_blocks: the arguments of :func:`build`.
+      stacks: {kind: :class:`Stack`} of the declared block stacks (declared but inactive
+        under the neuron variants).
       backward: the variant masks gradients only (full forward pass); regime: its name.
       kinds: {kind: :class:`KindTables`} of the active rules.
       leaf_rules: {path: :class:`Rule`} of every masked leaf (paths are tuples of keys).
       shapes: {path: full shape} of every parameter leaf; dtypes: {path: its dtype}.
-      blocks_stacked, block_path, n_blocks: the declared block rule's form (stacked or a list),
-        subtree and ``L`` (None when the rules declare no blocks).
+      blocks_stacked, block_path, n_blocks: the only block stack's form (stacked or a list),
+        subtree and ``L`` (None when the rules declare no blocks or several stacks).
     """
 
     def __init__(self, shapes: dict, variant: str, workers: int, coverage: float,
@@ -257,18 +305,40 @@ class SDPSpec:
         self.kinds: dict[str, KindTables] = {}
         self.leaf_rules: dict[tuple, Rule] = {}
         self._str_rules: dict[tuple, Rule] = {}   # the same, keyed by string keys
-        self.blocks_stacked: bool | None = None
-        self.block_path: tuple | None = None
-        self.n_blocks: int | None = None
+        self.stacks: dict[str, Stack] = {}
+        self.stage_blocks: tuple = ()
         self._names = names or {}
         self._given = dict(matrices or {})
+
+    @property
+    def _stack(self) -> Stack | None:
+        return next(iter(self.stacks.values())) if len(self.stacks) == 1 else None
+
+    @property
+    def block_path(self) -> tuple | None:
+        """The subtree of the only block stack (None: no Blocks rule, or several)."""
+        return self._stack.path if self._stack else None
+
+    @property
+    def blocks_stacked(self) -> bool | None:
+        """Whether the only block stack has a leading block axis (None: none or several)."""
+        return self._stack.stacked if self._stack else None
+
+    @property
+    def n_blocks(self) -> int | None:
+        """``L`` of the only block stack (None: none or several)."""
+        return self._stack.n if self._stack else None
 
     # ------------------------------------------------------------------ building
     def _what(self, kind: str) -> str:
         """What a kind's components are called in messages ("blocks", "mlp per layer")."""
-        return self._names.get(kind, "blocks" if kind == BLOCK else f"{kind} per layer")
+        if kind in self._names:
+            return self._names[kind]
+        if kind in self.stacks and kind != BLOCK:
+            return f"blocks of {path_str(self.stacks[kind].path)}"
+        return "blocks" if kind == BLOCK else f"{kind} per layer"
 
-    def _matrices(self, kind: str, components: int, layers: int):
+    def _matrices(self, kind: str, components: int, layers: int, k_want: int | None = None):
         """A kind's mask matrices [layers, W, G] given to :func:`build`, checked; or None."""
         m = self._given.get(kind)
         if m is None:
@@ -289,7 +359,11 @@ class SDPSpec:
             raise ValueError(f"matrices[{kind!r}]: layers hold {ks} components per worker; "
                              "every layer must hold the same number (C * G).")
         k = ks[0]
-        if abs(k - self.coverage * components) > 1e-6:
+        if k_want is not None and k != k_want:
+            raise ValueError(f"matrices[{kind!r}] gives each worker {k} of {components} blocks "
+                             f"but this stack holds {k_want} (stage_blocks or C's "
+                             "apportionment over the stacks); give that many per row.")
+        if k_want is None and abs(k - self.coverage * components) > 1e-6:
             raise ValueError(f"matrices[{kind!r}] gives each worker {k} of {components} "
                              f"components (C={k / components:g}) but coverage={self.coverage:g}; "
                              f"pass coverage={k / components:g}.")
@@ -302,10 +376,14 @@ class SDPSpec:
         except ValueError as e:
             raise ValueError(f"{self.variant} masks {components} {what}: {e}") from None
 
-    def _add_blocks(self, rule: Blocks, active: bool = True) -> None:
+    def _add_stack(self, rule: Blocks, kind: str, active: bool = True) -> Stack:
+        """Resolve one :class:`Blocks` rule (form, ``L``, slot shapes) and claim its leaves."""
         want = tuple(k for k in rule.path.split("/") if k)
         under = {p: s for p, s in self.shapes.items()
                  if tuple(str(k) for k in p[:len(want)]) == want and len(p) > len(want)}
+        if not isinstance(rule.key, str) or rule.key.count("{}") != 1:
+            raise ValueError(f"rule Blocks({rule.path!r}, key={rule.key!r}): key must be a "
+                             "format with one '{}' for the block index, e.g. 'b{}'.")
         if not under:
             if any(tuple(str(k) for k in p) == want for p in self.shapes):
                 raise ValueError(f"rule Blocks({rule.path!r}) names a parameter leaf, not the "
@@ -315,17 +393,42 @@ class SDPSpec:
                              f"with {_nearest_keys(self.shapes, len(want) or 1)}.")
         prefix = next(iter(under))[:len(want)]   # the keys as the tree spells them
         children = sorted({p[len(prefix)] for p in under}, key=lambda k: _natural((k,)))
-        as_list = [str(c) for c in children] == [str(i) for i in range(len(children))]
+        by_name = {str(c): c for c in children}
+        block_keys = []
+        while rule.key.format(len(block_keys)) in by_name:
+            block_keys.append(by_name[rule.key.format(len(block_keys))])
+        head, tail = rule.key.split("{}")
+        like = sorted(str(c) for c in children if str(c).startswith(head)
+                      and str(c).endswith(tail) and str(c)[len(head):len(str(c)) - len(tail)]
+                      .isdigit())
+        as_list = bool(block_keys)
+        if rule.key == "{}" and len(block_keys) != len(children):
+            as_list = False   # an nnx.List has only its blocks as children
+        if as_list and len(like) != len(block_keys):
+            raise ValueError(f"rule Blocks({rule.path!r}, key={rule.key!r}): the blocks must be "
+                             f"keyed {rule.key.format(0)}..{rule.key.format(len(like) - 1)} "
+                             f"without gaps, but the children are {like[:8]}; rename them or "
+                             "declare each run of blocks as its own rule.")
+        if rule.key != "{}" and not block_keys:
+            raise ValueError(f"rule Blocks({rule.path!r}, key={rule.key!r}): no child of "
+                             f"{rule.path!r} is keyed {rule.key.format(0)} (children: "
+                             f"{[str(c) for c in children][:8]}); fix the key format.")
+        if as_list and "slots" in by_name:
+            raise ValueError(f"rule Blocks({rule.path!r}): a child named 'slots' collides with "
+                             "the stored stack of the blocks' slots "
+                             f"({rule.path}/slots/...); rename it.")
         stacked = (not as_list) if rule.stacked is None else rule.stacked
         if stacked and as_list:
             raise ValueError(f"rule Blocks({rule.path!r}, stacked=True): the children of "
-                             f"{rule.path!r} are keyed 0..{len(children) - 1}, a list of "
-                             "blocks, so a leading axis of their leaves is a feature axis, not "
-                             "a block axis; drop stacked=True.")
+                             f"{rule.path!r} are keyed {rule.key.format(0)}.."
+                             f"{rule.key.format(len(block_keys) - 1)}, a list of blocks, so a "
+                             "leading axis of their leaves is a feature axis, not a block axis; "
+                             "drop stacked=True.")
         if not stacked and not as_list:
             raise ValueError(f"rule Blocks({rule.path!r}, stacked=False): the children of "
                              f"{rule.path!r} are {[str(c) for c in children][:8]}, not keyed "
-                             "0..L-1; use stacked=True for a leading block axis.")
+                             f"{rule.key.format(0)}..{rule.key.format('L-1')}; use stacked=True "
+                             "for a leading block axis, or key= for the blocks' key format.")
         if stacked:
             sizes = {p: (s[0] if s else None) for p, s in under.items()}
             distinct = sorted({v for v in sizes.values() if v is not None})
@@ -337,40 +440,86 @@ class SDPSpec:
                     f"{under[bad[0]]} and {path_str(bad[-1])!r} has shape {under[bad[-1]]}; "
                     "declare stacked=False for a list of blocks, or move leaves without a "
                     "block axis out of the blocks' subtree.")
-            n = distinct[0]
+            if rule.key != "{}" or rule.pad:
+                raise ValueError(f"rule Blocks({rule.path!r}) is stacked (a leading block axis), "
+                                 "so key= and pad= do not apply; drop them.")
+            stack = Stack(kind, prefix, True, distinct[0])
             for p in under if active else ():
-                self._claim(p, Rule(BLOCK, 0), rule)
-        else:
-            n = len(children)
-            if active:
-                ref = {p[len(prefix) + 1:]: s for p, s in under.items()
-                       if str(p[len(prefix)]) == "0"}
-                for j in range(1, n):
-                    mine = {p[len(prefix) + 1:]: s for p, s in under.items()
-                            if str(p[len(prefix)]) == str(j)}
-                    if mine != ref:
-                        diff = sorted(set(mine.items()) ^ set(ref.items()), key=str)[:2]
-                        raise ValueError(
-                            f"rule Blocks({rule.path!r}): block {j} differs from block 0 in "
-                            f"shape or structure ({diff}); SDP stacks a worker's blocks (and "
-                            "their gradients) into one array, so every block under "
-                            f"{rule.path!r} must have the same parameters: declare only the "
-                            "equal blocks (e.g. one Blocks rule per stage of equal blocks is "
-                            "not built yet), or use a neuron variant.")
-            for p in under if active else ():
-                self._claim(p, Rule(BLOCK, None, block=int(str(p[len(prefix)]))), rule)
-        self.blocks_stacked, self.block_path, self.n_blocks = stacked, prefix, n
+                self._claim(p, Rule(kind, 0), rule)
+            return stack
+        n = len(block_keys)
+        per = [{p[len(prefix) + 1:]: s for p, s in under.items() if p[len(prefix)] == key}
+               for key in block_keys]
+        for j in range(1, n if active else 1):   # inactive (neuron variants): not stacked
+            same = set(per[j]) == set(per[0]) and (rule.pad or per[j] == per[0]) and all(
+                len(per[j][r]) == len(per[0][r]) for r in per[0] if r in per[j])
+            if not same:
+                diff = sorted(set(per[j].items()) ^ set(per[0].items()), key=str)[:2]
+                raise ValueError(
+                    f"rule Blocks({rule.path!r}): block {j} differs from block 0 in "
+                    f"{'structure' if set(per[j]) != set(per[0]) or rule.pad else 'shape'} "
+                    f"({diff}); SDP stacks a worker's blocks (and their gradients) into one "
+                    "array, so the blocks under one rule must have the same parameters: set "
+                    "pad=True for blocks that differ only in shape (stored zero-padded), "
+                    "declare each group of equal blocks as its own Blocks rule, or use a "
+                    "neuron variant.")
+        union = ({r: tuple(int(v) for v in np.max([b[r] for b in per], axis=0))
+                  for r in per[0]} if active else {})
+        if active:
+            for p in under:
+                if p[len(prefix)] in block_keys:
+                    self._claim(p, Rule(kind, None, block=block_keys.index(p[len(prefix)])),
+                                rule)
+        return Stack(kind, prefix, False, n, tuple(block_keys), union)
+
+    def _add_blocks(self, rules: list[Blocks], active: bool = True,
+                    stage_blocks: tuple = (), stage_balanced: bool | None = None) -> None:
+        """Resolve the block stacks and draw their masks. One stack holds ``C * L`` blocks per
+        worker; several (or ``stage_balanced``) are stage-balanced (see :func:`build`)."""
+        several = len(rules) > 1 if stage_balanced is None else bool(stage_balanced)
+        for rule in rules:
+            kind = f"{rule.path.strip('/')}.blocks" if several else BLOCK
+            if kind in self.stacks:
+                raise ValueError(f"two Blocks rules for {rule.path!r}; declare each stack once.")
+            self.stacks[kind] = self._add_stack(rule, kind, active)
         if not active:
             return
-        given = self._matrices(BLOCK, n, 1)
-        if given is None:
-            recipe = self._recipe(n, self._what(BLOCK))
-            m, rec = recipe.matrix(), recipe.to_dict()
-        else:
-            m, rec = given[0], {"given": True}
-        self.kinds[BLOCK] = KindTables(BLOCK, m[None], masks_lib.held_table(m),
-                                       masks_lib.multiplicities(m), masks_lib.slot_table(m),
-                                       rec)
+        stacks = list(self.stacks.values())
+        if not several:
+            st = stacks[0]
+            given = self._matrices(st.kind, st.n, 1)
+            if given is None:
+                recipe = self._recipe(st.n, self._what(st.kind))
+                m, rec = recipe.matrix(), recipe.to_dict()
+            else:
+                m, rec = given[0], {"given": True}
+            self._block_kind(st.kind, m, rec)
+            return
+        try:
+            ks = stage_balance(self.coverage, [st.n for st in stacks], self.workers,
+                               stage_blocks, [path_str(st.path) for st in stacks])
+        except ValueError as e:
+            raise ValueError(f"{self.variant}: {e}") from None
+        for s, (st, k) in enumerate(zip(stacks, ks)):
+            given = self._matrices(st.kind, st.n, 1, k)
+            if given is not None:
+                self._block_kind(st.kind, given[0], {"given": True})
+                continue
+            try:
+                recipe = masks_lib.MaskRecipe(self.scheme, self.workers, st.n, k / st.n,
+                                              self.seed * 1009 + s, self.allow_nonuniform)
+            except ValueError as e:
+                raise ValueError(f"{self.variant}: stack {path_str(st.path)!r} holds {k} of its "
+                                 f"{st.n} blocks per worker: {e}") from None
+            m = recipe.matrix()
+            if self.scheme == "cyclic":   # slide the windows one worker per stack
+                m = np.roll(m, s, axis=0)
+            self._block_kind(st.kind, m, recipe.to_dict())
+
+    def _block_kind(self, kind: str, m: np.ndarray, recipe: dict) -> None:
+        self.kinds[kind] = KindTables(kind, m[None], masks_lib.held_table(m),
+                                      masks_lib.multiplicities(m), masks_lib.slot_table(m),
+                                      recipe)
 
     def _claim(self, path, leaf_rule: Rule, rule) -> None:
         if path in self.leaf_rules:
@@ -389,6 +538,9 @@ class SDPSpec:
                 raise ValueError(f"{rule}: expand={rule.expand!r} must be a positive integer.")
             if isinstance(rule.axis, bool) or not isinstance(rule.axis, (int, np.integer)):
                 raise ValueError(f"{rule}: axis={rule.axis!r} must be an integer.")
+            if rule.kind in self.stacks or rule.kind == BLOCK:
+                raise ValueError(f"{rule}: kind {rule.kind!r} is the name of a block stack; "
+                                 "give the neuron kind another name.")
             pattern = tuple(k for k in rule.pattern.split("/") if k)
             hits = 0
             for p, s in self.shapes.items():
@@ -410,12 +562,13 @@ class SDPSpec:
                 if s[axis] % rule.expand:
                     raise ValueError(f"{rule}: {path_str(p)!r} has {s[axis]} indices on axis "
                                      f"{axis}, not a multiple of expand={rule.expand}.")
-                if not rule.stacked and self.blocks_stacked and \
-                        tuple(str(k) for k in p[:len(self.block_path)]) == \
-                        tuple(str(k) for k in self.block_path):
+                under = [st for st in self.stacks.values() if st.stacked and
+                         tuple(str(k) for k in p[:len(st.path)]) ==
+                         tuple(str(k) for k in st.path)]
+                if not rule.stacked and under:
                     raise ValueError(
                         f"{rule}: {path_str(p)!r} lies under the stacked blocks "
-                        f"{path_str(self.block_path)!r}, so its axis 0 is the layer axis; set "
+                        f"{path_str(under[0].path)!r}, so its axis 0 is the layer axis; set "
                         "stacked=True (one mask per layer).")
                 if rule.stacked:
                     first = stacked_len.setdefault(rule.kind, (s[0], p))
@@ -462,7 +615,7 @@ class SDPSpec:
                 rec = {"given": True}
             held = np.stack([masks_lib.held_table(m) for m in ms], axis=1)   # [W, Lg, k]
             counts = np.stack([masks_lib.multiplicities(m) for m in ms])    # [Lg, G]
-            self.kinds[kind] = KindTables(kind, ms, held, counts, None, rec)
+            self.kinds[kind] = KindTables(kind, ms, held, counts, None, rec, tuple(keys))
             index = {k: i for i, k in enumerate(keys)}
             for p, (rule, caught, axis) in found.items():
                 if rule.kind == kind:
@@ -487,7 +640,13 @@ class SDPSpec:
     def local_blocks(self) -> int | None:
         """Blocks in a worker's local model: ``k`` for forward block variants, ``L`` otherwise
         (None when the rules declare no blocks). Build the worker's local model at this
-        depth."""
+        depth.
+
+        Raises:
+          ValueError: several block stacks (read ``kinds[kind].k`` of each)."""
+        if len(self.stacks) > 1:
+            raise ValueError(f"the spec has {len(self.stacks)} block stacks "
+                             f"({sorted(self.stacks)}); read each one's kinds[kind].k.")
         t = self.kinds.get(BLOCK)
         return t.k if t is not None and not self.backward else self.n_blocks
 
@@ -504,10 +663,14 @@ class SDPSpec:
 
     def compact_shape(self, path: tuple, full_shape: tuple | None = None) -> tuple:
         """Per-worker shape of a leaf in the compact layout (no worker axis). A list-form block
-        leaf keeps its shape (the worker stores ``k`` such blocks)."""
+        leaf keeps its shape, padded to the stack's largest (the worker stores ``k`` such
+        blocks)."""
         full_shape = tuple(self.shapes[tuple(path)] if full_shape is None else full_shape)
         r = self.rule(path)
-        if r is None or r.block is not None:
+        if r is not None and r.block is not None:   # a slot: the stack's (padded) shape
+            st = self.stacks[r.kind]
+            return st.union[tuple(path)[len(st.path) + 1:]]
+        if r is None:
             return full_shape
         shape = list(full_shape)
         shape[r.axis] = self.kinds[r.kind].k * r.expand
@@ -522,7 +685,7 @@ class SDPSpec:
         shape = self.shapes[tuple(path)]
         t = self.kinds[r.kind]
         W = self.workers
-        if r.kind == BLOCK:
+        if r.kind in self.stacks:
             m = t.masks[0]
             if r.block is not None:
                 return m[:, r.block].reshape((W,) + (1,) * len(shape))
@@ -601,6 +764,74 @@ class SDPSpec:
                 + ("hand-made masks" if self._given else f"scheme {self.scheme}"))
 
 
+def _apportion(coverage: float, depths: list, workers: int) -> list[int]:
+    """Largest-remainder apportionment of ``C * L`` over stacks (ties to the earlier stack), at
+    least ``ceil(L_s / W)`` per stack so that every block has a holder."""
+    total = round(coverage * sum(depths))
+    quota = [coverage * d for d in depths]
+    need = [max(1, -(-d // workers)) for d in depths]
+    k = [max(int(np.floor(q + 1e-9)), n) for q, n in zip(quota, need)]
+    order = sorted(range(len(depths)), key=lambda s: (-(quota[s] - np.floor(quota[s] + 1e-9)), s))
+    for s in order:
+        if sum(k) >= total:
+            break
+        if k[s] < depths[s]:
+            k[s] += 1
+    return k
+
+
+def stage_balance(coverage: float, depths: list, workers: int, stage_blocks: tuple = (),
+                  names: list | None = None) -> list[int]:
+    """Blocks per worker in each of several block stacks (stage-balanced masks).
+
+    Blocks of different stacks differ in shape, and an SPMD program needs every worker's compact
+    model to have the same shapes (DESIGN.md invariant 4), so each worker holds ``k_s`` blocks
+    of stack ``s``: ``C * L`` in all (``L`` = all blocks; must be whole), split as the
+    largest-remainder apportionment of ``C * L_s`` (ties to the earlier stack, in a vision
+    model the one with the fewest parameters per block), with at least ``ceil(L_s / W)`` per
+    stack so that every block has a holder; ``stage_blocks`` gives the counts instead. Our
+    choice: the SDP paper (Singh et al., arXiv 2507.09029, Sec. 3) gives C over all blocks but
+    not how it splits over stages.
+
+    Args:
+      coverage: ``C``; depths: ``L_s`` of every stack; workers: ``W``; stage_blocks: optional
+        counts, one per stack; names: the stacks' paths, for messages.
+    Returns:
+      ``k_s`` for every stack.
+    Raises:
+      ValueError: ``C * L`` not whole or below the least realizable count (names the nearest
+        valid coverages); ``stage_blocks`` of the wrong length or sum.
+    """
+    total = sum(depths)
+    c = coverage
+    ok = isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c <= 1
+    whole = ok and abs(round(c * total) - c * total) <= 1e-6
+    if not whole or sum(_apportion(c, depths, workers)) != round(c * total):
+        valid = [k / total for k in range(1, total + 1)
+                 if sum(_apportion(k / total, depths, workers)) == k]
+        target = min(max(c, 0.0), 1.0) if isinstance(c, (int, float)) and c == c else 0.5
+        near = sorted(sorted(valid, key=lambda v: abs(v - target))[:3])
+        least = round(min(valid) * total)
+        raise ValueError(
+            f"coverage C={c!r} is not realizable for {total} blocks in stages {list(depths)}: "
+            f"C * {total} must be a whole number of blocks from {least} (every stage keeps a "
+            f"block on each worker) to {total}; nearest valid coverages: "
+            f"{[round(v, 6) for v in near]}.")
+    ks = _apportion(c, depths, workers)
+    if stage_blocks:
+        given = list(stage_blocks)
+        if len(given) != len(depths) or any(
+                isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= d
+                for k, d in zip(given, depths)) or sum(given) != round(c * total):
+            raise ValueError(
+                f"sdp.stage_blocks={tuple(stage_blocks)!r}: give one count per stage (stages "
+                f"{names or list(depths)} of {list(depths)} blocks), each in [1, its blocks], "
+                f"adding up to C * {total} = {c * total:g} (coverage C={c:g}); default "
+                f"apportionment: {ks}.")
+        ks = [int(k) for k in given]
+    return ks
+
+
 def unflatten(flat: dict) -> dict:
     """{path (tuple of keys): leaf} -> nested dict."""
     out: dict = {}
@@ -615,7 +846,8 @@ def unflatten(flat: dict) -> dict:
 def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0, *,
           scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False,
           names: dict | None = None, matrices: dict | None = None,
-          allow_disconnected: bool = False) -> SDPSpec:
+          allow_disconnected: bool = False, stage_blocks: tuple = (),
+          stage_balanced: bool | None = None) -> SDPSpec:
     """Build the :class:`SDPSpec` of a model.
 
     Args:
@@ -623,7 +855,13 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
         variables only; other state such as BatchNorm statistics is not part of the spec), or
         a nested dict of arrays / ``jax.ShapeDtypeStruct`` (only shapes are read).
       rules: a sequence of :class:`Blocks` and :class:`Neurons`; the block variants use the
-        ``Blocks`` rule (at most one), the neuron variants the ``Neurons`` rules.
+        ``Blocks`` rules, the neuron variants the ``Neurons`` rules. One ``Blocks`` rule: each
+        worker holds ``C * L`` of its blocks (kind ``"block"``). Several (stages of blocks of
+        different shapes): stage-balanced masks, ``k_s`` blocks of stack ``s`` per worker
+        (:func:`stage_balance`), kind ``"{path}.blocks"``, stack ``s`` drawn with seed
+        ``seed * 1009 + s`` and, for the cyclic scheme, its windows slid by ``s`` workers (with
+        two blocks per stage and ``k_s = 1``, unshifted windows would split the workers into
+        groups that share no block).
       variant: one of :data:`VARIANTS`.
       workers: ``W`` (>= 1).
       coverage: ``C`` in (0, 1] (ignored for ``ddp``); ``C * G`` and ``W * C`` must be whole
@@ -636,6 +874,11 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
         ``coverage``) and every component a holder (uniformity is not required). Not with ddp.
       allow_disconnected: accept masks whose mask graph has spectral gap 0 (groups of workers
         that share no component, so their copies never mix; Singh et al., Sec. 4).
+      stage_blocks: several block stacks: blocks per worker in each, instead of the default
+        apportionment (must add up to ``C * L``).
+      stage_balanced: None (default): stage-balanced masks and ``"{path}.blocks"`` kinds when
+        there are several ``Blocks`` rules; True: also for one rule (a model family whose
+        stages are its stacks, e.g. a one-stage ResNet); False: refuse several rules.
 
     Returns:
       the spec; the same inputs give the same masks on every host and after a restart.
@@ -662,16 +905,23 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
     shapes = flat_shapes(params)
     spec = SDPSpec(shapes, variant, workers, coverage, scheme, seed, allow_nonuniform, names,
                    matrices)
+    spec.stage_blocks = tuple(stage_blocks or ())
     spec.dtypes = {p: np.dtype(getattr(x, "dtype", np.float32))
                    for p, x in flatten(pure_tree(params)).items()}
     rules = list(rules)
     blocks = [r for r in rules if isinstance(r, Blocks)]
     neurons = [r for r in rules if isinstance(r, Neurons)]
-    if len(blocks) > 1:
-        raise ValueError(f"{len(blocks)} Blocks rules {blocks}; declare one block stack.")
+    if stage_balanced is False and len(blocks) > 1:
+        raise ValueError(f"{len(blocks)} Blocks rules but stage_balanced=False; declare one "
+                         "block stack or leave stage_balanced unset.")
+    balanced = len(blocks) > 1 if stage_balanced is None else bool(stage_balanced)
+    if stage_blocks and (variant not in ("b-sdp", "bb-sdp") or not balanced):
+        raise ValueError(f"stage_blocks={tuple(stage_blocks)!r} splits C over several block "
+                         "stacks: it applies to b-sdp / bb-sdp with several Blocks rules, not "
+                         f"to {variant} with {len(blocks)}; leave it empty.")
     if variant in BLOCK_VARIANTS:
         if blocks:
-            spec._add_blocks(blocks[0])
+            spec._add_blocks(blocks, True, tuple(stage_blocks), stage_balanced)
         elif variant != "ddp":
             raise ValueError(f"variant {variant} drops whole blocks, but the rules declare no "
                              "Blocks(...); add one, or use a neuron variant (n-sdp, nb-sdp).")
@@ -680,12 +930,12 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
             raise ValueError(f"variant {variant} masks neurons, but the rules declare no "
                              "Neurons(...); add them, or use a block variant (b-sdp, bb-sdp).")
         if blocks:
-            spec._add_blocks(blocks[0], active=False)
+            spec._add_blocks(blocks, False, (), stage_balanced)
         spec._add_neurons(neurons)
     if variant in BLOCK_VARIANTS and neurons:   # unused here, but a typo is still refused
         probe = SDPSpec(shapes, "n-sdp", workers, 1.0, "cyclic", 0, False)
         if blocks:
-            probe._add_blocks(blocks[0], active=False)
+            probe._add_blocks(blocks, False, (), stage_balanced)
         probe._add_neurons(neurons)
     if workers > 1 and spec.coverage < 1 and not allow_disconnected \
             and spec.spectral_gap() < 1e-9:

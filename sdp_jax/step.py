@@ -239,7 +239,8 @@ class SDPStep:
         if block_fn is not None and not spec.blocks_stacked:
             raise ValueError("block_fn needs a stacked block subtree (rules with "
                              "Blocks(path, stacked=True)); this spec has "
-                             + ("list-form blocks" if spec.block_path else "no Blocks rule")
+                             + ("list-form blocks" if spec.block_path else
+                                "several block stacks" if spec.stacks else "no Blocks rule")
                              + ": drop block_fn and use loss_fn(params, batch).")
         if block_fn is not None:
             outside = [p for p in spec.leaf_rules if p[:len(spec.block_path)] != spec.block_path]

@@ -547,12 +547,17 @@ def masked_average(tree: Any, masks: Any, axis: str = AXIS) -> Any:
     return jax.tree.map(one, masks, tree, is_leaf=lambda m: m is None or isinstance(m, np.ndarray))
 
 
-def _check_compact(flat: dict, lay) -> None:
-    if set(flat) != set(lay.leaves):
-        odd = sorted(set(flat) ^ set(lay.leaves), key=str)[:2]
-        raise ValueError(f"the tree is not in the spec's compact layout (e.g. {odd}); pass "
-                         "compact=False for full-size values, or a worker's local tree "
-                         "(sdp_jax.layout.Layout.prune).")
+def _check_compact(flat: dict, lay) -> bool:
+    """Whether ``flat`` is in the stored form (list-form slots stacked); raises if it is in
+    neither compact form."""
+    if set(flat) == set(lay.leaves):
+        return False
+    if set(flat) == set(lay.stored_shapes):
+        return True
+    odd = sorted(set(flat) ^ set(lay.leaves), key=str)[:2]
+    raise ValueError(f"the tree is not in the spec's compact layout (e.g. {odd}); pass "
+                     "compact=False for full-size values, or a worker's local tree "
+                     "(sdp_jax.layout.Layout.prune).")
 
 
 def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
@@ -567,7 +572,9 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
     Args:
       tree: ``compact=True``: a worker's local tree in the compact layout of
         :class:`sdp_jax.layout.Layout` (what a forward-masking worker trains: ``k`` blocks,
-        narrowed neuron leaves); ``compact=False``: full-size values (nested dict like the
+        narrowed neuron leaves), with list-form blocks as ``k`` blocks or stacked as stored
+        (``{path}/slots/...`` ``[k, ...]``, :meth:`~sdp_jax.layout.Layout.to_stored`);
+        ``compact=False``: full-size values (nested dict like the
         parameters; entries the worker does not hold are ignored).
       spec: the :class:`sdp_jax.spec.SDPSpec`.
       compact: whether ``tree`` is in the compact layout (see above).
@@ -589,46 +596,62 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
         return masked_average(tree, spec.mask_tree(), axis)
     lay = layout_lib.of(spec)
     flat = spec_lib.flatten(tree)
-    _check_compact(flat, lay)
+    stored = _check_compact(flat, lay)
     my = worker_index(axis)
     if method == "psum":   # the reference: full-size buffers, float32 sums
-        wide = {p: x.astype(jnp.result_type(jnp.float32, x.dtype)) for p, x in flat.items()}
+        loc = lay.to_local(flat) if stored else flat
+        wide = {p: x.astype(jnp.result_type(jnp.float32, x.dtype)) for p, x in loc.items()}
         zeros = {p: jnp.zeros(s, jnp.result_type(*wide.values())) for p, s in spec.shapes.items()}
         full = lay.embed(zeros, wide, my)
         avg = masked_average(full, {p: spec.leaf_mask(p) for p in spec.shapes}, axis)
         back = lay.prune(avg, my)
+        back = lay.to_stored(back) if stored else back
         return jax.tree_util.tree_unflatten(jax.tree.structure(tree),
                                             [back[p].astype(x.dtype) for p, x in flat.items()])
     plain, rows, tabs, slots = _compact_groups(flat, lay)
     out = {lp: lax.pmean(x, axis) for lp, x in plain.items()}
     for key, v in (holder_mean(rows, tabs, axis) if rows else {}).items():
-        if key[0] == "slots" and key[1:] in slots:
-            for j, lp in slots[key[1:]].items():
+        lf = lay.leaves.get(key)
+        if key in slots:
+            for j, lp in slots[key].items():
                 out[lp] = v[j]
+        elif lf is None:   # stored slots
+            out[key] = v
         else:
-            lf = lay.leaves[key]
             out[key] = v if (lf.form == layout_lib.STACK or lf.rule.layer is None) else v[0]
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [out[p] for p in flat])
+
+
+def _varying(x, axis: str) -> bool:
+    """Whether ``x`` may differ between the workers of ``axis`` (True when JAX does not say)."""
+    vma = getattr(jax.typeof(x), "vma", None)
+    return True if vma is None else axis in vma
 
 
 def _compact_groups(flat: dict, lay) -> tuple[dict, dict, dict, dict]:
     """Split a worker's compact local leaves for the holder collectives: ``(plain, rows,
     tables, slots)``: leaves averaged by a plain mean (always-kept, or held by every worker),
     leaves in the shape :func:`holder_shards` takes (list-form block slots stacked per relative
-    path under the key ``("slots",) + rel``), their tables, and {rel: {slot: local path}}."""
+    path under their stored path, :meth:`sdp_jax.layout.Layout.slots_path`), their tables,
+    and {stored slots path: {slot: local path}}."""
     plain, rows, tabs, slots = {}, {}, {}, {}
     for lp, x in flat.items():
-        lf = lay.leaves[lp]
-        if lf.form == layout_lib.KEPT or lay.holder_tables(lp).full:
+        lf = lay.leaves.get(lp)
+        if lf is None:   # stored form: a stack of slots, already in the rows view
+            if lay.holder_tables(lp).full:
+                plain[lp] = x
+            else:
+                rows[lp], tabs[lp] = x, lay.holder_tables(lp)
+        elif lf.form == layout_lib.KEPT or lay.holder_tables(lp).full:
             plain[lp] = x
         elif lf.form == layout_lib.SLOT:
-            slots.setdefault(lf.rel, {})[lf.slot] = lp
-            tabs[("slots",) + lf.rel] = lay.holder_tables(lp)
+            slots.setdefault(lay.slots_path(lf), {})[lf.slot] = lp
+            tabs[lay.slots_path(lf)] = lay.holder_tables(lp)
         else:
             rows[lp] = x if lf.form == layout_lib.STACK or lf.rule.layer is None else x[None]
             tabs[lp] = lay.holder_tables(lp)
-    for rel, by_slot in slots.items():
-        rows[("slots",) + rel] = jnp.stack([flat[by_slot[j]] for j in range(len(by_slot))])
+    for key, by_slot in slots.items():
+        rows[key] = jnp.stack([flat[by_slot[j]] for j in range(len(by_slot))])
     return plain, rows, tabs, slots
 
 
@@ -638,7 +661,8 @@ def gather_full(tree: Any, spec, axis: str = AXIS) -> dict:
     it is their value). Used by backward masking to rebuild every worker's full model.
 
     Args:
-      tree: a worker's local tree in the compact layout (inside ``jax.shard_map``).
+      tree: a worker's local tree in the compact layout (inside ``jax.shard_map``; either form,
+        see :func:`average`).
     Returns:
       nested dict like the spec's parameters, invariant over ``axis``, in the local dtypes.
       Bytes per device: the holder ``all_to_all`` of the worker's compact bytes plus an
@@ -650,19 +674,28 @@ def gather_full(tree: Any, spec, axis: str = AXIS) -> dict:
     out = {}
     plain, rows, tabs, slots = _compact_groups(flat, lay)
     for lp, x in plain.items():   # always-kept, or every worker holds all in order
+        v = lax.pmean(x, axis) if _varying(x, axis) else x   # a replicated input: as it is
+        if lp in lay.slot_leaves:   # stored stack of slots held by all: slot j = block j
+            lf = lay.leaves[lay.slot_leaves[lp]]
+            for g in range(v.shape[0]):
+                out[lay.block_full(lf, g)] = lay.unpad(lf, g, v[g])
+            continue
         lf = lay.leaves[lp]
-        v = lax.pmean(x, axis)
-        out[lay.block_full(lf, lf.slot) if lf.form == layout_lib.SLOT else lp] = v
+        if lf.form == layout_lib.SLOT:   # every worker holds every block, slot j = block j
+            out[lay.block_full(lf, lf.slot)] = lay.unpad(lf, lf.slot, v)
+        else:
+            out[lp] = v
     for key, sh in (holder_shards(rows, tabs, axis) if rows else {}).items():
         t = tabs[key]
-        if key[0] == "slots" and key[1:] in slots:
-            lf = lay.leaves[slots[key[1:]][0]]
-            dt = flat[slots[key[1:]][0]].dtype
+        if key in slots or key in lay.slot_leaves:
+            lp0 = slots[key][0] if key in slots else lay.slot_leaves[key]
+            lf = lay.leaves[lp0]
+            dt = flat[slots[key][0] if key in slots else key].dtype
             L = t.size
             full = from_rows(all_gather_invariant(sh.astype(dt), axis),
-                             (L,) + spec.shapes[lf.full], t)
+                             (L,) + lay.local_shape(lp0), t)
             for g in range(L):
-                out[lay.block_full(lf, g)] = full[g]
+                out[lay.block_full(lf, g)] = lay.unpad(lf, g, full[g])
             continue
         lf, dt = lay.leaves[key], flat[key].dtype
         g = all_gather_invariant(sh.astype(dt), axis)
@@ -679,7 +712,8 @@ def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> j
     worker's own compact blocks differs between workers and makes holders drift apart).
 
     Args:
-      tree: averaged values in the compact layout (``compact=True``) or full layout.
+      tree: averaged values in the compact layout (``compact=True``; either form, see
+        :func:`average`) or full layout.
     Returns:
       float32 scalar, invariant over ``axis``. Compact layout: each worker weights its entries
       by ``1 / m`` (multiplicity) and one psum adds them up.
@@ -696,7 +730,7 @@ def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> j
     local = []
     for lp, x in flat.items():
         x2 = jnp.square(x.astype(jnp.float32))
-        if lay.leaves[lp].form == layout_lib.KEPT:
+        if lp in lay.leaves and lay.leaves[lp].form == layout_lib.KEPT:
             sq = sq + jnp.sum(x2)
             continue
         inv = jnp.asarray(lay.inverse_counts(lp))[my]   # per component: sum first, no full temp

@@ -17,6 +17,8 @@ from typing import Any
 import jax
 
 from sdp_jax import loop
+from sdp_jax import spec as spec_lib
+from sdp_jax import tasks
 from sdp_jax import train_step as ts
 from sdp_jax import vision_data
 from sdp_jax import vision_step as vs
@@ -29,7 +31,7 @@ class VisionRunSpec:
 
     model: vm.VisionConfig
     optim: ts.OptimConfig
-    plan: vs.VisionPlan
+    plan: spec_lib.SDPSpec
     workers: int
     total_steps: int
     global_batch: int
@@ -70,8 +72,8 @@ def resolve(config, device_count: int) -> VisionRunSpec:
     if stage_blocks and sdp.variant not in ("b-sdp", "bb-sdp"):
         raise ValueError(f"config.sdp.stage_blocks={stage_blocks} applies to block variants "
                          f"(b-sdp, bb-sdp), not {sdp.variant}; leave it empty.")
-    plan = vs.VisionPlan(sdp.variant, model, workers, sdp.coverage, sdp.scheme, sdp.mask_seed,
-                         sdp.allow_nonuniform, stage_blocks)
+    plan = tasks.vision_spec(model, sdp.variant, workers, sdp.coverage, sdp.scheme,
+                             sdp.mask_seed, sdp.allow_nonuniform, stage_blocks)
     loop.check_mask_graph(plan, config)
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
@@ -109,7 +111,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         global_batch=spec.global_batch, process_index=pidx, process_count=pcount,
         limit=config.eval_limit)
 
-    meta = {"config": loop.trajectory_config(config), "masks": spec.plan.record()}
+    meta = {"config": loop.trajectory_config(config), "masks": tasks.vision_record(spec.plan)}
     manager, latest = loop.open_checkpoints(config, workdir, meta)
 
     builder = vs.VisionStepBuilder(cfg, spec.plan, spec.optim, mesh, spec.total_steps,

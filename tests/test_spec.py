@@ -198,6 +198,75 @@ STACKED_RULES = [sdp.Blocks("blocks"),
                  sdp.Neurons("blocks/down", 1, "mlp", stacked=True)]
 
 
+def staged_params():
+    """Two stages of list-form blocks keyed b0, b1, ... next to an always-kept projection;
+    block 0 of stage s1 is narrower (4 inputs) than its other blocks (6): a padded slot."""
+    rng = np.random.default_rng(2)
+    n = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    return {"stem": n(3, 4),
+            "s0": {f"b{j}": {"w": n(4, 4), "b": n(4)} for j in range(2)},
+            "s1": {"proj": n(4, 6), "b0": {"w": n(4, 6), "b": n(6)},
+                   **{f"b{j}": {"w": n(6, 6), "b": n(6)} for j in range(1, 4)}}}
+
+
+STAGED_RULES = [sdp.Blocks("s0", key="b{}"), sdp.Blocks("s1", key="b{}", pad=True)]
+
+
+def test_several_block_stacks_are_stage_balanced_and_padded():
+    full = staged_params()
+    spec = sdp.build(full, STAGED_RULES, "b-sdp", 4, 0.5)
+    # C * L = 3 blocks: one of stage s0's 2 and two of stage s1's 4 (largest remainder).
+    assert [spec.kinds[k].k for k in ("s0.blocks", "s1.blocks")] == [1, 2]
+    assert spec.rule(("s1", "proj")) is None and spec.rule(("stem",)) is None
+    assert spec.compact_shape(("s1", "b0", "w")) == (6, 6)   # the slot: padded to the union
+    lay = layout_lib.of(spec)
+    assert lay.stored_shapes[("s1", "slots", "w")] == (2, 6, 6)
+    back = lay.unprune(lay.stored(full))   # first holders' copies, unpadded: the model again
+    for p, x in layout_lib._flatten(full).items():
+        np.testing.assert_array_equal(layout_lib._flatten(back)[p], x)
+    mine = lay.prune(full, 0)                # worker 0's slots hold its blocks, padded
+    for j, g in enumerate(spec.kinds["s1.blocks"].held[0]):
+        want = np.zeros((6, 6), np.float32)
+        want[:full["s1"][f"b{g}"]["w"].shape[0]] = full["s1"][f"b{g}"]["w"]
+        np.testing.assert_array_equal(mine[("s1", f"b{j}", "w")], want)
+    # Stage s1 is drawn with seed * 1009 + 1 and, cyclic, slid by one worker.
+    recipe = masks.MaskRecipe("cyclic", 4, 4, 0.5, 1009 * 0 + 1)
+    np.testing.assert_array_equal(spec.kinds["s1.blocks"].masks[0],
+                                  np.roll(recipe.matrix(), 1, axis=0))
+    over = sdp.build(full, STAGED_RULES, "b-sdp", 4, 0.5, stage_blocks=(2, 1))
+    assert [over.kinds[k].k for k in ("s0.blocks", "s1.blocks")] == [2, 1]
+    with pytest.raises(ValueError, match=r"stage_blocks=\(1, 1\).*adding up to C \* 6 = 3"):
+        sdp.build(full, STAGED_RULES, "b-sdp", 4, 0.5, stage_blocks=(1, 1))
+    with pytest.raises(ValueError, match="stage_blocks.*several Blocks rules"):
+        sdp.build(full, STAGED_RULES[:1], "b-sdp", 4, 0.5, stage_blocks=(1,))
+    with pytest.raises(ValueError, match=r"C=0\.25 is not realizable.*nearest valid"):
+        sdp.build(full, STAGED_RULES, "b-sdp", 4, 0.25)
+    with pytest.raises(ValueError, match="block 1 differs from block 0 in shape.*pad=True"):
+        sdp.build(full, [sdp.Blocks("s0", key="b{}"), sdp.Blocks("s1", key="b{}")], "b-sdp",
+                  4, 0.5)
+    with pytest.raises(ValueError, match=r"key='b'\): key must be a format with one '\{\}'"):
+        sdp.build(full, [sdp.Blocks("s0", key="b")], "b-sdp", 4, 0.5)
+    with pytest.raises(ValueError, match="not keyed 0..L-1"):
+        sdp.build(full, [sdp.Blocks("s0", stacked=False)], "b-sdp", 4, 0.5)
+    with pytest.raises(ValueError, match="no child of 's0' is keyed c0"):
+        sdp.build(full, [sdp.Blocks("s0", key="c{}")], "b-sdp", 4, 0.5)
+    gap = {**full, "s0": {"b0": full["s0"]["b0"], "b2": full["s0"]["b1"]}}
+    with pytest.raises(ValueError, match=r"without gaps, but the children are \['b0', 'b2'\]"):
+        sdp.build(gap, [sdp.Blocks("s0", key="b{}")], "b-sdp", 2, 0.5)
+    with pytest.raises(ValueError, match="stacked .* key= and pad= do not apply"):
+        sdp.build(stacked_params(), [sdp.Blocks("blocks", pad=True)], "b-sdp", 4, 0.5)
+    with pytest.raises(ValueError, match="kind 's1.blocks' is the name of a block stack"):
+        sdp.build(full, STAGED_RULES + [sdp.Neurons("s1/*/b", 0, "s1.blocks")], "n-sdp", 4, 0.5)
+    # Neuron variants do not stack blocks: unequal blocks under an (inactive) Blocks rule pass.
+    n = sdp.build(full, [sdp.Blocks("s1", key="b{}"), sdp.Neurons("s1/*/b", 0, "units")],
+                  "n-sdp", 4, 0.5)
+    assert n.kinds["units"].masks.shape == (4, 4, 6)
+    # One rule, stage-balanced on request (a one-stage model of a staged family).
+    one = sdp.build(full, STAGED_RULES[1:], "b-sdp", 4, 0.5, stage_balanced=True)
+    assert list(one.kinds) == ["s1.blocks"] and one.kinds["s1.blocks"].recipe["seed"] == 0
+    assert one.describe().startswith("variant b-sdp") and "2/4 blocks of s1" in one.describe()
+
+
 # Hand-made block mask: block 0 held by worker 0 alone, block 3 by worker 2 alone,
 # block 1 by everyone, block 2 by workers 1 and 3. Equal row sums (2), not uniform.
 HAND = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 1, 0, 1], [0, 1, 1, 0]], bool)
@@ -213,10 +282,14 @@ def _mesh(W):
 
 @pytest.mark.parametrize("form, variant, matrices", [
     ("list", "b-sdp", {"block": HAND}), ("list", "n-sdp", None),
-    ("stacked", "b-sdp", {"block": HAND}), ("stacked", "nb-sdp", None)])
+    ("stacked", "b-sdp", {"block": HAND}), ("stacked", "nb-sdp", None),
+    ("stages", "b-sdp", None), ("stages", "bb-sdp", None)])
 def test_tree_average_equals_masked_psum_reference(form, variant, matrices):
     W = 4
-    if form == "list":
+    if form == "stages":
+        full = staged_params()
+        spec = sdp.build(full, STAGED_RULES, variant, W, 0.5)
+    elif form == "list":
         full = nnx.to_pure_dict(nnx.state(ListNet(), nnx.Param))
         spec = sdp.build(full, RULES, variant, W, 0.5, matrices=matrices)
     else:
@@ -270,6 +343,29 @@ def test_tree_average_equals_masked_psum_reference(form, variant, matrices):
     if variant == "b-sdp" and form == "stacked":
         got = np.asarray(fast["blocks"]["up"])[0, 0]          # worker 0, slot 0 = block 0
         np.testing.assert_allclose(got, noisy[0]["blocks"]["up"][0], rtol=1e-6)
+    if form == "stages":   # the stored form (slots stacked) averages and norms the same
+        st_specs = layout_lib.unflatten({sp: P("data") for sp in lay.stored_shapes})
+        st_tree = {sp: jnp.stack([lay.to_stored(loc)[sp] for loc in local])
+                   for sp in lay.stored_shapes}
+
+        def stored_fn(t):
+            t = jax.tree.map(lambda x: x[0], t)
+            avg = sync.average(t, spec)
+            full_avg = sync.gather_full(avg, spec)
+            return jax.tree.map(lambda x: x[None], avg), sync.global_norm(avg, spec), full_avg
+        got, n_st, full_avg = jax.jit(jax.shard_map(
+            stored_fn, mesh=mesh, in_specs=(st_specs,),
+            out_specs=(st_specs, P(), layout_lib.unflatten({p: P() for p in spec.shapes}))))(
+            _put(layout_lib.unflatten(st_tree), mesh))
+        for w in range(W):
+            want_w = lay.to_stored({lp: want[lp][w] for lp in lay.leaves})
+            for sp, x in want_w.items():
+                got_w = np.asarray(layout_lib._flatten(got)[sp])[w]
+                np.testing.assert_allclose(got_w, x, rtol=1e-5, atol=1e-5)
+        assert float(n_st) == pytest.approx(norm, rel=1e-5)
+        for p in spec.shapes:
+            np.testing.assert_allclose(layout_lib._flatten(full_avg)[p], expect[p], rtol=1e-5,
+                                       atol=1e-5)
 
     # gather_full rebuilds the full averaged model on every worker from the compact means.
     def gather_fn(t):

@@ -7,6 +7,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax import spec as sdp
+from sdp_jax import tasks
 from sdp_jax import train_step as ts
 from sdp_jax import vision_step as vs
 from sdp_jax.models import vision as vm
@@ -39,7 +41,7 @@ def _batches(mesh, cfg, n=3, same=False, seed=0):
 
 
 def _run(mesh, cfg, variant, coverage, batches, optim=OPT, remat="none", **kw):
-    plan = vs.VisionPlan(variant, cfg, W, coverage, **kw)
+    plan = tasks.vision_spec(cfg, variant, W, coverage, **kw)
     b = vs.VisionStepBuilder(cfg, plan, optim, mesh, total_steps=10, remat=remat)
     state = b.init_state(seed=0)
     fn = b.train_step_fn()
@@ -77,11 +79,11 @@ def test_bsdp_prunes_and_holders_agree(mesh):
     checkpointing gives the same parameters, and the full model evaluates with every block."""
     batches = _batches(mesh, RESNET, n=2)
     b, state, m = _run(mesh, RESNET, "b-sdp", 0.5, batches)
-    ddp = vs.VisionStepBuilder(RESNET, vs.VisionPlan("ddp", RESNET, W, 1.0), OPT, mesh, 10)
+    ddp = vs.VisionStepBuilder(RESNET, tasks.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
     assert b.per_device_param_count() < 0.7 * ddp.per_device_param_count()
     slots = np.asarray(state["params"]["s1"]["slots"]["conv2"]["kernel"])  # [W, 1, ...]
     assert slots.shape[:2] == (W, 1)
-    held = b.plan.blocks["s1"].held[:, 0]
+    held = b.plan.kinds["s1.blocks"].held[:, 0]
     assert set(held) == {0, 1}  # the downsampling block is dropped by some workers
     for g in (0, 1):
         copies = slots[held == g, 0]
@@ -122,7 +124,8 @@ def _as_slots(tree, stage, ids):
     union = jax.tree.map(lambda a, b: tuple(max(i, j) for i, j in zip(a.shape, b.shape)),
                          blocks[0], blocks[1])
     st["slots"] = jax.tree.map(
-        lambda *xs: jnp.stack([vs._pad(xs[j], xs[-1]) for j in ids]),
+        lambda *xs: jnp.stack([jnp.pad(xs[j], [(0, n - m) for m, n in zip(xs[j].shape, xs[-1])])
+                               for j in ids]),
         *blocks, union, is_leaf=lambda x: isinstance(x, tuple) and all(
             isinstance(i, int) for i in x))
     out[stage] = st
@@ -174,29 +177,37 @@ def test_bn_recalibration_matches_full_model_statistics(mesh):
         new = jax.tree.map(lambda a: a / (1 - vm.BN_MOMENTUM) / W, new)
         want = new if want is None else jax.tree.map(jnp.add, want, new)
     _close(want, got, tol=1e-4)
-    ddp = vs.VisionStepBuilder(RESNET, vs.VisionPlan("ddp", RESNET, W, 1.0), OPT, mesh, 10)
+    ddp = vs.VisionStepBuilder(RESNET, tasks.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
     assert not ddp.recalibrate
 
 
 def test_plans_and_bad_coverages():
+    """Stage-balanced block masks, realizable coverages and their errors, named before any
+    compute."""
     r18 = vm.VisionConfig(name="resnet18")
     swin = vm.VisionConfig(name="swin_t")
-    assert vs._apportion(2 / 3, swin.depths, 8) == [2, 1, 4, 1]
-    assert vs._apportion(0.5, r18.depths, 8) == [1, 1, 1, 1]
-    plan = vs.VisionPlan("b-sdp", swin, 8, 2 / 3, allow_nonuniform=True)
-    assert [b.held.shape[1] for b in plan.blocks.values()] == [2, 1, 4, 1]
-    plan = vs.VisionPlan("b-sdp", r18, 8, 0.5)
+    assert sdp.stage_balance(2 / 3, swin.depths, 8) == [2, 1, 4, 1]
+    assert sdp.stage_balance(0.5, r18.depths, 8) == [1, 1, 1, 1]
+    plan = tasks.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True)
+    assert [plan.kinds[f"s{i}.blocks"].k for i in range(4)] == [2, 1, 4, 1]
+    plan = tasks.vision_spec(r18, "b-sdp", 8, 0.5)
     assert plan.summary()["spectral_gap"] > 0  # stage windows slide: workers mix
-    with pytest.raises(ValueError, match=r"C=0\.3 is not realizable.*nearest valid"):
-        vs.VisionPlan("b-sdp", r18, 8, 0.3)
+    one = vm.VisionConfig(name="resnet18", width=4, depths=(4,), image_size=16)
+    plan = tasks.vision_spec(one, "b-sdp", 4, 0.5, scheme="random", seed=2)
+    assert list(plan.kinds) == ["s0.blocks"]   # a one-stage model: still a stage's stack
+    assert plan.kinds["s0.blocks"].recipe["seed"] == 2 * 1009
+    assert list(tasks.vision_record(plan)["recipes"]) == ["s0.blocks"]
+    with pytest.raises(ValueError, match=r"resnet18: b-sdp: coverage C=0\.3 is not realizable"
+                                         r".*nearest valid"):
+        tasks.vision_spec(r18, "b-sdp", 8, 0.3)
     with pytest.raises(ValueError, match=r"C=0\.25 is not realizable.*from 4 .* to 8"):
-        vs.VisionPlan("b-sdp", r18, 8, 0.25)  # 2 blocks, but every stage keeps one
+        tasks.vision_spec(r18, "b-sdp", 8, 0.25)  # 2 blocks, but every stage keeps one
     with pytest.raises(ValueError, match="3 heads per block"):
-        vs.VisionPlan("n-sdp", swin, 8, 0.5)
+        tasks.vision_spec(swin, "n-sdp", 8, 0.5)
     with pytest.raises(ValueError, match="allow_nonuniform"):
-        vs.VisionPlan("b-sdp", swin, 8, 2 / 3)
+        tasks.vision_spec(swin, "b-sdp", 8, 2 / 3)
     with pytest.raises(ValueError, match="unknown variant"):
-        vs.VisionPlan("x-sdp", r18, 8, 0.5)
+        tasks.vision_spec(r18, "x-sdp", 8, 0.5)
     with pytest.raises(ValueError, match="model.name='resnet50'"):
         vm.VisionConfig(name="resnet50")
     with pytest.raises(ValueError, match="not divisible"):
@@ -206,14 +217,39 @@ def test_plans_and_bad_coverages():
         assert vm.param_count(vm.VisionConfig(name=name, widen=2 if name == "wrn18" else 1)) == n
 
 
+# Mask records of vision checkpoints written before the spec existed (VisionPlan.record at
+# commit a265ab2): the spec's masks must let those runs resume (DESIGN.md invariant 7).
+OLD_VISION_RECORDS = [
+    ("resnet18", "b-sdp", 0.5, "cyclic", 0,
+     "54fc3eee8e9f4c19768c47c8b339d7607e378793d9029fb779a4a8a472ad2b0e"),
+    ("resnet18", "n-sdp", 0.5, "random", 3,
+     "87876b70df7eb2e3db2cb3f32d5601429c64fdaa6c144f88f31b93473022e09e"),
+    ("resnet18", "bb-sdp", 0.75, "random", 1,
+     "d8dc778cc081f539e5d1f8c203d9299cc159e97e2f5132368cc123356a54cc2a"),
+    ("swin_t", "b-sdp", 2 / 3, "cyclic", 0,
+     "da9135144ca62feb3dbf863afd61f54720396c7db820bb7c252658090be8ff33"),
+    ("swin_t", "nb-sdp", 2 / 3, "cyclic", 0,
+     "ba0921a8237c8121e79d19934e258d68f059413bcc42b40fbfcf56be0f8e0eb9"),
+]
+
+
+@pytest.mark.parametrize("name, variant, coverage, scheme, seed, sha", OLD_VISION_RECORDS)
+def test_vision_masks_equal_those_of_earlier_checkpoints(name, variant, coverage, scheme, seed,
+                                                         sha):
+    cfg = vm.VisionConfig(name=name, widen=2 if name == "wrn18" else 1)
+    spec = tasks.vision_spec(cfg, variant, 8, coverage, scheme, seed,
+                             allow_nonuniform=name == "swin_t")
+    assert tasks.vision_record(spec)["mask_sha256"] == sha
+
+
 def test_stage_blocks_override():
     swin = vm.VisionConfig(name="swin_t")
-    plan = vs.VisionPlan("b-sdp", swin, 8, 2 / 3, allow_nonuniform=True,
-                         stage_blocks=(1, 2, 4, 1))
-    assert [b.held.shape[1] for b in plan.blocks.values()] == [1, 2, 4, 1]
+    plan = tasks.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True,
+                             stage_blocks=(1, 2, 4, 1))
+    assert [plan.kinds[f"s{i}.blocks"].k for i in range(4)] == [1, 2, 4, 1]
     with pytest.raises(ValueError, match=r"adding up to C \* 12 = 8.*default apportionment"):
-        vs.VisionPlan("b-sdp", swin, 8, 2 / 3, allow_nonuniform=True,
-                      stage_blocks=(1, 1, 1, 1))
+        tasks.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True,
+                          stage_blocks=(1, 1, 1, 1))
 
 
 def test_bench_vision_rows(tmp_path):
