@@ -7,8 +7,8 @@ rules -> masks, mask pytrees and tables; built-in models and your own go through
 any model from a spec, a loss and an optax optimizer), ``train_step`` (the LLaMA step with FSDP,
 activation checkpointing and bf16), ``loop`` (the one resumable training loop), ``trainer``
 (language-model runs), ``data`` (grain pipelines), ``checkpoint`` (orbax), ``bench`` (compiled
-memory and FLOPs), ``models.llama``; ``models.vision``, ``vision_step``, ``vision_data``,
-``vision_trainer`` (ResNet-18, WideResNet-18, Swin-T); ``pipeline`` (the ``stage`` mesh axis,
+memory and FLOPs), ``tasks`` (the model families' hooks for the step), ``models.llama``;
+``models.vision``, ``vision_data``, ``vision_trainer`` (ResNet-18, WideResNet-18, Swin-T); ``pipeline`` (the ``stage`` mesh axis,
 GPipe, compressed boundaries), ``stiefel`` (the Stiefel-manifold optax transform of MAPL),
 ``study`` (validation loss against boundary bytes), ``comm`` (collective bytes of a compiled
 program).

@@ -153,7 +153,10 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     some stage (``uniform`` False)."""
     from sdp_jax import comm
     from sdp_jax import train_step as ts
-    from sdp_jax import vision_step as vs
+    import jax
+    import jax.numpy as jnp
+
+    from sdp_jax import tasks
     from sdp_jax import vision_trainer
 
     t0 = time.time()
@@ -171,9 +174,12 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
             spec_cfg.sdp.allow_nonuniform = True
         spec = vision_trainer.resolve(spec_cfg, workers)
         uniform = False
-    builder = vs.VisionStepBuilder(spec.model, spec.plan, spec.optim, mesh, config.steps,
-                                   dtype=dtype, remat=remat)
-    compiled = builder.compiled_train_step(config.batch_per_worker)
+    builder = tasks.vision_step(spec.model, spec.plan, spec.optim, mesh, config.steps,
+                                dtype=dtype, remat=remat)
+    m, G = spec.model, workers * config.batch_per_worker
+    compiled = builder.compiled_train_step(
+        (jax.ShapeDtypeStruct((G, m.image_size, m.image_size, m.in_channels), jnp.float32),
+         jax.ShapeDtypeStruct((G,), jnp.int32)))
     traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
     kinds = spec.plan.summary()["kinds"]
     held = ", ".join(f"{v['per_worker']}/{v['components']} {k}" for k, v in kinds.items()

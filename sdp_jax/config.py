@@ -96,11 +96,11 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
 
     Sections: ``model`` (:class:`sdp_jax.models.vision.VisionConfig` fields; ``num_classes=0``
     takes the dataset's), ``data`` (:func:`sdp_jax.vision_data.default_vision_data_config`),
-    ``sdp`` (variant and mask recipe; gradients are averaged every step), ``optim`` (AdamW with
+    ``sdp`` (variant, mask recipe and averaging as for language models), ``optim`` (AdamW with
     warm-up and cosine decay), and run control at the top level as for language models, with
     ``eval_limit`` (test images per evaluation; 0 = the whole test split) instead of
     ``eval_batches``, and ``eval_bn_batches`` (see
-    :attr:`sdp_jax.vision_step.VisionStepBuilder.recalibrate`).
+    :attr:`sdp_jax.tasks.VisionEval.recalibrate`).
     """
     from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
 
@@ -116,7 +116,8 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
     c.data.dataset = dataset
     c.sdp = ml_collections.ConfigDict(dict(variant="ddp", coverage=1.0, scheme="cyclic",
                                            mask_seed=0, allow_nonuniform=False,
-                                           allow_disconnected=False))
+                                           allow_disconnected=False, average="gradients",
+                                           sync_every=1))
     # Block variants: blocks per worker in each stage, e.g. (1, 2, 4, 1); () = apportion C.
     c.sdp.stage_blocks = ml_collections.FieldReference((), field_type=tuple)
     c.optim = ml_collections.ConfigDict(dict(

@@ -106,6 +106,29 @@ def check_mask_graph(spec, config) -> None:
             "or set --config.sdp.allow_disconnected=True.")
 
 
+def check_averaging(sdp) -> None:
+    """Validate ``config.sdp.average`` and ``config.sdp.sync_every`` (every model family).
+
+    Raises:
+      ValueError: an unknown mode, a bad ``sync_every``, ``sync_every`` without parameter
+        averaging, or parameter averaging with a backward-masking variant."""
+    from sdp_jax import spec as spec_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+    if sdp.average not in step_lib.AVERAGING:
+        raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
+    if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
+            or sdp.sync_every < 1:
+        raise ValueError(f"config.sdp.sync_every={sdp.sync_every!r} must be a positive integer.")
+    if sdp.average == "gradients" and sdp.sync_every != 1:
+        raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
+                         "--config.sdp.average=parameters (gradients are averaged every step); "
+                         "set both or neither.")
+    if sdp.average == "parameters" and sdp.variant in spec_lib.BACKWARD_VARIANTS:
+        raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
+                         "(backward masking keeps every worker's full parameters identical); "
+                         "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
+
+
 def check_warmup(optim, total: int) -> None:
     """Raise ValueError if the warm-up is longer than the run."""
     if optim.warmup_steps > total:

@@ -137,6 +137,17 @@ class SDPStep:
       unroll: unroll the block scan (XLA counts a loop body's FLOPs once; same results).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the aux values are averaged over workers
         and reported as metrics.
+      state_spec: the spec of non-gradient model state (e.g. BatchNorm running statistics,
+        masked like the layers they belong to; built with the same variant, W and masks as
+        ``spec``). ``loss_fn(params, batch, state)`` then returns ``(loss, new_state)`` (with
+        ``has_aux``: ``(loss, aux, new_state)``); after every step each component of the new
+        state is averaged over its holders (under backward masking, over all workers). The
+        train state gains ``stats``. Not with ``block_fn``.
+      stacked_slots: list-form block slots reach ``loss_fn`` stacked as they are stored
+        (``{path}/slots/...`` ``[k, ...]``) instead of as ``k`` blocks; the model then runs a
+        worker's slots itself (e.g. :mod:`sdp_jax.models.vision`; the held block ids are
+        ``spec.kinds[kind].held[sync.worker_index()]``). Model state is averaged every
+        step, also between the averaging steps of ``averaging="parameters"``.
 
     Raises:
       ValueError: the mesh's ``data`` size differs from ``W`` or too few devices; a bad
@@ -150,9 +161,23 @@ class SDPStep:
                  method: str = "alltoall", averaging: str = "gradients", sync_every: int = 1,
                  fsdp: bool = False, remat: str = "none", dtype: str | None = None,
                  schedule: Callable | None = None, init_fn: Callable | None = None,
-                 total_steps: int | None = None, unroll: bool = False, has_aux: bool = False):
+                 total_steps: int | None = None, unroll: bool = False, has_aux: bool = False,
+                 state_spec: spec_lib.SDPSpec | None = None, stacked_slots: bool = False):
         mesh = self._check(spec, mesh, block_fn, grad_clip, method, averaging, sync_every, fsdp,
                            remat, dtype)
+        if state_spec is not None:
+            same = (state_spec.variant == spec.variant and state_spec.workers == spec.workers
+                    and all(np.array_equal(t.masks, spec.kinds[k].masks)
+                            for k, t in state_spec.kinds.items() if k in spec.kinds)
+                    and set(state_spec.kinds) <= set(spec.kinds))
+            if not same:
+                raise ValueError("state_spec must describe the same workers and masks as the "
+                                 "parameters' spec (same variant, W, kinds and masks); build it "
+                                 "with the same arguments.")
+            if block_fn is not None or fsdp:
+                raise ValueError("model state (state_spec) is not built with the block runner "
+                                 "or FSDP; drop block_fn / fsdp, or the state.")
+        self.state_spec, self.stacked_slots = state_spec, bool(stacked_slots)
         self.spec, self.loss_fn, self.optimizer, self.mesh = spec, loss_fn, optimizer, mesh
         self.block_fn, self.grad_clip, self.method = block_fn, float(grad_clip), method
         self.averaging, self.sync_every, self.fsdp, self.remat = (averaging, sync_every, fsdp,
@@ -184,6 +209,9 @@ class SDPStep:
                                                     self.compact_shapes)
         self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
                             "step": P()}
+        if state_spec is not None:
+            self.stats_layout, self.stats_specs, self.stats_shapes = self._state_struct()
+            self.state_specs["stats"] = self.stats_specs
         self._train_steps: dict[bool, Any] = {}
         self._eval_step = None
         if block_fn is not None:
@@ -303,13 +331,39 @@ class SDPStep:
                                              sharding=NamedSharding(self.mesh, specs[p]))
         return _unflatten(specs), _unflatten(shapes)
 
+    def _state_struct(self):
+        """Layout codes, partition specs and shapes of the model state (``stats``): stored like
+        forward-masked parameters (replicated full leaves under backward masking)."""
+        sspec, W = self.state_spec, self.spec.workers
+        if self.spec.backward:
+            codes = {p: "R" for p in sspec.shapes}
+            base = dict(sspec.shapes)
+        else:
+            lay = layout_lib.of(sspec)
+            codes = {p: "C" if lay.stored_compact(p) else "R" for p in lay.stored_shapes}
+            base = dict(lay.stored_shapes)
+        specs = {p: P(AXIS) if c == "C" else P() for p, c in codes.items()}
+        shapes = {}
+        for p, c in codes.items():
+            lf = None if self.spec.backward else layout_lib.of(sspec).leaves.get(p)
+            src = p if lf is None else lf.full
+            if src not in sspec.dtypes:   # a stack of slots: its slot 0 leaf's dtype
+                src = layout_lib.of(sspec).leaves[layout_lib.of(sspec).slot_leaves[p]].full
+            shapes[p] = jax.ShapeDtypeStruct(((W,) if c == "C" else ()) + tuple(base[p]),
+                                             sspec.dtypes[src],
+                                             sharding=NamedSharding(self.mesh, specs[p]))
+        return codes, _unflatten(specs), _unflatten(shapes)
+
     def shardings(self, specs=None):
         """NamedShardings of ``specs`` (default: the state's)."""
         return shardings(self.mesh, self.state_specs if specs is None else specs)
 
     def abstract_state(self):
         """ShapeDtypeStruct tree (with shardings) of the train state, for compile and restore."""
-        return abstract_state(self, {"params": self.param_shapes})
+        stored = {"params": self.param_shapes}
+        if self.state_spec is not None:
+            stored["stats"] = self.stats_shapes
+        return abstract_state(self, stored)
 
     def batch_sharding(self):
         return NamedSharding(self.mesh, P(AXIS))
@@ -360,15 +414,35 @@ class SDPStep:
                            for p, x in stored.items()})
 
     def init(self, full_params: Any) -> dict:
-        """State ``{params, opt_state, step}`` on the mesh from the full model's parameters: an
+        """State ``{params, opt_state, step}`` (and ``stats`` with a ``state_spec``) on the mesh
+        from the full model's parameters: an
         ``nnx.Module``, ``nnx.State`` or nested dict, or a function of no arguments that
-        returns one (then called inside ``jit``, so no device holds the whole model). Every
-        holder of a component starts from the same values.
+        returns one (then called inside ``jit``, so no device holds the whole model); with a
+        ``state_spec``, a pair ``(parameters, model state)`` or a function returning one.
+        Every holder of a component starts from the same values.
 
         Raises:
-          ValueError: the parameters differ in paths or shapes from the spec's."""
-        make = full_params if callable(full_params) and not hasattr(full_params, "items") \
-            and not _is_module(full_params) else (lambda: full_params)
+          ValueError: the parameters (or the model state) differ in paths or shapes from the
+            spec's (``state_spec``'s); a step with model state given no pair."""
+        traced = callable(full_params) and not hasattr(full_params, "items") \
+            and not _is_module(full_params) and not isinstance(full_params, tuple)
+        make = full_params if traced else (lambda: full_params)
+        full_state = None
+        if self.state_spec is not None:   # (parameters, state)
+            probe = jax.eval_shape(make)
+            if not isinstance(probe, (tuple, list)) or len(probe) != 2:
+                raise ValueError("a step with model state (state_spec) initializes from a pair "
+                                 "(parameters, state), or a function returning one; got "
+                                 f"{type(probe).__name__}.")
+            got_s = spec_lib.flat_shapes(spec_lib.pure_tree(probe[1]))
+            if got_s != self.state_spec.shapes:
+                diff = sorted(set(got_s.items()) ^ set(self.state_spec.shapes.items()),
+                              key=str)[:2]
+                raise ValueError(f"the model state differs from the one state_spec was built "
+                                 f"from ({diff}); build state_spec from this state.")
+            make_both = make
+            make = lambda: spec_lib.pure_tree(make_both()[0])  # noqa: E731
+            full_state = lambda: spec_lib.pure_tree(make_both()[1])  # noqa: E731
         got = spec_lib.flat_shapes(jax.eval_shape(lambda: spec_lib.pure_tree(make())))
         if got != self.spec.shapes:
             diff = sorted(set(got.items()) ^ set(self.spec.shapes.items()), key=str)[:2]
@@ -376,11 +450,11 @@ class SDPStep:
                              f"({diff}); build the spec from this model, or init from the "
                              "model the spec describes.")
         out = self.shardings(self.param_specs)
-        if make is full_params:
+        if traced:
             params = jax.jit(lambda: self._store(make()), out_shardings=out)()
         else:   # a copy: the step donates the state, not the caller's model
             params = jax.jit(lambda t: jax.tree.map(jnp.copy, self._store(t)),
-                             out_shardings=out)(spec_lib.pure_tree(full_params))
+                             out_shardings=out)(spec_lib.pure_tree(make()))
 
         def opt_init(params):
             compact = params
@@ -389,7 +463,16 @@ class SDPStep:
             return self.optimizer.init(compact)
         opt_state = jax.jit(opt_init, out_shardings=self.shardings(self.opt_specs))(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
-        return {"params": params, "opt_state": opt_state, "step": step}
+        out = {"params": params, "opt_state": opt_state, "step": step}
+        if self.state_spec is not None:
+            def store_state():
+                flat = _flatten(full_state())
+                if self.spec.backward:
+                    return _unflatten(flat)
+                return layout_lib.of(self.state_spec).stored(flat)
+            out["stats"] = jax.jit(lambda: jax.tree.map(jnp.copy, store_state()),
+                                   out_shardings=self.shardings(self.stats_specs))()
+        return out
 
     def init_state(self, seed: int) -> dict:
         """:meth:`init` from ``init_fn(seed)`` (the constructor's ``init_fn``)."""
@@ -455,24 +538,28 @@ class SDPStep:
         return self.loss_fn(_unflatten({p: self._cast(x) for p, x in kept.items()}), batch,
                             runner)
 
-    def _forward_loss(self, local: dict, batch):
+    def _forward_loss(self, local: dict, batch, *stats):
         """Forward masking: the worker's compact subnetwork alone (flat local leaves)."""
         if self.block_fn is None:
-            return self.loss_fn(_unflatten({p: self._cast(x) for p, x in local.items()}), batch)
+            return self.loss_fn(_unflatten({p: self._cast(x) for p, x in local.items()}), batch,
+                                *map(_unflatten, stats))
         blocks = {p: x for p, x in local.items() if self._in_block(p)}
         kept = {p: x for p, x in local.items() if not self._in_block(p)}
         n = next(iter(blocks.values())).shape[0]
         return self._call(kept, n, lambda p, i, x: self._cast(x[p]), batch, xs=blocks)
 
+    def _full_loss(self, full: dict, batch, *stats):
+        """Backward masking without the block runner: the loss of the full model (flat)."""
+        return self.loss_fn(_unflatten({p: self._cast(x) for p, x in full.items()}), batch,
+                            *map(_unflatten, stats))
+
     def _backward_loss(self, mine: dict, full: dict, batch):
-        """Backward masking: the full forward pass; gradients flow only into ``mine`` (this
-        worker's compact part of every masked leaf, and the always-kept leaves)."""
+        """Backward masking with the block runner: the full forward pass; gradients flow only
+        into ``mine`` (this worker's compact part of every masked leaf, and the always-kept
+        leaves)."""
         lay, spec = self.layout, self.spec
         my = sync.worker_index(AXIS)
         frozen = jax.lax.stop_gradient(full)
-        if self.block_fn is None:
-            return self.loss_fn(_unflatten({p: self._cast(x) for p, x in lay.embed(
-                frozen, mine, my).items()}), batch)
         bt = spec.kinds.get(spec_lib.BLOCK)
 
         def get(p, g, _):
@@ -557,29 +644,79 @@ class SDPStep:
                 for p, x in _flatten(params).items()}
 
     def _value_and_grad(self, fn, *args):
-        out, grads = jax.value_and_grad(fn, has_aux=self.has_aux)(*args)
-        loss, aux = out if self.has_aux else (out, {})
-        return loss, aux, grads
+        """(loss, aux, gradient, new model state or None) of ``fn`` (a loss of the step)."""
+        def split(*a):
+            out = fn(*a)
+            if self.state_spec is None:
+                return out if self.has_aux else (out, {})
+            if self.has_aux:
+                loss, aux, new = out
+            else:
+                (loss, new), aux = out, {}
+            return loss, (aux, new)
+        (loss, aux), grads = jax.value_and_grad(split, has_aux=True)(*args)
+        aux, new = aux if self.state_spec is not None else (aux, None)
+        return loss, aux, grads, new
 
-    def _local_grads(self, params, batch):
+    def _to_local(self, stored: dict, lay=None) -> dict:
+        """A worker's stored leaves (flat, no worker axis) -> the form ``loss_fn`` sees."""
+        lay = lay or self.layout
+        return stored if self.stacked_slots else lay.to_local(stored)
+
+    def _state_local(self, stats):
+        """The model state as ``loss_fn`` sees it (flat; None without a state)."""
+        if self.state_spec is None:
+            return None
+        flat = _flatten(stats)
+        if self.spec.backward:
+            return flat
+        flat = {p: x[0] if self.stats_layout[p] == "C" else x for p, x in flat.items()}
+        return self._to_local(flat, layout_lib.of(self.state_spec))
+
+    def _local_grads(self, params, batch, stats=None):
         """(loss, aux, the worker's local gradient and local parameters, flat, in the compact
-        layout without the worker axis). Under FSDP: the masked-mean gradient in layout S."""
+        layout without the worker axis, the new model state). Under FSDP: the masked-mean
+        gradient in layout S."""
         lay = self.layout
+        st = self._state_local(stats)
+        extra = () if st is None else (st,)
         if self.fsdp:
-            loss, aux, g = self._value_and_grad(self._fsdp_loss, params, batch)
-            return loss, aux, self._divide_counts(_flatten(g)), _flatten(params)
+            loss, aux, g, _ = self._value_and_grad(self._fsdp_loss, params, batch)
+            return loss, aux, self._divide_counts(_flatten(g)), _flatten(params), None
         if self.spec.backward:
             full = _flatten(params)
-            local = lay.prune(full, sync.worker_index(AXIS))
-            diff = {p: sync.to_varying(x) if lay.leaves[p].form == layout_lib.KEPT else x
-                    for p, x in local.items()}   # local gradients for always-kept leaves too
-            loss, aux, g = self._value_and_grad(self._backward_loss, diff, full, batch)
-            return loss, aux, g, local
-        local = lay.to_local(self._strip(params))
+            my = sync.worker_index(AXIS)
+            local = lay.prune(full, my)
+            if self.block_fn is None:   # the full gradient, then this worker's part of it
+                loss, aux, g, new = self._value_and_grad(self._full_loss, sync.to_varying(full),
+                                                         batch, *extra)
+                g = lay.prune(g, my)
+            else:
+                diff = {p: sync.to_varying(x) if lay.leaves[p].form == layout_lib.KEPT else x
+                        for p, x in local.items()}   # local gradients of always-kept leaves
+                loss, aux, g, new = self._value_and_grad(self._backward_loss, diff, full,
+                                                         batch, *extra)
+            if self.stacked_slots:
+                g, local = lay.to_stored(g), lay.to_stored(local)
+            return loss, aux, g, local, new
+        local = self._to_local(self._strip(params))
         diff = {lp: sync.to_varying(x) if self.param_layout.get(lp) == "R" else x
                 for lp, x in local.items()}
-        loss, aux, g = self._value_and_grad(self._forward_loss, diff, batch)
-        return loss, aux, g, local
+        loss, aux, g, new = self._value_and_grad(self._forward_loss, diff, batch, *extra)
+        return loss, aux, g, local, new
+
+    def _new_state(self, new: dict):
+        """The loss's new model state (nested) -> the stored ``stats``: each component the mean
+        over its holders (every worker under backward masking)."""
+        new = _flatten(new)
+        if self.spec.backward:
+            return _unflatten({p: jax.lax.pmean(x, AXIS) for p, x in new.items()})
+        sspec = self.state_spec
+        avg = _flatten(sync.average(_unflatten(new), sspec, method=self.method))
+        if not self.stacked_slots:
+            avg = layout_lib.of(sspec).to_stored(avg)
+        return _unflatten({p: x[None] if self.stats_layout[p] == "C" else x
+                           for p, x in avg.items()})
 
     def _average(self, local: dict) -> dict:
         return _flatten(sync.average(_unflatten(local), self.spec, method=self.method))
@@ -587,14 +724,15 @@ class SDPStep:
     def _lead(self, local: dict, codes: dict) -> dict:
         """Local leaves (flat) -> the stored tree (list-form slots stacked, a leading worker
         axis of size 1 on C / Rw leaves)."""
-        if not self.fsdp:
+        if not self.fsdp and not self.stacked_slots:
             local = self.layout.to_stored(local)
         return _unflatten({p: x[None] if codes[p] in ("C", "Rw") else x
                            for p, x in local.items()})
 
     def _local_step(self, state, batch, sync_now: bool):
         spec, lay = self.spec, self.layout
-        loss, aux, grads, local = self._local_grads(state["params"], batch)
+        loss, aux, grads, local, new_stats = self._local_grads(state["params"], batch,
+                                                               state.get("stats"))
         if self.fsdp:   # every element of the averaged gradient lives on one device
             gnorm = jnp.sqrt(sync.shards_sq_norm(grads, AXIS))
         elif self.periodic:   # each worker on its own gradient: the norm of its subnetwork
@@ -610,12 +748,12 @@ class SDPStep:
                                                    state["opt_state"], compact)
         new = _flatten(optax.apply_updates(compact, updates))
         if spec.backward and not self.fsdp:   # every worker's full model from the holders
-            mine = lay.to_local({p: x[0] if codes[p] == "C" else x for p, x in new.items()})
+            mine = self._to_local({p: x[0] if codes[p] == "C" else x for p, x in new.items()})
             rebuilt = _flatten(sync.gather_full(_unflatten(mine), spec))
             params = _unflatten({p: mine[p] if p in mine and lay.leaves[p].form == layout_lib.KEPT
                                  else rebuilt[p] for p in spec.shapes})  # kept: already equal
         elif self.periodic and sync_now:
-            mine = lay.to_local({p: x[0] for p, x in new.items()})
+            mine = self._to_local({p: x[0] for p, x in new.items()})
             params = self._lead(self._average(mine), codes)
         else:
             params = _unflatten(new)
@@ -625,7 +763,10 @@ class SDPStep:
                    **{k: jax.lax.pmean(v, AXIS) for k, v in aux.items()}}
         if self.schedule is not None:
             metrics["lr"] = self.schedule(state["step"])
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        out = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        if self.state_spec is not None:
+            out["stats"] = self._new_state(new_stats)
+        return out, metrics
 
     def train_step_fn(self, sync_now: bool = True):
         """Jitted ``(state, batch) -> (state, metrics)``; ``batch`` is a pytree of arrays whose
@@ -662,7 +803,7 @@ class SDPStep:
                 or (self.total_steps is not None and step == self.total_steps))
 
     def _averaged_grads(self, params, batch):
-        loss, _, g, _ = self._local_grads(params, batch)
+        loss, _, g, _, _ = self._local_grads(params, batch)
         if not self.fsdp:
             g = self._average(g)
         return jax.lax.pmean(loss, AXIS), self._lead(g, self.compact_layout)
@@ -670,7 +811,12 @@ class SDPStep:
     def grads_fn(self):
         """Jitted ``(params, batch) -> (loss, averaged gradient)``, the gradient in the
         compact layout (``compact_specs``; layout ``S`` under FSDP). For inspection and
-        tests."""
+        tests.
+
+        Raises:
+          ValueError: a step with model state (``state_spec``)."""
+        if self.state_spec is not None:
+            raise ValueError("grads_fn is not built for a step with model state (state_spec).")
         fn = jax.shard_map(self._averaged_grads, mesh=self.mesh,
                            in_specs=(self.param_specs, P(AXIS)),
                            out_specs=(P(), self.compact_specs))
@@ -715,15 +861,32 @@ class SDPStep:
                                                    np.repeat(t.counts, lf.rule.expand, axis=1),
                                                    lf.rule.axis)
 
+    def gather(self, params, stats=None) -> tuple[dict, dict | None]:
+        """Inside ``jax.shard_map`` over ``data`` (params in :attr:`param_specs`, stats in
+        :attr:`stats_specs`): the full model, the same on every worker, as nested dicts
+        ``(parameters, model state or None)``, each component the mean over its holders
+        (:func:`sdp_jax.sync.gather_full`), in the stored dtypes. Not under FSDP.
+
+        Raises:
+          ValueError: under FSDP (use :meth:`eval_step_fn`, which streams the blocks)."""
+        if self.fsdp:
+            raise ValueError("gather() would hold the whole model on every device; under FSDP "
+                             "use eval_step_fn, which gathers one block at a time.")
+        if self.spec.backward:
+            full = _unflatten(_flatten(params))
+            return full, (None if stats is None else _unflatten(_flatten(stats)))
+        full = sync.gather_full(_unflatten(self._to_local(self._strip(params))), self.spec)
+        if stats is None:
+            return full, None
+        flat = {p: x[0] if self.stats_layout[p] == "C" else x
+                for p, x in _flatten(stats).items()}
+        return full, sync.gather_full(_unflatten(flat), self.state_spec)
+
     def _local_eval(self, params, batch):
         if self.fsdp:
             out = self._fsdp_loss(params, batch, train=False)
         elif self.block_fn is None:
-            if self.spec.backward:
-                full = _flatten(params)
-            else:
-                full = _flatten(sync.gather_full(_unflatten(self.layout.to_local(
-                    self._strip(params))), self.spec))
+            full = _flatten(self.gather(params)[0])
             out = self.loss_fn(_unflatten({p: self._cast(x) for p, x in full.items()}), batch)
         else:
             out = self._streamed_eval(params, batch)
@@ -762,6 +925,10 @@ class SDPStep:
         """Jitted full-model loss ``(params, batch) -> float32`` (mean over workers of each
         worker's slice): every block with all its neurons and heads, each component the mean
         over its holders (FSDP: gathered from its owners)."""
+        if self.state_spec is not None or self.stacked_slots:
+            raise ValueError("a step with model state or stacked_slots evaluates through "
+                             "gather() (its loss updates the state or runs slots); see "
+                             "sdp_jax.tasks.VisionEval.")
         if self._eval_step is None:
             fn = jax.shard_map(self._local_eval, mesh=self.mesh,
                                in_specs=(self.param_specs, P(AXIS)), out_specs=P())

@@ -92,19 +92,7 @@ def resolve(config, device_count: int) -> RunSpec:
         raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, but "
                          "--config.fsdp=True stores one sharded copy; use average=gradients "
                          "or fsdp=False.")
-    if sdp.average not in step_lib.AVERAGING:
-        raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
-    if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
-            or sdp.sync_every < 1:
-        raise ValueError(f"config.sdp.sync_every={sdp.sync_every!r} must be a positive integer.")
-    if sdp.average == "gradients" and sdp.sync_every != 1:
-        raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
-                         "--config.sdp.average=parameters (gradients are averaged every step); "
-                         "set both or neither.")
-    if sdp.average == "parameters" and sdp.variant in spec_lib.BACKWARD_VARIANTS:
-        raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
-                         "(backward masking keeps every worker's full parameters identical); "
-                         "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
+    loop.check_averaging(sdp)
     # With a pipeline the masks are over one stage's L / P blocks (the same in every stage).
     plan = ts.make_plan(sdp.variant, plan_model, workers, sdp.coverage, sdp.scheme,
                         sdp.mask_seed, sdp.allow_nonuniform, sdp.allow_disconnected)

@@ -21,7 +21,6 @@ from sdp_jax import spec as spec_lib
 from sdp_jax import tasks
 from sdp_jax import train_step as ts
 from sdp_jax import vision_data
-from sdp_jax import vision_step as vs
 from sdp_jax.models import vision as vm
 
 
@@ -35,6 +34,10 @@ class VisionRunSpec:
     workers: int
     total_steps: int
     global_batch: int
+
+
+# Config fields newer than some vision checkpoints, with the value older runs used.
+_ADDED_FIELDS = {"sdp": {"average": "gradients", "sync_every": 1}}
 
 
 def resolve(config, device_count: int) -> VisionRunSpec:
@@ -68,6 +71,7 @@ def resolve(config, device_count: int) -> VisionRunSpec:
                          "(activation checkpointing of every block).")
     workers = loop.resolve_workers(config, device_count)
     sdp = config.sdp
+    loop.check_averaging(sdp)
     stage_blocks = tuple(sdp.get("stage_blocks", ()) or ())
     if stage_blocks and sdp.variant not in ("b-sdp", "bb-sdp"):
         raise ValueError(f"config.sdp.stage_blocks={stage_blocks} applies to block variants "
@@ -112,10 +116,12 @@ def train(config, workdir: str) -> dict[str, Any]:
         limit=config.eval_limit)
 
     meta = {"config": loop.trajectory_config(config), "masks": tasks.vision_record(spec.plan)}
-    manager, latest = loop.open_checkpoints(config, workdir, meta)
+    manager, latest = loop.open_checkpoints(config, workdir, meta, defaults=_ADDED_FIELDS)
 
-    builder = vs.VisionStepBuilder(cfg, spec.plan, spec.optim, mesh, spec.total_steps,
-                                   dtype=config.dtype, remat=config.remat)
+    builder = tasks.vision_step(cfg, spec.plan, spec.optim, mesh, spec.total_steps,
+                                dtype=config.dtype, remat=config.remat,
+                                averaging=config.sdp.average, sync_every=config.sdp.sync_every)
+    evaluation = tasks.VisionEval(builder)
     info = spec.plan.summary()
     n_params = vm.param_count(cfg)
     loop.log(f"devices: {W} x {devices[0].platform} ({pcount} process(es)); "
@@ -126,20 +132,23 @@ def train(config, workdir: str) -> dict[str, Any]:
     state, start = loop.restore_or_init(manager, latest, builder, train_iter, config.seed)
 
     t0 = time.time()
-    step_fn = builder.compiled_train_step(config.batch_per_worker)
-    mem = ts.memory_stats(step_fn)
-    loop.log(f"compiled train step in {time.time() - t0:.1f}s: peak "
-             f"{loop.fmt_bytes(mem['peak_bytes_per_device'])} per device")
-    eval_fn = builder.eval_step_fn()
-    sh = builder.batch_sharding()
     G = spec.global_batch
     img_shape = (G, cfg.image_size, cfg.image_size, cfg.in_channels)
+    batch_shapes = (jax.ShapeDtypeStruct(img_shape, jax.numpy.float32),
+                    jax.ShapeDtypeStruct((G,), jax.numpy.int32))
+    compiled = builder.compiled_train_step(batch_shapes)
+    step_fns = {True: compiled}
+    mem = ts.memory_stats(compiled)
+    loop.log(f"compiled train step in {time.time() - t0:.1f}s: peak "
+             f"{loop.fmt_bytes(mem['peak_bytes_per_device'])} per device")
+    eval_fn = evaluation.eval_step_fn()
+    sh = builder.batch_sharding()
 
     def put(x, shape):
         return jax.make_array_from_process_local_data(sh, x, shape)
 
-    recal = builder.recalibrate and config.eval_bn_batches > 0
-    if builder.recalibrate and not recal:
+    recal = evaluation.recalibrate and config.eval_bn_batches > 0
+    if evaluation.recalibrate and not recal:
         loop.log("warning: --config.eval_bn_batches=0: the full model is evaluated with the "
                  "running BatchNorm statistics of subnetworks, which do not describe it (expect "
                  "a much lower test accuracy than with re-estimated statistics)")
@@ -147,8 +156,8 @@ def train(config, workdir: str) -> dict[str, Any]:
         loop.log(f"evaluation re-estimates the full model's BatchNorm statistics on "
                  f"{config.eval_bn_batches} training batches (--config.eval_bn_batches; the "
                  "running statistics of subnetworks do not describe the full model)")
-        eval_fn = builder.eval_step_fn(recalibrated=True)
-        bn_fn = builder.bn_stats_fn()
+        eval_fn = evaluation.eval_step_fn(recalibrated=True)
+        bn_fn = evaluation.bn_stats_fn()
 
     def bn_stats(state):
         it = vision_data.make_train_iterator(
@@ -156,7 +165,7 @@ def train(config, workdir: str) -> dict[str, Any]:
             global_batch=G, seed=config.seed + 7919, process_index=pidx, process_count=pcount)
         total = None
         for _ in range(config.eval_bn_batches):
-            s = bn_fn(state["params"], state["stats"], put(next(it)[0], img_shape))
+            s = bn_fn(state["params"], state.get("stats", {}), put(next(it)[0], img_shape))
             jax.block_until_ready(s)  # one collective program in flight (DESIGN.md, CPU)
             total = s if total is None else jax.tree.map(lambda a, b: a + b, total, s)
         return jax.tree.map(lambda a: a / config.eval_bn_batches, total)
@@ -165,14 +174,17 @@ def train(config, workdir: str) -> dict[str, Any]:
         loss = right = count = 0.0
         extra = (bn_stats(state),) if recal else ()
         for x, y, valid in test_batches:
-            a, b, c = eval_fn(state["params"], state["stats"], put(x, img_shape), put(y, (G,)),
-                              put(valid, (G,)), *extra)
+            a, b, c = eval_fn(state["params"], state.get("stats", {}), put(x, img_shape),
+                              put(y, (G,)), put(valid, (G,)), *extra)
             loss, right, count = loss + float(a), right + float(b), count + float(c)
         return {"test_loss": loss / count, "test_acc": right / count}
 
     def one_step(state, batch, step):
         x, y = batch
-        return step_fn(state, put(x, img_shape), put(y, (G,)))
+        sync_now = builder.is_sync_step(step)   # periodic parameter averaging
+        if sync_now not in step_fns:
+            step_fns[sync_now] = builder.train_step_fn(sync_now)
+        return step_fns[sync_now](state, (put(x, img_shape), put(y, (G,))))
 
     def postfix(rec):
         post = {"loss": f"{rec['train_loss']:.3f}", "acc": f"{rec['train_acc']:.3f}"}
@@ -185,6 +197,7 @@ def train(config, workdir: str) -> dict[str, Any]:
             "model": cfg.name, "dataset": config.data.dataset, "variant": config.sdp.variant,
             "regime": spec.plan.regime, "coverage": spec.plan.coverage, "workers": W,
             "scheme": config.sdp.scheme, "dtype": config.dtype, "steps": step,
+            "average": config.sdp.average, "sync_every": config.sdp.sync_every,
             "total_steps": spec.total_steps, "completed": step >= spec.total_steps,
             "images": step * G, "final_test_acc": last.get("test_acc"),
             "final_test_loss": last.get("test_loss"), "wall_s": wall,

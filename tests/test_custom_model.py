@@ -250,3 +250,51 @@ def test_block_runner_options_refused_without_a_runner():
             SDPStep(spec, lambda p, b: 0.0, optax.sgd(0.1), **kw)
     with pytest.raises(ValueError, match="block_fn needs a stacked block subtree"):
         SDPStep(spec, lambda p, b, run: 0.0, optax.sgd(0.1), block_fn=lambda p, h: h)
+
+
+def _stateful(variant, coverage):
+    """A user's model with non-gradient state (each block's running mean of its input, like a
+    BatchNorm statistic), in the local list form (``stacked_slots=False``)."""
+    params = nnx.to_pure_dict(nnx.state(Net(), nnx.Param))
+    state = {"blocks": {j: {"mean": jnp.zeros((16,))} for j in range(DEPTH)}}
+    spec = sdp.build(params, RULES, variant, W, coverage)
+    sspec = sdp.build(state, [sdp.Blocks("blocks")], variant, W, coverage)
+    local = nnx.graphdef(nnx.eval_shape(lambda: Net(spec.local_blocks)))
+
+    def loss_fn(p, batch, st):
+        x, y = batch
+        model = nnx.merge(local, p)
+        h, new = model.inp(x), {"blocks": {}}
+        for j, blk in enumerate(model.blocks):
+            new["blocks"][j] = {"mean": 0.9 * st["blocks"][j]["mean"] + 0.1 * h.mean(0)}
+            h = blk(h - st["blocks"][j]["mean"])
+        return jnp.mean((model.out(h)[:, 0] - y) ** 2), new
+    step = SDPStep(spec, loss_fn, optax.sgd(0.1), state_spec=sspec)
+    return step, step.init((params, state))
+
+
+def test_model_state_on_a_users_model():
+    """Model state (state_spec) in the local list form: at C = 1 b-sdp equals DDP, state
+    included; at C = 1/2 every holder of a block has the same state, which moved."""
+    batches = [data(seed=s) for s in range(3)]
+    out = {}
+    for variant, c in (("ddp", 1.0), ("b-sdp", 1.0), ("b-sdp", 0.5)):
+        step, st = _stateful(variant, c)
+        for b in batches:
+            st, m = step.train_step(st, step.put_batch(b))
+        out[(variant, c)] = (step, st)
+    (d_step, d), (b_step, b) = out[("ddp", 1.0)], out[("b-sdp", 1.0)]
+    assert_trees_close(b_step.full_params(b), d_step.full_params(d), 2e-5)
+    ms = np.asarray(b["stats"]["blocks"]["slots"]["mean"])      # [W, L, d]: slot j = block j
+    np.testing.assert_allclose(ms, np.asarray(d["stats"]["blocks"]["slots"]["mean"]),
+                               rtol=2e-5, atol=1e-6)
+    assert np.abs(ms).max() > 0
+    step, st = out[("b-sdp", 0.5)]
+    ms = np.asarray(st["stats"]["blocks"]["slots"]["mean"])      # [W, k, d]
+    held = step.spec.kinds["block"].held
+    for g in range(DEPTH):
+        copies = [ms[w, list(held[w]).index(g)] for w in range(W) if g in held[w]]
+        assert len(copies) == 2 and np.array_equal(copies[0], copies[1])
+        assert np.abs(copies[0]).max() > 0
+    with pytest.raises(ValueError, match="initializes from a pair"):
+        step.init(nnx.to_pure_dict(nnx.state(Net(), nnx.Param)))

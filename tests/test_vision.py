@@ -10,7 +10,6 @@ from jax.sharding import PartitionSpec as P
 from sdp_jax import spec as sdp
 from sdp_jax import tasks
 from sdp_jax import train_step as ts
-from sdp_jax import vision_step as vs
 from sdp_jax.models import vision as vm
 
 W = 4
@@ -40,13 +39,14 @@ def _batches(mesh, cfg, n=3, same=False, seed=0):
     return out
 
 
-def _run(mesh, cfg, variant, coverage, batches, optim=OPT, remat="none", **kw):
+def _run(mesh, cfg, variant, coverage, batches, optim=OPT, remat="none", step_kw=None, **kw):
+    step_kw = step_kw or {}
     plan = tasks.vision_spec(cfg, variant, W, coverage, **kw)
-    b = vs.VisionStepBuilder(cfg, plan, optim, mesh, total_steps=10, remat=remat)
+    b = tasks.vision_step(cfg, plan, optim, mesh, total_steps=10, remat=remat, **step_kw)
     state = b.init_state(seed=0)
     fn = b.train_step_fn()
     for x, y in batches:
-        state, m = fn(state, x, y)
+        state, m = fn(state, (x, y))
         float(m["train_loss"])  # one step in flight
     return b, state, {k: float(v) for k, v in m.items()}
 
@@ -65,10 +65,10 @@ def test_every_variant_at_c1_matches_ddp(mesh, cfg, variants):
     C = 1 give DDP's parameters after 3 steps."""
     batches = _batches(mesh, cfg)
     ref_b, ref_state, ref_m = _run(mesh, cfg, "ddp", 1.0, batches)
-    ref = jax.device_get(ref_b.full_model(ref_state))
+    ref = jax.device_get(tasks.VisionEval(ref_b).full_model(ref_state))
     for variant in variants:
         b, state, m = _run(mesh, cfg, variant, 1.0, batches)
-        _close(ref, jax.device_get(b.full_model(state)))
+        _close(ref, jax.device_get(tasks.VisionEval(b).full_model(state)))
         assert abs(m["train_loss"] - ref_m["train_loss"]) < 1e-5, variant
         assert abs(m["grad_norm"] - ref_m["grad_norm"]) < 1e-4, variant
 
@@ -79,11 +79,11 @@ def test_bsdp_prunes_and_holders_agree(mesh):
     checkpointing gives the same parameters, and the full model evaluates with every block."""
     batches = _batches(mesh, RESNET, n=2)
     b, state, m = _run(mesh, RESNET, "b-sdp", 0.5, batches)
-    ddp = vs.VisionStepBuilder(RESNET, tasks.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
+    ddp = tasks.vision_step(RESNET, tasks.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
     assert b.per_device_param_count() < 0.7 * ddp.per_device_param_count()
     slots = np.asarray(state["params"]["s1"]["slots"]["conv2"]["kernel"])  # [W, 1, ...]
     assert slots.shape[:2] == (W, 1)
-    held = b.plan.kinds["s1.blocks"].held[:, 0]
+    held = b.spec.kinds["s1.blocks"].held[:, 0]
     assert set(held) == {0, 1}  # the downsampling block is dropped by some workers
     for g in (0, 1):
         copies = slots[held == g, 0]
@@ -95,7 +95,8 @@ def test_bsdp_prunes_and_holders_agree(mesh):
     _close(state["params"], state_ac["params"], tol=1e-5)  # checkpointing changes no result
     x, y = batches[0]
     valid = jax.device_put(jnp.ones(y.shape, bool), NamedSharding(mesh, P("data")))
-    loss, right, count = b.eval_step_fn()(state["params"], state["stats"], x, y, valid)
+    loss, right, count = tasks.VisionEval(b).eval_step_fn()(state["params"], state["stats"], x,
+                                                            y, valid)
     assert int(count) == y.shape[0] and np.isfinite(float(loss))
 
 
@@ -105,10 +106,10 @@ def test_backward_masking_is_unbiased(mesh):
     sgd = ts.OptimConfig(name="sgd", lr=0.1, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
     batches = _batches(mesh, RESNET, n=1, same=True)
     ref_b, ref_state, _ = _run(mesh, RESNET, "ddp", 1.0, batches, optim=sgd)
-    ref = jax.device_get(ref_b.full_model(ref_state))
+    ref = jax.device_get(tasks.VisionEval(ref_b).full_model(ref_state))
     for variant in ("nb-sdp", "bb-sdp"):
         b, state, _ = _run(mesh, RESNET, variant, 0.5, batches, optim=sgd)
-        _close(ref, jax.device_get(b.full_model(state)), tol=1e-5)
+        _close(ref, jax.device_get(tasks.VisionEval(b).full_model(state)), tol=1e-5)
 
 
 def _tiny_params(cfg):
@@ -165,10 +166,11 @@ def test_bn_recalibration_matches_full_model_statistics(mesh):
     """The full model's BatchNorm statistics (B-SDP evaluation) are its batch statistics."""
     batches = _batches(mesh, RESNET, n=1)
     b, state, _ = _run(mesh, RESNET, "b-sdp", 0.5, batches)
-    assert b.recalibrate
+    ev = tasks.VisionEval(b)
+    assert ev.recalibrate
     x, _ = batches[0]
-    got = b.bn_stats_fn()(state["params"], state["stats"], x)
-    p, s = b.full_model(state)
+    got = ev.bn_stats_fn()(state["params"], state["stats"], x)
+    p, s = ev.full_model(state)
     xs = np.asarray(x).reshape(W, -1, *x.shape[1:])
     want = None
     for w in range(W):  # per-worker batch statistics, averaged
@@ -177,8 +179,8 @@ def test_bn_recalibration_matches_full_model_statistics(mesh):
         new = jax.tree.map(lambda a: a / (1 - vm.BN_MOMENTUM) / W, new)
         want = new if want is None else jax.tree.map(jnp.add, want, new)
     _close(want, got, tol=1e-4)
-    ddp = vs.VisionStepBuilder(RESNET, tasks.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
-    assert not ddp.recalibrate
+    ddp = tasks.vision_step(RESNET, tasks.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
+    assert not tasks.VisionEval(ddp).recalibrate
 
 
 def test_plans_and_bad_coverages():
@@ -272,3 +274,55 @@ def test_bench_vision_rows(tmp_path):
         bench.main(["--config", str(cfg), "--variants", "ddp", "--fsdp"])
     with pytest.raises(SystemExit):
         bench.main(["--config", str(cfg), "--variants", "b-sdp", "--coverage", "0.3"])
+
+
+@pytest.mark.parametrize("variant", ["ddp", "b-sdp"])
+def test_periodic_parameter_averaging(mesh, variant):
+    """Vision + periodic parameter averaging (the one SDPStep): with SGD and H = 1 it takes the
+    gradient-averaging step, BatchNorm statistics included; with H = 2 the workers' copies of
+    the always-kept stem drift apart on the local step and agree after the averaging step."""
+    sgd = ts.OptimConfig(name="sgd", lr=0.1, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
+    batches = _batches(mesh, RESNET, n=2)
+    ref_b, ref, m_ref = _run(mesh, RESNET, variant, 0.5, batches, optim=sgd)
+    b, got, m = _run(mesh, RESNET, variant, 0.5, batches, optim=sgd,
+                     step_kw=dict(averaging="parameters", sync_every=1))
+    _close(jax.device_get(tasks.VisionEval(b).full_model(got)),
+           jax.device_get(tasks.VisionEval(ref_b).full_model(ref)), tol=1e-5)
+    assert abs(m["train_loss"] - m_ref["train_loss"]) < 1e-5
+    b = tasks.vision_step(RESNET, tasks.vision_spec(RESNET, variant, W, 0.5), OPT, mesh, 10,
+                          averaging="parameters", sync_every=2)
+    state = b.init_state(seed=0)
+    for i, (x, y) in enumerate(batches + batches[:1]):
+        state, _ = b.train_step(state, (x, y))
+        stem = np.asarray(state["params"]["stem"]["conv"]["kernel"])
+        assert stem.shape[0] == W   # per-worker copies of always-kept parameters
+        spread = np.abs(stem - stem[0]).max()
+        # step 1: lr 0 (warm-up); 2 and 4 average; 3 is a local step: the copies drift apart
+        assert (spread > 0) if i == 2 else (spread == 0), (i, spread)
+
+
+# The train state layout of vision checkpoints written before the one step (the deleted
+# VisionStepBuilder at commit a265ab2): SHA-256 over (path, shape, dtype, sharded over data)
+# of every leaf of the abstract state, W = 4, C = 1/2.
+OLD_STATE_LAYOUTS = [
+    (RESNET, "b-sdp", 75, "d6e6a9270a58754d3c9742a5f32f5d41bedda129d32dd87e3549ee24e9f0f066"),
+    (RESNET, "nb-sdp", 119, "56d7fd71a518d1fc38adfa8663e817685d724c5e6bf3afa46c3b4bad9de2e471"),
+    (SWIN, "n-sdp", 192, "52fece9f65f0a6a2bb6daa5a819dbb81252f8df02c754fc64a0ff665e84f3908"),
+    (SWIN, "ddp", 192, "ffa8f1b4f4ed2603a732ce54e255179263d035bc2d3493d3433888bcb457d537"),
+]
+
+
+@pytest.mark.parametrize("cfg, variant, n, sha", OLD_STATE_LAYOUTS,
+                         ids=[f"{c.name}-{v}" for c, v, _, _ in OLD_STATE_LAYOUTS])
+def test_state_layout_equals_that_of_earlier_checkpoints(mesh, cfg, variant, n, sha):
+    """Vision checkpoints written by the earlier builder restore into the one step: same
+    leaves, shapes, dtypes and shardings (and a ``stats`` entry, empty for Swin)."""
+    import hashlib
+    b = tasks.vision_step(cfg, tasks.vision_spec(cfg, variant, W, 0.5), ts.OptimConfig(), mesh,
+                          10)
+    a = b.abstract_state()
+    assert set(a) == {"params", "stats", "opt_state", "step"}
+    rows = [(jax.tree_util.keystr(p), tuple(int(d) for d in x.shape), str(x.dtype),
+             "data" in str(x.sharding.spec)) for p, x in jax.tree_util.tree_flatten_with_path(a)[0]]
+    assert len(rows) == n
+    assert hashlib.sha256(repr(rows).encode()).hexdigest() == sha
