@@ -116,6 +116,12 @@ class Layout:
         return {lp: (stored[self.slots_path(lf)][lf.slot] if lf.form == SLOT else stored[lp])
                 for lp, lf in self.leaves.items()}
 
+    def dtype(self, p: tuple):
+        """The dtype of a stored, local or full leaf path (a stack of slots: block 0's)."""
+        if p in self.spec.dtypes:
+            return self.spec.dtypes[p]
+        return self.spec.dtypes[self.leaves[self.slot_leaves.get(p, p)].full]
+
     def stored_compact(self, sp: tuple) -> bool:
         """Whether a stored leaf is per worker (``[W, ...]``)."""
         return sp not in self.leaves or self.compact(sp)

@@ -321,13 +321,7 @@ class SDPStep:
                     base = self.spec.shapes[p]
                 shape = ((W,) if c in ("C", "Rw") else ()) + tuple(base)
                 specs[p] = P() if c == "R" else P(AXIS)
-            lf = lay.leaves.get(p)
-            dt = self.spec.dtypes.get(p if lf is None else lf.full)
-            if dt is None:   # the stacked slots of list-form blocks: block 0's dtype
-                lf = next(f for f in lay.leaves.values() if f.form == layout_lib.SLOT
-                          and lay.slots_path(f) == p)
-                dt = self.spec.dtypes[lf.full]
-            shapes[p] = jax.ShapeDtypeStruct(shape, dt,
+            shapes[p] = jax.ShapeDtypeStruct(shape, lay.dtype(p),
                                              sharding=NamedSharding(self.mesh, specs[p]))
         return _unflatten(specs), _unflatten(shapes)
 
@@ -335,23 +329,17 @@ class SDPStep:
         """Layout codes, partition specs and shapes of the model state (``stats``): stored like
         forward-masked parameters (replicated full leaves under backward masking)."""
         sspec, W = self.state_spec, self.spec.workers
+        lay = layout_lib.of(sspec)
         if self.spec.backward:
             codes = {p: "R" for p in sspec.shapes}
             base = dict(sspec.shapes)
         else:
-            lay = layout_lib.of(sspec)
             codes = {p: "C" if lay.stored_compact(p) else "R" for p in lay.stored_shapes}
             base = dict(lay.stored_shapes)
         specs = {p: P(AXIS) if c == "C" else P() for p, c in codes.items()}
-        shapes = {}
-        for p, c in codes.items():
-            lf = None if self.spec.backward else layout_lib.of(sspec).leaves.get(p)
-            src = p if lf is None else lf.full
-            if src not in sspec.dtypes:   # a stack of slots: its slot 0 leaf's dtype
-                src = layout_lib.of(sspec).leaves[layout_lib.of(sspec).slot_leaves[p]].full
-            shapes[p] = jax.ShapeDtypeStruct(((W,) if c == "C" else ()) + tuple(base[p]),
-                                             sspec.dtypes[src],
-                                             sharding=NamedSharding(self.mesh, specs[p]))
+        shapes = {p: jax.ShapeDtypeStruct(((W,) if c == "C" else ()) + tuple(base[p]),
+                                          lay.dtype(p), sharding=NamedSharding(self.mesh, specs[p]))
+                  for p, c in codes.items()}
         return codes, _unflatten(specs), _unflatten(shapes)
 
     def shardings(self, specs=None):

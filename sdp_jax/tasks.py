@@ -281,9 +281,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     if remat not in ("none", "full"):
         raise ValueError(f"remat={remat!r}; vision models take none or full (activation "
                          "checkpointing of every block).")
-    if dtype not in step_lib.DTYPES:
-        raise ValueError(f"dtype={dtype!r}; use float32 or bfloat16.")
-    task = VisionModel(cfg, spec, step_lib.DTYPES[dtype], remat == "full")
+    task = VisionModel(cfg, spec, step_lib.DTYPES.get(dtype, jnp.float32), remat == "full")
     step = step_lib.SDPStep(
         spec, task.loss, ts.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
         grad_clip=optim.grad_clip, averaging=averaging, sync_every=sync_every, dtype=dtype,
