@@ -323,9 +323,11 @@ def opt_state_specs(optimizer, params_specs, params_shapes):
     parameter-shaped entry (moments) takes its parameter's spec, anything else (counts) is
     replicated."""
     abstract_opt = jax.eval_shape(optimizer.init, params_shapes)
-    return optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_opt, params_specs,
+    masked = optax.MaskedNode   # a leaf another transformation of optax.partition updates
+    return optax.tree_map_params(optimizer, lambda v, spec: v if isinstance(v, masked) else spec,
+                                 abstract_opt, params_specs,
                                  transform_non_params=lambda _: P(),
-                                 is_leaf=lambda x: isinstance(x, P))
+                                 is_leaf=lambda x: isinstance(x, (P, masked)))
 
 
 def _pad(x, shape):

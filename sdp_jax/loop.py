@@ -91,21 +91,6 @@ def resolve_workers(config, device_count: int) -> int:
     return workers
 
 
-def check_mask_graph(spec, config) -> None:
-    """Refuse masks whose mask graph is disconnected (spectral gap 0) unless allowed.
-
-    Raises:
-      ValueError: naming the scheme, variant, W and C, and the fixes."""
-    sdp = config.sdp
-    if spec.workers > 1 and spec.coverage < 1 and spec.summary()["spectral_gap"] < 1e-9 \
-            and not sdp.allow_disconnected:
-        raise ValueError(
-            f"the mask graph of {sdp.scheme} {sdp.variant} masks for W={spec.workers}, "
-            f"C={spec.coverage} is disconnected (spectral gap 0): some groups of workers share "
-            "no component, so their copies never mix. Choose a larger coverage, another scheme, "
-            "or set --config.sdp.allow_disconnected=True.")
-
-
 def check_averaging(sdp) -> None:
     """Validate ``config.sdp.average`` and ``config.sdp.sync_every`` (every model family).
 
@@ -127,6 +112,30 @@ def check_averaging(sdp) -> None:
         raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
                          "(backward masking keeps every worker's full parameters identical); "
                          "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
+
+
+def check_step_fields(config, remat: tuple | None = None) -> None:
+    """Validate the step's settings of a run config (every model family): ``sdp.average``,
+    ``sdp.sync_every`` (:func:`check_averaging`), ``fsdp`` (absent = False), ``remat`` (one of
+    ``remat``, default :data:`sdp_jax.step.REMAT`) and ``dtype``.
+
+    Raises:
+      ValueError: naming the bad value and the choices."""
+    from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+    remat = tuple(remat or step_lib.REMAT)
+    fsdp = config.get("fsdp", False)
+    if not isinstance(fsdp, bool):
+        raise ValueError(f"config.fsdp={fsdp!r} must be True or False.")
+    if config.remat not in remat:
+        raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(remat)} "
+                         "(activation checkpointing of every block).")
+    if config.dtype not in step_lib.DTYPES:
+        raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
+    if fsdp and config.sdp.average == "parameters":
+        raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, but "
+                         "--config.fsdp=True stores one sharded copy; use average=gradients "
+                         "or fsdp=False.")
+    check_averaging(config.sdp)
 
 
 def check_warmup(optim, total: int) -> None:
@@ -302,12 +311,27 @@ def open_checkpoints(config, workdir: str, meta: dict, defaults: dict | None = N
 def restore_or_init(manager, latest, builder, train_iter, seed: int):
     """The latest checkpoint's state (and data iterator position), or a fresh one.
 
+    A checkpoint in an earlier layout of the same run (``builder.legacy``: pairs of functions
+    ``(current abstract state -> that layout's, restored state -> current)``) is read in that
+    layout and converted.
+
     Returns:
       ``(state, start step)``. Raises ValueError for an unreadable checkpoint (before compute)."""
     if latest is None:
         return builder.init_state(seed), 0
     try:
-        state = manager.restore(latest, builder.abstract_state(), train_iter)
+        abstract = builder.abstract_state()
+        try:
+            state = manager.restore(latest, abstract, train_iter)
+        except ValueError:
+            for to_old, from_old in getattr(builder, "legacy", ()):
+                try:
+                    state = from_old(manager.restore(latest, to_old(abstract), train_iter))
+                    break
+                except ValueError:
+                    continue
+            else:
+                raise
     except ValueError:
         manager.close()
         raise

@@ -11,7 +11,7 @@ boundary have the shape of the forward payload: r wide when compressed.
 
 Compression of a boundary (MAPL: Janson, Oyallon, Belilovsky, arXiv 2606.05484; DESIGN.md,
 "MAPL-style projectors"): stage ``s`` sends, per token, ``c = (h - anchor_s(token)) A_s``
-(r = d / ratio wide, float32) and the token id (the narrowest unsigned integer type that holds the
+(r = d / ratio wide, in the compute dtype) and the token id (the narrowest unsigned integer type that holds the
 vocabulary: one byte for byte-level text); stage ``s + 1`` rebuilds
 ``h' = c A_s^T + anchor_s(token)``, with ``anchor_s(token) = E_s[token] B_s`` for a learnable
 ``E_s`` [V, r_a] and a frozen orthogonal ``B_s`` [r_a, d] (factorized anchor embeddings). Methods:
@@ -26,43 +26,36 @@ choices where the paper is silent: one projector and one anchor table per bounda
 ``E`` initialized as a random orthogonal matrix and N(0, 0.02^2), no weight decay on boundary
 parameters, anchors at every compressed boundary.
 
-Composition with the ``data`` axis: each worker holds, in every stage, ``k = C * L / P`` of the
-stage's blocks (the same cyclic mask in every stage), stored compact as a global
-``[W, P, k, ...]`` array sharded ``P('data', 'stage')``: the device keeps only its worker's blocks
-of its stage (B-SDP forward masking; ``C = 1`` is DDP on the same code path). Gradients of
-compact blocks are averaged over exactly their holders (a masked sum over ``data`` divided by the
-multiplicity; DESIGN.md invariant 2), always-kept and boundary parameters over every worker, and
-global-norm clipping counts every block once (invariant 6).
+The schedule is the loss of the one step (:class:`Pipeline`, for :class:`sdp_jax.step.SDPStep`
+on a mesh ``('data', 'stage')``), so every composition of the step holds with a pipeline: the
+spec describes one stage (its ``L / P`` blocks, the same masks in every stage); each device
+stores its worker's part of its stage's blocks (compact under forward masking: B-SDP, N-SDP;
+full under backward masking; FSDP shards over ``data``), and the step's averaging over holders,
+clipping by the norm with every component counted once, activation checkpointing and compute
+dtype apply per stage. With ``bfloat16`` the boundary payload travels in bf16.
 
-Not built here: 1F1B scheduling (GPipe only), neuron-level and backward-masking variants with a
-pipeline, FSDP, mixed precision and activation checkpointing inside the pipeline (float32 only).
+Not built here: 1F1B scheduling (GPipe only); FSDP of the boundary parameters of a compressed
+method (refused: the Stiefel optimizer and the orthogonality metric need whole projectors).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from flax import nnx
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType
 
-from sdp_jax import fields, stiefel, sync
-from sdp_jax import masks as masks_lib
-from sdp_jax import train_step as ts
-from sdp_jax.models.llama import Llama, LlamaConfig, block_apply_fn, next_token_loss
+from sdp_jax import fields, stiefel
+from sdp_jax.models.llama import LlamaConfig
 
 DATA = "data"
 STAGE = "stage"
 METHODS = ("none", "fixed", "unconstrained", "mapl")
 SCHEDULES = ("gpipe",)
-PIPE_VARIANTS = ("ddp", "b-sdp")
 FROZEN = "frozen"
 
 
@@ -162,12 +155,23 @@ class PipelineConfig:
         """Float elements per token of the boundary payload: ``r = d / ratio`` or ``d``."""
         return d_model // self.ratio if self.compressed else d_model
 
-    def check(self, model: LlamaConfig, batch_per_worker: int) -> None:
-        """Raise ValueError (naming the value and the fix) if this pipeline cannot run ``model``."""
+    def check(self, model: LlamaConfig, batch_per_worker: int | None = None,
+              fsdp: bool = False, average: str = "gradients") -> None:
+        """Raise ValueError (naming the value and the fix) if this pipeline cannot run ``model``
+        (with ``batch_per_worker`` sequences per worker, when given, FSDP and the averaging
+        mode ``average``)."""
         if model.n_layers % self.stages:
             raise ValueError(f"pipeline.stages={self.stages} does not divide "
                              f"model.n_layers={model.n_layers}; choose a divisor of it.")
-        if batch_per_worker % self.microbatches:
+        if fsdp and self.compressed:
+            raise ValueError(f"fsdp=True with pipeline.method={self.method!r}: the boundary "
+                             "projectors are optimized and checked as whole matrices, which "
+                             "FSDP would shard; use method=none with fsdp, or fsdp=False.")
+        if average == "parameters" and self.method == "mapl":
+            raise ValueError("average=parameters with pipeline.method='mapl': the mean of the "
+                             "workers' orthogonal projectors leaves the Stiefel manifold; use "
+                             "average=gradients, or method fixed, unconstrained or none.")
+        if batch_per_worker is not None and batch_per_worker % self.microbatches:
             raise ValueError(f"pipeline.microbatches={self.microbatches} does not divide "
                              f"batch_per_worker={batch_per_worker}; choose a divisor of it.")
         if self.rvq_levels and self.method == "none":
@@ -220,10 +224,6 @@ def init_boundary(key, model: LlamaConfig, pipe: PipelineConfig) -> dict:
     return out
 
 
-def _rms(x, scale, eps):
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
-
-
 class Boundary:
     """Encoder / decoder of the compressed boundaries (pure functions of the boundary params)."""
 
@@ -242,8 +242,8 @@ class Boundary:
         return lax.stop_gradient(a) if self.pipe.method == "fixed" else a
 
     def encode(self, bnd, i, h, tok):
-        """Payload of boundary ``i`` (after stage ``i``): float32 [b, T, r] (``[b, T, d]`` for
-        ``none``) from the residual stream ``h`` [b, T, d] and token ids ``tok`` int32 [b, T]."""
+        """Payload of boundary ``i`` (after stage ``i``): [b, T, r] in ``h``'s dtype (``[b, T, d]``
+        for ``none``) from the residual stream ``h`` [b, T, d] and token ids ``tok`` int32 [b, T]."""
         if self.key is None:
             return h
         return (h - self._anchor(bnd, i, tok)) @ self._proj(bnd, i)
@@ -283,198 +283,49 @@ class Boundary:
         return c @ jnp.swapaxes(self._proj(bnd, i), -1, -2) + self._anchor(bnd, i, tok)
 
 
-class PipelineStep:
-    """Builds the pipelined train and eval steps of a LLaMA model on a ``(data, stage)`` mesh.
+class Pipeline:
+    """The GPipe schedule over the mesh axis ``stage``, as the loss of the one step.
+
+    It is the ``loss_fn(kept, tokens, run)`` of :class:`sdp_jax.step.SDPStep` (block-runner
+    form) for a mesh ``('data', 'stage')``: the step stores each device's stage of the block
+    stack (compact under forward masking, FSDP shards, ...), and ``run(h)`` applies that stage's
+    blocks (with the step's activation checkpointing, compute dtype and FSDP gathers). Runs
+    inside ``jax.shard_map``.
 
     Args:
-      model: the model shape (``n_layers`` divisible by ``pipe.stages``).
-      pipe: :class:`PipelineConfig`.
-      optim: :class:`sdp_jax.train_step.OptimConfig` (AdamW for every non-projector weight).
-      mesh: a ``jax.sharding.Mesh`` with axes ``('data', 'stage')`` of sizes ``(W, P)``; see
-        :func:`make_mesh`.
-      total_steps: length of the learning-rate schedules.
-      variant: ``ddp`` or ``b-sdp`` (blocks per stage masked on ``data``).
-      coverage: ``C`` (B-SDP); the stage's ``L / P`` blocks times ``C`` must be whole.
-      scheme, mask_seed, allow_nonuniform: the mask recipe (:class:`sdp_jax.masks.MaskRecipe`).
-      batch_per_worker: sequences per worker per step (for the microbatch check).
-
-    Raises:
-      ValueError: a bad combination (names the value and the fix), before anything is compiled.
+      pipe: :class:`PipelineConfig` (``stages`` = the mesh's ``stage`` size).
+      d_model, vocab_size: the model's width and vocabulary.
+      embed: ``(kept, x int32 [b, T]) -> h [b, T, d]`` (compute dtype): the first stage's input.
+      head: ``(kept, h [b, T, d], y int32 [b, T]) -> float32`` mean loss: the last stage's.
     """
 
-    def __init__(self, model: LlamaConfig, pipe: PipelineConfig, optim: ts.OptimConfig, mesh,
-                 total_steps: int, *, variant: str = "ddp", coverage: float = 1.0,
-                 scheme: str = "cyclic", mask_seed: int = 0, allow_nonuniform: bool = False,
-                 batch_per_worker: int | None = None):
-        if tuple(mesh.axis_names) != (DATA, STAGE):
-            raise ValueError(f"mesh axes {mesh.axis_names} must be ('data', 'stage'); use "
-                             "sdp_jax.pipeline.make_mesh.")
-        W, Pn = mesh.shape[DATA], mesh.shape[STAGE]
-        if Pn != pipe.stages:
-            raise ValueError(f"the mesh has {Pn} stages but pipeline.stages={pipe.stages}.")
-        if variant not in PIPE_VARIANTS:
-            raise ValueError(f"sdp.variant={variant!r} is not built with a pipeline; use one of "
-                             f"{', '.join(PIPE_VARIANTS)} (or pipeline.stages=1).")
-        if variant == "ddp" and coverage != 1.0:
-            raise ValueError(f"sdp.coverage={coverage} with variant ddp; DDP holds every block "
-                             "(coverage 1), use b-sdp for C < 1.")
-        pipe.check(model, batch_per_worker or pipe.microbatches)
-        self.model, self.pipe, self.optim, self.mesh = model, pipe, optim, mesh
-        self.W, self.P, self.total_steps = W, Pn, total_steps
-        self.Lp = model.n_layers // Pn
-        self.recipe = masks_lib.MaskRecipe(scheme, W, self.Lp, coverage, mask_seed,
-                                           allow_nonuniform)
-        self.mask = self.recipe.matrix()                          # [W, Lp], same in every stage
-        self.held = masks_lib.held_table(self.mask)               # [W, k]
-        self.k = self.held.shape[1]
-        self.counts = masks_lib.multiplicities(self.mask)         # [Lp]
-        self.first = np.argmax(self.mask, axis=0)                 # a holder of each block
-        self.first_slot = masks_lib.slot_table(self.mask)[self.first, np.arange(self.Lp)]
+    def __init__(self, pipe: PipelineConfig, d_model: int, vocab_size: int, embed, head):
+        self.pipe, self.d_model, self.vocab_size = pipe, d_model, vocab_size
+        self.embed, self.head = embed, head
         self.boundary = Boundary(pipe)
-        graph_model = nnx.eval_shape(lambda: Llama(model, nnx.Rngs(0)))
-        self._block = block_apply_fn(graph_model)
-        self._onehot = np.zeros((W, self.k, self.Lp), np.float32)
-        for w in range(W):
-            self._onehot[w, np.arange(self.k), self.held[w]] = 1.0
-        self.tx = self._optimizer()
-        self._train = None
-        self._eval = None
 
-    # ---- layouts -------------------------------------------------------------------------
-
-    def _specs(self, params):
-        def spec(path, _):
-            top = str(getattr(path[0], "key", path[0]))
-            return P(DATA, STAGE) if top == "blocks" else P()
-        return jax.tree_util.tree_map_with_path(spec, params)
-
-    def shardings(self, tree_specs):
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), tree_specs,
-                            is_leaf=lambda x: isinstance(x, P))
-
-    def _labels(self, params):
-        def label(path, _):
-            keys = [str(getattr(k, "key", k)) for k in path]
-            if any(FROZEN in k for k in keys):
-                return FROZEN
-            if any(stiefel.PROJECTOR in k for k in keys):
-                return stiefel.PROJECTOR
-            return stiefel.OTHER
-        return jax.tree_util.tree_map_with_path(label, params)
-
-    def _optimizer(self):
-        def decay(params):  # no decay on norm scales and boundary parameters
-            return jax.tree_util.tree_map_with_path(
-                lambda path, _: not any(n in str(getattr(k, "key", k)) for k in path
-                                        for n in ("norm", "boundary")), params)
-        adamw = ts.make_optimizer(self.optim, self.total_steps, decay_mask=decay)
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0, self.pipe.proj_lr, min(self.optim.warmup_steps, max(self.total_steps - 1, 0)),
-            max(self.total_steps, self.optim.warmup_steps + 1),
-            self.pipe.proj_lr * self.optim.min_lr_ratio)
-        proj = stiefel.stiefel_sgd(sched, self.pipe.proj_momentum, self.pipe.polar_steps)
-        return optax.partition({stiefel.PROJECTOR: proj, FROZEN: optax.set_to_zero(),
-                                stiefel.OTHER: adamw}, self._labels)
-
-    def full_to_compact(self, full: dict) -> dict:
-        """``{kept, blocks [L, ...], boundary}`` -> the training layout: blocks become
-        ``[W, P, k, ...]`` (worker ``w`` stage ``s`` slot ``j`` = block ``s*L/P + held[w, j]``)."""
-        def compact(x):
-            x = x.reshape((self.P, self.Lp) + x.shape[1:])
-            return jnp.stack([x[:, self.held[w]] for w in range(self.W)])
-        return {**full, "blocks": jax.tree.map(compact, full["blocks"])}
-
-    def compact_to_full(self, params: dict) -> dict:
-        """Inverse of :meth:`full_to_compact`: every block from one of its holders (holders
-        agree), ``[L, ...]``."""
-        def full(x):
-            x = x[self.first, :, self.first_slot]                 # [Lp, P, ...]
-            x = jnp.swapaxes(x, 0, 1)
-            return x.reshape((self.P * self.Lp,) + x.shape[2:])
-        return {**params, "blocks": jax.tree.map(full, params["blocks"])}
-
-    def init_full(self, seed: int) -> dict:
-        """Full parameters ``{kept: {embed, final_norm, lm_head}, blocks: [L, ...], boundary}``
-        (float32), the model initialized as :class:`sdp_jax.models.llama.Llama`."""
-        model = Llama(self.model, nnx.Rngs(seed))
-        p = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        kept = {"embed": p["embed"], "final_norm": p["final_norm"]}
-        if "lm_head" in p:
-            kept["lm_head"] = p["lm_head"]
-        bnd = init_boundary(jax.random.key(seed + 104729), self.model, self.pipe)
-        return {"kept": kept, "blocks": p["blocks"], "boundary": bnd}
-
-    def init_state(self, seed: int) -> dict:
-        """``{params, opt_state, step}`` placed on the mesh (blocks compact, the rest
-        replicated)."""
-        params = self.full_to_compact(self.init_full(seed))
-        params = jax.device_put(params, self.shardings(self._specs(params)))
-        opt_state = jax.jit(self.tx.init)(params)
-        return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
-
-    def abstract_state(self) -> Any:
-        """Shapes, dtypes and shardings of :meth:`init_state` (for checkpoint restore)."""
-        def build():
-            params = self.full_to_compact(self.init_full(0))
-            return {"params": params, "opt_state": self.tx.init(params),
-                    "step": jnp.zeros((), jnp.int32)}
-        shapes = jax.eval_shape(build)
-        p_sh = self.shardings(self._specs(shapes["params"]))
-        out = jax.jit(build, out_shardings={"params": p_sh, "opt_state": None,
-                                            "step": NamedSharding(self.mesh, P())})
-        return out.eval_shape()
-
-    # ---- the model -----------------------------------------------------------------------
-
-    def _run_blocks(self, blocks, h):
-        h, _ = lax.scan(lambda x, bp: (self._block(bp, x), None), h, blocks)
-        return h
-
-    def _head_loss(self, kept, h, y):
-        h = _rms(h, kept["final_norm"]["scale"], self.model.norm_eps)
-        w = kept["embed"].T if self.model.tie_embeddings else kept["lm_head"]
-        return next_token_loss(h @ w, y)
-
-    def reference_loss(self, full: dict, tokens) -> jax.Array:
-        """The same model on one device, stage after stage (no pipeline): mean next-token loss
-        in nats of ``tokens`` int32 [B, T + 1] (plus the RVQ codebook and commitment terms when
-        quantized) under full parameters (:meth:`init_full`
-        layout; ``blocks`` may also be one worker's subnetwork ``[P * k, ...]``, k per stage).
-        The pipelined steps must agree with it."""
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        h = jnp.take(full["kept"]["embed"], x, axis=0)
-        per_stage = jax.tree.leaves(full["blocks"])[0].shape[0] // self.P
-        bnd, aux = full["boundary"], 0.0
-        for s in range(self.P):
-            lo = s * per_stage
-            sl = jax.tree.map(lambda a, lo=lo: a[lo:lo + per_stage], full["blocks"])
-            h = self._run_blocks(sl, h)
-            if s < self.P - 1:
-                c = self.boundary.encode(bnd, s, h, x)
-                if self.pipe.quantized:
-                    c, _, a = self.boundary.quantize(bnd, s, c)
-                    aux = aux + a
-                h = self.boundary.decode(bnd, s, c, x)
-        return self._head_loss(full["kept"], h, y) + aux
-
-    def _pipe_loss(self, params, tokens, lead: int):
-        """Inside ``shard_map``: this device's stage of the GPipe schedule. ``lead`` = leading
-        block axes of size 1 to drop (2 for the compact layout, 1 for full blocks)."""
-        kept, bnd = params["kept"], params["boundary"]
-        blocks = jax.tree.map(lambda a: a.reshape(a.shape[lead:]), params["blocks"])
-        Pn, M = self.P, self.pipe.microbatches
+    def loss(self, kept: dict, tokens, run):
+        """``(loss, aux)`` of this worker's batch ``tokens`` int32 ``[b, T + 1]``: the mean
+        next-token loss (nats/token, float32, the same on every stage), plus in training with
+        RVQ the codebook and commitment terms (mean over microbatches, summed over
+        boundaries), which ``aux["rvq_loss"]`` reports; ``aux["train_loss"]`` is then the
+        next-token loss alone, as evaluation returns it. ``kept`` holds the always-kept leaves and
+        ``boundary`` (:func:`init_boundary`)."""
+        Pn, M = self.pipe.stages, self.pipe.microbatches
+        bnd, bd = kept.get("boundary", {}), self.boundary
         s = lax.axis_index(STAGE)
         x, y = tokens[:, :-1], tokens[:, 1:]
         b, T = x.shape
         xs = x.reshape(M, b // M, T)
-        width = self.pipe.width(self.model.d_model)
+        dtype = self.embed(kept, xs[0, :, :1]).dtype
         send_tok = self.pipe.compressed and self.pipe.anchor_rank > 0
-        id_dtype = token_id_dtype(self.model.vocab_size)
+        id_dtype = token_id_dtype(self.vocab_size)
         perm = [(i, i + 1) for i in range(Pn - 1)]
         enc_i = jnp.clip(s, 0, max(Pn - 2, 0))
         dec_i = jnp.clip(s - 1, 0, max(Pn - 2, 0))
         vary = (DATA, STAGE)
-        init = (lax.pcast(jnp.zeros((b // M, T, width), jnp.float32), vary, to="varying"),
+        init = (lax.pcast(jnp.zeros((b // M, T, self.pipe.width(self.d_model)), dtype), vary,
+                          to="varying"),
                 lax.pcast(jnp.zeros((b // M, T), id_dtype), vary, to="varying"))
         quant = self.pipe.quantized
 
@@ -483,7 +334,7 @@ class PipelineStep:
         @jax.custom_vjp
         def send_codes(q, codes, cb):
             del q
-            return self.boundary.lookup(cb, lax.ppermute(codes, STAGE, perm))
+            return bd.lookup(cb, lax.ppermute(codes, STAGE, perm)).astype(dtype)
 
         def send_fwd(q, codes, cb):
             return send_codes(q, codes, cb), cb
@@ -498,16 +349,17 @@ class PipelineStep:
             tok0 = xs[jnp.minimum(t, M - 1)]
             first = s == 0
             tok = jnp.where(first, tok0, recv_tok.astype(jnp.int32)) if send_tok else tok0
-            h_in = jnp.where(first, jnp.take(kept["embed"], tok0, axis=0),
-                             self.boundary.decode(bnd, dec_i, recv, tok))
-            h = self._run_blocks(blocks, h_in)
+            h_in = jnp.where(first, self.embed(kept, tok0),
+                             bd.decode(bnd, dec_i, recv, tok).astype(dtype))
+            h = run(h_in)
             aux = jnp.zeros((), jnp.float32)
             if Pn > 1:
-                c = self.boundary.encode(bnd, enc_i, h, tok)
+                c = bd.encode(bnd, enc_i, h, tok).astype(dtype)
                 if quant:
-                    q, codes, aux = self.boundary.quantize(bnd, enc_i, c)
+                    q, codes, aux = bd.quantize(bnd, enc_i, c)
                     recv = send_codes(q, codes, bnd["rvq_codebook"][dec_i])
-                    aux = jnp.where((t >= s) & (t - s < M) & (s < Pn - 1), aux, 0.0)
+                    aux = jnp.where((t >= s) & (t - s < M) & (s < Pn - 1),
+                                    aux.astype(jnp.float32), 0.0)
                 else:
                     recv = lax.ppermute(c, STAGE, perm)
                 if send_tok:
@@ -516,142 +368,87 @@ class PipelineStep:
 
         _, (hs, auxs) = lax.scan(tick, init, jnp.arange(M + Pn - 1))
         out = hs[Pn - 1:].reshape(b, T, -1)                       # the last stage's outputs
-        lm = jnp.where(s == Pn - 1, self._head_loss(kept, out, y), 0.0)
-        # RVQ codebook + commitment terms: mean over microbatches, summed over boundaries
-        aux = jnp.sum(auxs) / M if quant else jnp.zeros((), jnp.float32)
-        lm, aux = (lax.pmean(lax.psum(v, STAGE), DATA) for v in (lm, aux))
-        return lm + aux, lm
+        lm = jnp.where(s == Pn - 1, self.head(kept, out, y), 0.0)
+        lm = lax.psum(lm, STAGE)
+        if not quant or not getattr(run, "train", True):   # evaluation: next-token loss
+            return lm, {}
+        aux = lax.psum(jnp.sum(auxs) / M, STAGE)
+        return lm + aux, {"rvq_loss": aux, "train_loss": lm}
 
-    def pipelined_loss_fn(self, compact: bool = True):
-        """``(params, tokens [W*b, T+1] int32) -> (training loss, next-token loss)`` (float32
-        scalars, nats per token; they differ by the RVQ codebook and commitment terms) of the
-        GPipe schedule on the mesh; ``compact``: params in the training layout, else full
-        blocks ``[L, ...]`` (the full model, as evaluated)."""
-        def fn(params, tokens):
-            if not compact:
-                params = {**params, "blocks": jax.tree.map(
-                    lambda a: a.reshape((self.P, self.Lp) + a.shape[1:]), params["blocks"])}
-            specs = self._specs(params)
-            if not compact:
-                specs = {**specs, "blocks": jax.tree.map(lambda _: P(STAGE), specs["blocks"],
-                                                         is_leaf=lambda x: isinstance(x, P))}
-            return jax.shard_map(lambda p, t: self._pipe_loss(p, t, 2 if compact else 1),
-                                 mesh=self.mesh, in_specs=(specs, P(DATA)),
-                                 out_specs=(P(), P()))(
-                params, tokens)
-        return fn
 
-    # ---- averaging, clipping, the step -----------------------------------------------------
+def optimizer(pipe: PipelineConfig, optim, total_steps: int) -> optax.GradientTransformation:
+    """The optimizer of a pipelined run: AdamW (or SGD) from ``optim``
+    (:class:`sdp_jax.train_step.OptimConfig`) for every weight but the boundary projectors, no
+    weight decay on norm scales and boundary parameters; :func:`sdp_jax.stiefel.stiefel_sgd`
+    (warm-up and cosine decay to ``pipe.proj_lr * optim.min_lr_ratio``) for ``stiefel_A``;
+    no update for ``frozen*`` leaves. Leaves are routed by name (:func:`projector_key`)."""
+    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
 
-    def average_block_grads(self, g):
-        """Holder mean of compact block gradients ``[W, P, k, ...]`` of the global mean loss.
+    def names(path):
+        return [str(getattr(k, "key", k)) for k in path]
 
-        Worker ``w``'s own gradient is ``W * g[w]`` (the loss is a mean over workers), so the
-        mean over the ``m_l`` holders of block ``l`` is ``W / m_l * sum_{w holds l} g[w]``: a
-        masked sum over ``data`` divided by the count (DESIGN.md invariant 2). Returns the
-        compact averaged gradient and the full one ``[P, Lp, ...]`` (each block once)."""
-        scale = jnp.asarray(self.W / self.counts, jnp.float32)
+    def label(params):
+        def one(path, _):
+            keys = names(path)
+            if any(FROZEN in k for k in keys):
+                return FROZEN
+            return stiefel.PROJECTOR if any(stiefel.PROJECTOR in k for k in keys) \
+                else stiefel.OTHER
+        return jax.tree_util.tree_map_with_path(one, params)
 
-        def one(x):
-            full = jnp.einsum("wkl,wpk...->pl...", self._onehot, x)
-            full = full * scale.reshape((1, -1) + (1,) * (full.ndim - 2))
-            return jnp.einsum("wkl,pl...->wpk...", self._onehot, full), full
-        pairs = jax.tree.map(one, g)
-        is_pair = lambda t: isinstance(t, tuple)
-        return (jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair),
-                jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair))
+    def decay(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not any(n in k for k in names(path) for n in ("norm", "boundary")),
+            params)
+    adamw = ts.make_optimizer(optim, total_steps, decay_mask=decay)
+    sched = optax.warmup_cosine_decay_schedule(
+        0.0, pipe.proj_lr, min(optim.warmup_steps, max(total_steps - 1, 0)),
+        max(total_steps, optim.warmup_steps + 1), pipe.proj_lr * optim.min_lr_ratio)
+    proj = stiefel.stiefel_sgd(sched, pipe.proj_momentum, pipe.polar_steps)
+    return optax.partition({stiefel.PROJECTOR: proj, FROZEN: optax.set_to_zero(),
+                            stiefel.OTHER: adamw}, label)
 
-    def grads(self, params, tokens):
-        """``(loss, grads, norm)``: the training loss (:meth:`reference_loss`'s), the averaged
-        gradients (training layout) of the pipelined step and their global norm with each
-        block counted once."""
-        (loss, _), g = jax.value_and_grad(self.pipelined_loss_fn(), has_aux=True)(params, tokens)
-        return (loss, *self._average(g))
 
-    def _average(self, g):
-        blocks, full = self.average_block_grads(g["blocks"])
-        g = {**g, "blocks": blocks}
-        once = {"kept": g["kept"], "blocks": full,
-                "boundary": {k: v for k, v in g["boundary"].items() if FROZEN not in k}}
-        return g, optax.tree.norm(once)
+_KEPT = ("embed", "final_norm", "lm_head")
 
-    def _step(self, state, tokens):
-        (loss, lm), g = jax.value_and_grad(self.pipelined_loss_fn(), has_aux=True)(
-            state["params"], tokens)
-        g, norm = self._average(g)
-        g = sync.clip_to(g, norm, self.optim.grad_clip)
-        updates, opt_state = self.tx.update(g, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"train_loss": lm, "grad_norm": norm,
-                   "lr": ts.lr_schedule(self.optim, self.total_steps)(state["step"])}
-        if self.pipe.quantized:
-            metrics["rvq_loss"] = loss - lm
-        if self.pipe.compressed:
-            metrics["ortho_err"] = stiefel.orthogonality_error(
-                params["boundary"][self.boundary.key])
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    def batch_sharding(self):
-        return NamedSharding(self.mesh, P(DATA))
+def legacy_layout(tree, to_old: bool):
+    """A train state (or its abstract form) in the layout that pipelined checkpoints had before
+    the pipeline became the loss of the one step (``to_old``: parameters
+    ``{kept: {embed, final_norm, lm_head}, blocks, boundary}``, in the optimizer state too), or
+    back (``to_old=False``). Block and boundary leaves are unchanged."""
+    if isinstance(tree, dict):
+        tree = {k: legacy_layout(v, to_old) for k, v in tree.items()}
+        if to_old and "blocks" in tree and "embed" in tree:
+            tree["kept"] = {k: tree.pop(k) for k in _KEPT if k in tree}
+            tree.setdefault("boundary", {})   # method none stored an empty boundary
+        elif not to_old and "blocks" in tree and isinstance(tree.get("kept"), dict):
+            tree.update(tree.pop("kept"))
+            if tree.get("boundary") == {}:
+                del tree["boundary"]
+        return tree
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*[legacy_layout(v, to_old) for v in tree])
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(legacy_layout(v, to_old) for v in tree)
+    return tree
 
-    def train_step_fn(self, sync_now: bool = True):
-        """Jitted ``(state, tokens int32 [W*b, T+1]) -> (state, metrics)``; the state is donated.
-        Metrics: ``train_loss`` (next-token loss, nats/token), ``grad_norm``, ``lr``;
-        ``ortho_err`` (max |A^T A - I| over the boundaries) when compressed; ``rvq_loss`` (the
-        codebook and commitment terms, also minimized) with RVQ."""
-        if self._train is None:
-            self._train = jax.jit(self._step, donate_argnums=0)
-        return self._train
 
-    def eval_loss_fn(self):
-        """Jitted ``(params, tokens) -> next-token loss`` (nats/token) of the full model (every
-        block, through the pipeline and its compressed boundaries)."""
-        if self._eval is None:
-            fn = self.pipelined_loss_fn(compact=False)
-            self._eval = jax.jit(lambda p, t: fn(self.compact_to_full(p), t)[1])
-        return self._eval
+def boundary_param_count(model: LlamaConfig, pipe: PipelineConfig) -> int:
+    """Elements of the boundary parameters (projectors, anchors, codebooks; frozen ones
+    included), stored on every device."""
+    shapes = jax.eval_shape(lambda: init_boundary(jax.random.key(0), model, pipe))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
-    def compiled_train_step(self, batch):
-        """The train step lowered and compiled for abstract inputs: ``batch`` a
-        ``jax.ShapeDtypeStruct`` of the int32 tokens ``(W * b, T + 1)``."""
-        tok = jax.ShapeDtypeStruct(batch.shape, jnp.int32, sharding=self.batch_sharding())
-        return self.train_step_fn().lower(self.abstract_state(), tok).compile()
 
-    # The interface of sdp_jax.step.SDPStep that the training loop uses.
-    def eval_step_fn(self):
-        return self.eval_loss_fn()
-
-    def is_sync_step(self, step: int) -> bool:  # gradients are averaged every step
-        return True
-
-    def codebook_sync_bytes(self) -> int:
-        """RVQ codebook bytes a boundary's receiver must get per step to decode like its
-        sender: the codebooks change every step (``levels * K * r`` float32), 0 without RVQ.
-        (Here both stages hold the codebook and apply the same update from the all-reduced
-        gradient; a deployment that keeps it on the sender would send this.)"""
-        if not self.pipe.quantized:
-            return 0
-        return 4 * self.pipe.rvq_levels * self.pipe.rvq_codebook * self.pipe.width(
-            self.model.d_model)
-
-    def boundary_bytes(self, compiled, batch_per_worker: int, seq_len: int) -> dict:
-        """:func:`boundary_bytes` of this step's compiled program, codebook sync included."""
-        return boundary_bytes(compiled, tokens_per_worker=batch_per_worker * seq_len,
-                              stages=self.P, codebook_bytes=self.codebook_sync_bytes())
-
-    def boundary_param_count(self) -> int:
-        """Elements of the boundary parameters (projectors, anchors, codebooks; frozen ones
-        included), stored on every device."""
-        shapes = jax.eval_shape(lambda: init_boundary(jax.random.key(0), self.model, self.pipe))
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-
-    def per_device_param_count(self) -> int:
-        """Parameters stored on one device: its stage's ``k`` blocks (compact), plus the
-        replicated embedding, head and boundary parameters."""
-        shapes = jax.eval_shape(lambda: self.full_to_compact(self.init_full(0)))
-        n = sum(math.prod(x.shape[2:]) for x in jax.tree.leaves(shapes["blocks"]))
-        rest = {k: v for k, v in shapes.items() if k != "blocks"}
-        return n + sum(math.prod(x.shape) for x in jax.tree.leaves(rest))
+def codebook_sync_bytes(model: LlamaConfig, pipe: PipelineConfig) -> int:
+    """RVQ codebook bytes a boundary's receiver must get per step to decode like its sender:
+    the codebooks change every step (``levels * K * r`` float32), 0 without RVQ. (Here both
+    stages hold the codebook and apply the same update from the averaged gradient; a deployment
+    that keeps it on the sender would send this.)"""
+    if not pipe.quantized:
+        return 0
+    return 4 * pipe.rvq_levels * pipe.rvq_codebook * pipe.width(model.d_model)
 
 
 def token_id_dtype(vocab_size: int):
@@ -685,11 +482,11 @@ def boundary_bytes(compiled, *, tokens_per_worker: int, stages: int,
     activations; their loop trip counts included; :mod:`sdp_jax.comm`).
 
     Args:
-      compiled: the compiled train step (:meth:`PipelineStep.compiled_train_step`).
+      compiled: the compiled train step (:meth:`sdp_jax.step.SDPStep.compiled_train_step`).
       tokens_per_worker: tokens one worker processes per step (``b * T``).
       stages: ``P``.
       codebook_bytes: RVQ codebook synchronization per boundary per step (bytes; counted, not
-        read from the program: see :meth:`PipelineStep.codebook_sync_bytes`).
+        read from the program: see :func:`codebook_sync_bytes`).
 
     Returns:
       ``{"per_boundary": bytes one boundary carries per step for one worker (forward payload,

@@ -46,6 +46,16 @@ State layout, per stored leaf (mesh axis ``data``, ``W`` workers):
 
 Mixed precision (``dtype="bfloat16"``): compute and FSDP gathers in bf16; master parameters,
 optimizer state and gradient averaging in float32.
+
+Pipeline stages: on a mesh ``('data', 'stage')`` of ``W x P`` devices the spec describes one
+stage (its ``L / P`` blocks; the same masks in every stage) and every leaf of the block subtree
+gains a stage axis split over ``stage`` (``[W, P, k, ...]`` for ``C``, ``[P, L / P, ...]`` for
+``R``, ``[P, ...]`` rows for ``S``), so device ``(w, s)`` stores worker ``w``'s part of stage
+``s``'s blocks; always-kept leaves are replicated over ``stage``. Inside ``shard_map`` the step
+drops the stage axis, and everything above (averaging over ``data``, FSDP, remat, dtype) runs per
+stage; the loss (block-runner form) runs the schedule, e.g. :class:`sdp_jax.pipeline.Pipeline`,
+and must return the same value on every stage. The gradient norm sums the stages' blocks once
+(:func:`sdp_jax.sync.sum_parts`).
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 
 AXIS = sync.AXIS
+STAGE = "stage"   # the pipeline axis (sdp_jax.pipeline)
 AVERAGING = ("gradients", "parameters")
 REMAT = ("none", "full", "dots")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
@@ -136,7 +147,8 @@ class SDPStep:
       total_steps: the run's length, for :meth:`is_sync_step` (the last step averages).
       unroll: unroll the block scan (XLA counts a loop body's FLOPs once; same results).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the aux values are averaged over workers
-        and reported as metrics.
+        and reported as metrics (an aux ``train_loss`` replaces the loss's value there, e.g.
+        the next-token loss of a loss with auxiliary terms).
       state_spec: the spec of non-gradient model state (e.g. BatchNorm running statistics,
         masked like the layers they belong to; built with the same variant, W and masks as
         ``spec``). ``loss_fn(params, batch, state)`` then returns ``(loss, new_state)`` (with
@@ -148,13 +160,23 @@ class SDPStep:
         worker's slots itself (e.g. :mod:`sdp_jax.models.vision`; the held block ids are
         ``spec.kinds[kind].held[sync.worker_index()]``). Model state is averaged every
         step, also between the averaging steps of ``averaging="parameters"``.
+      param_metrics: ``params -> {name: float32 scalar}`` of the worker's updated parameters
+        (stored form without the worker and stage axes), reported as metrics (mean over
+        workers; with a pipeline each value must be the same on every stage), e.g. the
+        boundary projectors' orthogonality error. Not with FSDP.
 
     Raises:
       ValueError: the mesh's ``data`` size differs from ``W`` or too few devices; a bad
-        ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat`` or ``dtype``;
+        ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat`` or ``dtype``; a
+        ``stage`` axis without ``block_fn``, or with model state or ``stacked_slots``;
+        ``param_metrics`` with FSDP;
         parameter averaging with backward masking or FSDP; FSDP or remat without ``block_fn``;
         ``block_fn`` without a stacked block subtree, or with a masked leaf outside it.
     """
+
+    # Earlier checkpoint layouts of the same run: pairs (current abstract state -> that
+    # layout's, restored state -> current) that sdp_jax.loop.restore_or_init tries in turn.
+    legacy: tuple = ()
 
     def __init__(self, spec: spec_lib.SDPSpec, loss_fn: Callable, optimizer, mesh=None, *,
                  block_fn: Callable | None = None, grad_clip: float = 0.0,
@@ -162,9 +184,20 @@ class SDPStep:
                  fsdp: bool = False, remat: str = "none", dtype: str | None = None,
                  schedule: Callable | None = None, init_fn: Callable | None = None,
                  total_steps: int | None = None, unroll: bool = False, has_aux: bool = False,
-                 state_spec: spec_lib.SDPSpec | None = None, stacked_slots: bool = False):
+                 state_spec: spec_lib.SDPSpec | None = None, stacked_slots: bool = False,
+                 param_metrics: Callable | None = None):
         mesh = self._check(spec, mesh, block_fn, grad_clip, method, averaging, sync_every, fsdp,
                            remat, dtype)
+        self.staged = STAGE in mesh.axis_names
+        self.stages = int(mesh.shape[STAGE]) if self.staged else 1
+        if self.staged and (state_spec is not None or stacked_slots):
+            raise ValueError("a mesh axis 'stage' (pipeline) is built for a stacked block stack "
+                             "run by the block runner; model state (state_spec) and "
+                             "stacked_slots are not: drop the 'stage' axis or them.")
+        if param_metrics is not None and fsdp:
+            raise ValueError("param_metrics reads the worker's parameters, which FSDP stores as "
+                             "shards; drop param_metrics or fsdp.")
+        self.param_metrics = param_metrics
         if state_spec is not None:
             same = (state_spec.variant == spec.variant and state_spec.workers == spec.workers
                     and all(np.array_equal(t.masks, spec.kinds[k].masks)
@@ -189,6 +222,8 @@ class SDPStep:
         self.total_steps = total_steps
         self.layout = lay = layout_lib.of(spec)
         self.prefix = spec.block_path if block_fn is not None else None
+        self.full_shapes = {p: ((self.stages * sh[0],) + tuple(sh[1:]) if self._staged(p)
+                                else sh) for p, sh in spec.shapes.items()}
         self._rows = self._row_tables() if fsdp else {}
 
         def code(sp, which):
@@ -259,6 +294,10 @@ class SDPStep:
             raise ValueError("periodic parameter averaging needs per-worker copies of the "
                              "parameters, but FSDP stores one sharded copy: use "
                              "averaging=gradients with fsdp, or fsdp=False.")
+        if STAGE in mesh.axis_names and block_fn is None:
+            raise ValueError("a mesh axis 'stage' (pipeline) runs the blocks stage by stage: pass "
+                             "block_fn and a pipelined loss_fn(params, batch, run) (e.g. "
+                             "sdp_jax.pipeline.Pipeline.loss), or drop the 'stage' axis.")
         for name, on in (("fsdp", fsdp), ("remat", remat != "none")):
             if on and block_fn is None:
                 raise ValueError(f"{name} works block by block inside the block runner: pass "
@@ -282,6 +321,44 @@ class SDPStep:
     # ------------------------------------------------------------------ layout
     def _in_block(self, p) -> bool:
         return self.prefix is not None and p[:len(self.prefix)] == self.prefix
+
+    def _staged(self, p) -> bool:
+        """Whether leaf ``p`` is split over the pipeline axis (its stage's blocks only)."""
+        return self.staged and self._in_block(p)
+
+    # A leaf split over ``stage`` carries a stage axis at the position of STAGE in its
+    # PartitionSpec; inside shard_map the step drops it (each device sees its stage's blocks,
+    # the spec's L / P) and puts it back on the way out.
+    def _unstage(self, tree, specs):
+        if not self.staged:
+            return tree
+        return jax.tree.map(lambda s, x: jnp.squeeze(x, tuple(s).index(STAGE))
+                            if STAGE in tuple(s) else x, specs, tree, is_leaf=_is_spec)
+
+    def _restage(self, tree, specs):
+        if not self.staged:
+            return tree
+        return jax.tree.map(lambda s, x: jnp.expand_dims(x, tuple(s).index(STAGE))
+                            if STAGE in tuple(s) else x, specs, tree, is_leaf=_is_spec)
+
+    def _take(self, tree, stage: int, specs):
+        """Stage ``stage`` of a stored tree (numpy or jax leaves); others unchanged."""
+        return jax.tree.map(lambda s, x: x[(slice(None),) * tuple(s).index(STAGE) + (stage,)]
+                            if STAGE in tuple(s) else x, specs, tree, is_leaf=_is_spec)
+
+    def _per_stage(self, fn, tree, specs, out_specs):
+        """``fn`` (on one stage's tree, as without a pipeline) applied per stage and the
+        results stacked on the stage axes of ``out_specs``."""
+        if not self.staged:
+            return fn(tree)
+        return self._stack([fn(self._take(tree, s, specs)) for s in range(self.stages)],
+                           out_specs)
+
+    @staticmethod
+    def _stack(parts: list, specs):
+        """Per-stage trees stacked on the stage axes of ``specs`` (other leaves: stage 0's)."""
+        return jax.tree.map(lambda s, *xs: jnp.stack(xs, tuple(s).index(STAGE))
+                            if STAGE in tuple(s) else xs[0], specs, *parts, is_leaf=_is_spec)
 
     def _row_tables(self) -> dict:
         """FSDP: the rows view of every leaf (:class:`sdp_jax.sync.HolderTables`; None for a
@@ -314,13 +391,18 @@ class SDPStep:
         for p, c in codes.items():
             if c == "S":
                 shape = self._shard_shape(p)
-                specs[p] = P(*([None] * (len(shape) - 1) + [AXIS]))
+                axes = [None] * (len(shape) - 1) + [AXIS]
             else:
                 base = lay.stored_shapes.get(p, self.spec.shapes.get(p))
                 if c == "R" and p in self.spec.shapes:
                     base = self.spec.shapes[p]
                 shape = ((W,) if c in ("C", "Rw") else ()) + tuple(base)
-                specs[p] = P() if c == "R" else P(AXIS)
+                axes = [] if c == "R" else [AXIS]
+            if self._staged(p):   # [W, P, ...] for C / Rw, [P, ...] for R / S
+                i = 1 if c in ("C", "Rw") else 0
+                shape = shape[:i] + (self.stages,) + shape[i:]
+                axes = axes[:i] + [STAGE] + axes[i:]
+            specs[p] = P(*axes)
             shapes[p] = jax.ShapeDtypeStruct(shape, lay.dtype(p),
                                              sharding=NamedSharding(self.mesh, specs[p]))
         return _unflatten(specs), _unflatten(shapes)
@@ -358,14 +440,12 @@ class SDPStep:
 
     def per_device_param_count(self) -> int:
         """Parameter elements stored per device (compact where the layout is compact; a 1/W
-        shard under FSDP, padding included)."""
-        W = self.spec.workers
+        shard under FSDP, padding included; with a pipeline, the device's stage's blocks)."""
         total = 0
-        for p, s in _flatten(self.param_shapes).items():
-            c = self.param_layout[p]
-            total += np.prod(s.shape) // W if c == "S" else np.prod(
-                s.shape[1:] if c != "R" else s.shape)
-        return int(total)
+        for s in jax.tree.leaves(self.param_shapes):
+            split = np.prod([self.mesh.shape[a] for a in s.sharding.spec if a is not None])
+            total += int(np.prod(s.shape)) // int(split)
+        return total
 
     # ------------------------------------------------------------------ FSDP rows
     def _rows_len(self, p) -> int:
@@ -391,6 +471,19 @@ class SDPStep:
     def _store(self, full) -> dict:
         """Full parameters -> the stored parameter layout (nested dict)."""
         flat = _flatten(spec_lib.pure_tree(full))
+        if not self.staged:
+            return self._store_stage(flat)
+        parts = []
+        for s in range(self.stages):   # stage s: blocks [s * L / P, (s + 1) * L / P)
+            part = {}
+            for p, x in flat.items():
+                n = self.spec.shapes[p][0] if self._staged(p) else None
+                part[p] = x[s * n:(s + 1) * n] if n is not None else x
+            parts.append(self._store_stage(part))
+        return self._stack(parts, self.param_specs)
+
+    def _store_stage(self, flat: dict) -> dict:
+        """One stage's full parameters (flat; the whole model without a pipeline) -> stored."""
         if self.fsdp:
             return _unflatten({p: self._to_shards(p, x) for p, x in flat.items()})
         if self.spec.backward:
@@ -432,11 +525,14 @@ class SDPStep:
             make = lambda: spec_lib.pure_tree(make_both()[0])  # noqa: E731
             full_state = lambda: spec_lib.pure_tree(make_both()[1])  # noqa: E731
         got = spec_lib.flat_shapes(jax.eval_shape(lambda: spec_lib.pure_tree(make())))
-        if got != self.spec.shapes:
-            diff = sorted(set(got.items()) ^ set(self.spec.shapes.items()), key=str)[:2]
+        if got != self.full_shapes:
+            diff = sorted(set(got.items()) ^ set(self.full_shapes.items()), key=str)[:2]
             raise ValueError(f"the parameters differ from the ones the spec was built from "
                              f"({diff}); build the spec from this model, or init from the "
-                             "model the spec describes.")
+                             "model the spec describes"
+                             + (f" (with a pipeline the spec describes one of the {self.stages}"
+                                " stages: sdp_jax.train_step.make_plan(..., pipe=pipe))."
+                                if self.staged else "."))
         out = self.shardings(self.param_specs)
         if traced:
             params = jax.jit(lambda: self._store(make()), out_shardings=out)()
@@ -447,7 +543,8 @@ class SDPStep:
         def opt_init(params):
             compact = params
             if self.spec.backward and not self.fsdp:
-                compact = self.layout.stored(params)
+                compact = self._per_stage(self.layout.stored, params, self.param_specs,
+                                          self.compact_specs)
             return self.optimizer.init(compact)
         opt_state = jax.jit(opt_init, out_shardings=self.shardings(self.opt_specs))(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
@@ -475,7 +572,18 @@ class SDPStep:
         ``params``; gathers the whole model to this host (one process)."""
         if isinstance(params, dict) and "opt_state" in params:
             params = params["params"]
-        flat = {p: np.asarray(jax.device_get(x)) for p, x in _flatten(params).items()}
+        params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
+        if not self.staged:
+            return self._full_stage(params)
+        parts = [_flatten(self._full_stage(self._take(params, s, self.param_specs)))
+                 for s in range(self.stages)]
+        return _unflatten({p: np.concatenate([q[p] for q in parts]) if self._staged(p)
+                           else parts[0][p] for p in parts[0]})
+
+    def _full_stage(self, params) -> dict:
+        """:meth:`full_params` of one stage's stored parameters (the whole model without a
+        pipeline)."""
+        flat = _flatten(params)
         if self.fsdp:
             return _unflatten({p: np.asarray(self._from_shards(p, x)) for p, x in flat.items()})
         if self.spec.backward:
@@ -719,13 +827,14 @@ class SDPStep:
 
     def _local_step(self, state, batch, sync_now: bool):
         spec, lay = self.spec, self.layout
+        state = self._unstage(state, self.state_specs)
         loss, aux, grads, local, new_stats = self._local_grads(state["params"], batch,
                                                                state.get("stats"))
         if self.fsdp:   # every element of the averaged gradient lives on one device
             gnorm = jnp.sqrt(sync.shards_sq_norm(grads, AXIS))
         elif self.periodic:   # each worker on its own gradient: the norm of its subnetwork
-            gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
-                                 for g in grads.values()))
+            gnorm = jnp.sqrt(sync.sum_parts([jnp.sum(jnp.square(g.astype(jnp.float32)))
+                                             for g in grads.values()], AXIS, False))
         else:
             grads = self._average(grads)
             gnorm = sync.global_norm(_unflatten(grads), spec)
@@ -747,14 +856,22 @@ class SDPStep:
             params = _unflatten(new)
         if self.periodic:
             gnorm = jax.lax.pmean(gnorm, AXIS)
+        if self.staged and STAGE in (sync.varying_axes(loss) or ()):
+            raise ValueError("with a mesh axis 'stage' the loss must be the same on every stage "
+                             "(e.g. psum the last stage's loss over 'stage', as "
+                             "sdp_jax.pipeline.Pipeline.loss does).")
         metrics = {"train_loss": jax.lax.pmean(loss, AXIS), "grad_norm": gnorm,
                    **{k: jax.lax.pmean(v, AXIS) for k, v in aux.items()}}
         if self.schedule is not None:
             metrics["lr"] = self.schedule(state["step"])
+        if self.param_metrics is not None:
+            mine = _unflatten(self._strip(params))
+            metrics.update({k: jax.lax.pmean(v, AXIS)
+                            for k, v in self.param_metrics(mine).items()})
         out = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         if self.state_spec is not None:
             out["stats"] = self._new_state(new_stats)
-        return out, metrics
+        return self._restage(out, self.state_specs), metrics
 
     def train_step_fn(self, sync_now: bool = True):
         """Jitted ``(state, batch) -> (state, metrics)``; ``batch`` is a pytree of arrays whose
@@ -791,10 +908,12 @@ class SDPStep:
                 or (self.total_steps is not None and step == self.total_steps))
 
     def _averaged_grads(self, params, batch):
+        params = self._unstage(params, self.param_specs)
         loss, _, g, _, _ = self._local_grads(params, batch)
         if not self.fsdp:
             g = self._average(g)
-        return jax.lax.pmean(loss, AXIS), self._lead(g, self.compact_layout)
+        return (jax.lax.pmean(loss, AXIS),
+                self._restage(self._lead(g, self.compact_layout), self.compact_specs))
 
     def grads_fn(self):
         """Jitted ``(params, batch) -> (loss, averaged gradient)``, the gradient in the
@@ -856,10 +975,11 @@ class SDPStep:
         (:func:`sdp_jax.sync.gather_full`), in the stored dtypes. Not under FSDP.
 
         Raises:
-          ValueError: under FSDP (use :meth:`eval_step_fn`, which streams the blocks)."""
-        if self.fsdp:
+          ValueError: under FSDP or with a pipeline (use :meth:`eval_step_fn`, which streams
+            the blocks)."""
+        if self.fsdp or self.staged:
             raise ValueError("gather() would hold the whole model on every device; under FSDP "
-                             "use eval_step_fn, which gathers one block at a time.")
+                             "or with a pipeline use eval_step_fn, which streams the blocks.")
         if self.spec.backward:
             full = _unflatten(_flatten(params))
             return full, (None if stats is None else _unflatten(_flatten(stats)))
@@ -871,6 +991,7 @@ class SDPStep:
         return full, sync.gather_full(_unflatten(flat), self.state_spec)
 
     def _local_eval(self, params, batch):
+        params = self._unstage(params, self.param_specs)
         if self.fsdp:
             out = self._fsdp_loss(params, batch, train=False)
         elif self.block_fn is None:
@@ -922,6 +1043,10 @@ class SDPStep:
                                in_specs=(self.param_specs, P(AXIS)), out_specs=P())
             self._eval_step = jax.jit(fn)
         return self._eval_step
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
 
 
 def _is_module(x) -> bool:

@@ -68,10 +68,12 @@ def measure_bytes(config) -> dict:
     from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
 
     spec = trainer.resolve(config, jax.device_count())
-    builder = trainer.pipeline_step(config, spec, pl.make_mesh(spec.workers, spec.pipe.stages))
+    builder = trainer.make_step(config, spec, trainer.make_mesh(spec))
     compiled = builder.compiled_train_step(
         jax.ShapeDtypeStruct((spec.global_batch, config.seq_len + 1), np.int32))
-    return builder.boundary_bytes(compiled, config.batch_per_worker, config.seq_len)
+    return pl.boundary_bytes(compiled, tokens_per_worker=config.batch_per_worker * config.seq_len,
+                             stages=spec.pipe.stages,
+                             codebook_bytes=pl.codebook_sync_bytes(spec.model, spec.pipe))
 
 
 def aggregate(rows: list[dict]) -> list[dict]:

@@ -51,6 +51,16 @@ def to_varying(tree: Any, axis: str = AXIS) -> Any:
     return jax.tree.map(lambda x: lax.pvary(x, axis), tree)  # older JAX
 
 
+def zeros_varying(shape, dtype, like, axis: str = AXIS) -> jax.Array:
+    """Zeros (an accumulator) varying over ``axis`` and every mesh axis ``like`` varies over
+    (e.g. the pipeline axis ``stage``), so that a loop carry keeps one type."""
+    axes = {axis} | set(varying_axes(like) or ())
+    z = jnp.zeros(shape, dtype)
+    if hasattr(lax, "pcast"):
+        return lax.pcast(z, tuple(sorted(axes)), to="varying")
+    return lax.pvary(z, tuple(sorted(axes)))  # older JAX
+
+
 def worker_index(axis: str = AXIS):
     """This device's worker index along ``axis`` (int32 scalar)."""
     return lax.axis_index(axis)
@@ -374,7 +384,7 @@ def holder_shards(tree: dict, tables: dict, axis: str = AXIS,
                 for p in paths]
         widths = [x.shape[-1] for x in rows]
         c, steps = _loop_plan(t, W * sum(widths) * jnp.dtype(dt).itemsize, step_bytes)
-        acc = to_varying(jnp.zeros((t.groups, t.size, sum(widths)), dt), axis)
+        acc = zeros_varying((t.groups, t.size, sum(widths)), dt, rows[0], axis)
 
         def body(i, acc, t=t, rows=rows, c=c):
             l, j0 = _step_position(t, i, c)
@@ -454,8 +464,27 @@ def all_gather_invariant(x: jax.Array, axis: str = AXIS) -> jax.Array:
 def shards_sq_norm(shards: dict, axis: str = AXIS) -> jax.Array:
     """Squared L2 norm of shard-layout values: every element lives on exactly one device, so the
     psum counts each component once (DESIGN.md invariant 6). float32 scalar, invariant."""
-    local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in shards.values())
-    return lax.psum(jnp.float32(local), axis)
+    return sum_parts([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in shards.values()],
+                     axis, True)
+
+
+def sum_parts(parts: list, axis: str = AXIS, over_axis: bool = True) -> jax.Array:
+    """Sum of float32 scalars ``parts`` (e.g. squared norms of leaves), each counted once: a
+    part that varies over another mesh axis than ``axis`` (the pipeline axis ``stage``, whose
+    devices hold different blocks) is summed over that axis; ``over_axis``: also over ``axis``
+    (parts that differ between workers, each counted once). Returns a float32 scalar, invariant
+    over ``axis`` when ``over_axis`` and over every other axis."""
+    groups: dict[tuple, Any] = {}
+    for v in parts:
+        v = jnp.asarray(v, jnp.float32)
+        vma = varying_axes(v) or ()
+        extra = tuple(sorted(a for a in vma if a != axis))
+        groups[extra] = groups.get(extra, jnp.float32(0.0)) + v
+    total = jnp.float32(0.0)
+    for extra, v in groups.items():
+        names = ((axis,) if over_axis else ()) + extra
+        total = total + (lax.psum(v, names) if names else v)
+    return total
 
 
 # ---------------------------------------------------------------- FSDP gathers (differentiable)
@@ -485,7 +514,7 @@ def _gather_rows_bwd(r, dtype, res, ct):
         g = lax.psum_scatter(pad_last(ct, W * shape[-1]), AXIS,
                              scatter_dimension=ct.ndim - 1, tiled=True)
     else:
-        g = rows_to_owners(to_varying(jnp.zeros(shape, ct.dtype)), ct, idx, AXIS)
+        g = rows_to_owners(zeros_varying(shape, ct.dtype, ct), ct, idx, AXIS)
     return g, None, None
 
 
@@ -622,9 +651,20 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [out[p] for p in flat])
 
 
+def varying_axes(x) -> frozenset | None:
+    """The mesh axes over which ``x`` (inside ``jax.shard_map``) may differ between devices,
+    or None when this JAX does not say (``aval.vma``; ``aval.manual_axis_type.varying`` in
+    jax 0.10)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return None if vma is None else frozenset(vma)
+
+
 def _varying(x, axis: str) -> bool:
     """Whether ``x`` may differ between the workers of ``axis`` (True when JAX does not say)."""
-    vma = getattr(jax.typeof(x), "vma", None)
+    vma = varying_axes(x)
     return True if vma is None else axis in vma
 
 
@@ -719,27 +759,23 @@ def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> j
       by ``1 / m`` (multiplicity) and one psum adds them up.
     """
     flat = spec_lib.flatten(tree)
-    sq = jnp.float32(0.0)
     if not compact:
-        for x in flat.values():
-            sq = sq + jnp.sum(jnp.square(x.astype(jnp.float32)))
-        return jnp.sqrt(sq)
+        return jnp.sqrt(sum_parts([jnp.sum(jnp.square(x.astype(jnp.float32)))
+                                   for x in flat.values()], axis, False))
     lay = layout_lib.of(spec)
     _check_compact(flat, lay)
     my = worker_index(axis)
-    local = []
+    kept, local = [], []
     for lp, x in flat.items():
         x2 = jnp.square(x.astype(jnp.float32))
         if lp in lay.leaves and lay.leaves[lp].form == layout_lib.KEPT:
-            sq = sq + jnp.sum(x2)
+            kept.append(jnp.sum(x2))
             continue
         inv = jnp.asarray(lay.inverse_counts(lp))[my]   # per component: sum first, no full temp
         per = jnp.sum(x2, axis=tuple(i for i, n in enumerate(inv.shape) if n == 1),
                       keepdims=True)
         local.append(jnp.sum(per * inv))
-    if local:
-        sq = sq + lax.psum(sum(local), axis)
-    return jnp.sqrt(sq)
+    return jnp.sqrt(sum_parts(kept, axis, False) + sum_parts(local, axis, True))
 
 
 def clip_by_global_norm(tree: Any, spec, max_norm: float, *, compact: bool = True,

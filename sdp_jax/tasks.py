@@ -56,12 +56,23 @@ class LanguageModel:
         """The full model's parameters from ``seed`` (nested dict of float32 arrays)."""
         return nnx.to_pure_dict(nnx.state(Llama(self.cfg, nnx.Rngs(seed)), nnx.Param))
 
-    def _head_model(self, kept: dict, dtype):
+    def _head_model(self, kept: dict):
         """The model with an empty block stack: it serves the embedding and the head; the
-        step's runner applies the blocks."""
+        step's runner applies the blocks. Leaves of ``kept`` that are not the model's (a
+        pipeline's ``boundary``) are left out."""
+        dtype = kept["embed"].dtype
         empty = jax.tree.map(lambda s: jnp.zeros((0,) + s.shape[1:], dtype),
                              self.shapes[BLOCK_KEY])
-        return nnx.merge(self.graphdef, {**kept, BLOCK_KEY: empty})
+        own = {k: v for k, v in kept.items() if k in self.shapes}
+        return nnx.merge(self.graphdef, {**own, BLOCK_KEY: empty})
+
+    def embed(self, kept: dict, x):
+        """Token ids int32 ``[b, T]`` -> residual stream ``[b, T, d]`` (``kept``'s dtype)."""
+        return self._head_model(kept).embed_tokens(x)
+
+    def head(self, kept: dict, h, targets):
+        """Mean next-token loss (nats/token, float32) of the residual stream ``h``."""
+        return next_token_loss(self._head_model(kept).logits(h), targets)
 
     def loss(self, kept: dict, tokens, run: step_lib.Runner):
         """Next-token loss (nats/token, float32) of embedding -> ``run`` -> head.
@@ -69,8 +80,7 @@ class LanguageModel:
         Under activation checkpointing the sequence is cut into up to ``LOSS_CHUNKS`` equal
         pieces whose logits ``[b, T / pieces, V]`` are recomputed in the backward pass instead
         of stored (with a large vocabulary the logits are the largest activation)."""
-        dtype = kept["embed"].dtype
-        model = self._head_model(kept, dtype)
+        model = self._head_model(kept)
         h = run(model.embed_tokens(tokens[:, :-1]))
         targets = tokens[:, 1:]
         T = h.shape[1]
@@ -95,10 +105,19 @@ class LanguageModel:
 def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
                         total_steps: int, *, averaging: str = "gradients", sync_every: int = 1,
                         method: str = "auto", fsdp: bool = False, remat: str = "none",
-                        dtype: str = "float32", unroll: bool = False) -> step_lib.SDPStep:
+                        dtype: str = "float32", unroll: bool = False,
+                        pipe=None) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a LLaMA run: AdamW (or SGD) with warm-up and cosine
     decay from ``optim`` (:class:`sdp_jax.train_step.OptimConfig`), clipping at
     ``optim.grad_clip``, ``init_state(seed)`` from the model's initializer.
+
+    With ``pipe`` (:class:`sdp_jax.pipeline.PipelineConfig`, ``stages > 1``) the loss is the
+    GPipe schedule over the mesh axis ``stage`` (``mesh`` from
+    :func:`sdp_jax.pipeline.make_mesh`; ``spec`` the spec of one stage with the boundary
+    parameters, :func:`sdp_jax.train_step.make_plan` with ``pipe``); the parameters gain
+    ``boundary`` (:func:`sdp_jax.pipeline.init_boundary`), the optimizer routes the projectors
+    (:func:`sdp_jax.pipeline.optimizer`), and the metrics gain ``ortho_err`` (max |A^T A - I|
+    over the boundaries) when compressed and ``rvq_loss`` with RVQ (also in ``train_loss``).
 
     Raises:
       ValueError: ``method`` not one of ``auto``, ``alltoall``, ``reference``; and everything
@@ -109,12 +128,38 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
         raise ValueError(f"method={method!r}; use one of {', '.join(METHODS)} "
                          "(--config.sdp.method).")
     task = LanguageModel(cfg)
-    return step_lib.SDPStep(
-        spec, task.loss, ts.make_optimizer(optim, total_steps), mesh, block_fn=task.block,
-        grad_clip=optim.grad_clip, method=METHODS[method], averaging=averaging,
-        sync_every=sync_every, fsdp=fsdp, remat=remat, dtype=dtype,
-        schedule=ts.lr_schedule(optim, total_steps), init_fn=task.init,
-        total_steps=total_steps, unroll=unroll)
+    kw = dict(block_fn=task.block, grad_clip=optim.grad_clip, method=METHODS[method],
+              averaging=averaging, sync_every=sync_every, fsdp=fsdp, remat=remat, dtype=dtype,
+              schedule=ts.lr_schedule(optim, total_steps), total_steps=total_steps,
+              unroll=unroll)
+    stages = 1 if pipe is None else pipe.stages
+    got = 1 if mesh is None else int(dict(mesh.shape).get("stage", 1))
+    if got != stages or spec.n_blocks != cfg.n_layers // stages:
+        raise ValueError(f"pipeline.stages={stages} needs a mesh axis 'stage' of that size "
+                         "(sdp_jax.pipeline.make_mesh) and the spec of one stage "
+                         f"(train_step.make_plan(..., pipe=pipe)); got a 'stage' axis of {got} "
+                         f"and a spec of {spec.n_blocks} of the {cfg.n_layers} blocks.")
+    if stages == 1:
+        return step_lib.SDPStep(spec, task.loss, ts.make_optimizer(optim, total_steps), mesh,
+                                init_fn=task.init, **kw)
+    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+    from sdp_jax import stiefel  # pylint: disable=g-import-not-at-top
+    pipe.check(cfg, fsdp=fsdp, average=averaging)
+    sched = pl.Pipeline(pipe, cfg.d_model, cfg.vocab_size, task.embed, task.head)
+
+    def init(seed):   # the boundary's seed as the pipeline has always drawn it
+        return {**task.init(seed),
+                "boundary": pl.init_boundary(jax.random.key(seed + 104729), cfg, pipe)}
+
+    def ortho(params):
+        return {"ortho_err": stiefel.orthogonality_error(
+            params["boundary"][pl.projector_key(pipe.method)])}
+    step = step_lib.SDPStep(spec, sched.loss, pl.optimizer(pipe, optim, total_steps), mesh,
+                            init_fn=init, has_aux=True,
+                            param_metrics=ortho if pipe.compressed else None, **kw)
+    step.pipeline = sched
+    step.legacy = ((lambda t: pl.legacy_layout(t, True), lambda t: pl.legacy_layout(t, False)),)
+    return step
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,7 +183,7 @@ def vision_rules(cfg: vm.VisionConfig, *, blocks: bool = True, stats: bool = Fal
 
 def vision_spec(cfg: vm.VisionConfig, variant: str, workers: int, coverage: float,
                 scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False,
-                stage_blocks: tuple = ()) -> spec_lib.SDPSpec:
+                stage_blocks: tuple = (), allow_disconnected: bool = True) -> spec_lib.SDPSpec:
     """The spec of a vision model's parameters.
 
     Block variants hold ``k_s`` blocks of stage ``s`` (:func:`sdp_jax.spec.stage_balance`:
@@ -149,17 +194,19 @@ def vision_spec(cfg: vm.VisionConfig, variant: str, workers: int, coverage: floa
 
     Raises:
       ValueError: what :func:`sdp_jax.spec.build` refuses, prefixed with the model's name
-        (unknown variant, ``C`` not realizable for a stage or kind, bad ``stage_blocks``).
+        (unknown variant, ``C`` not realizable for a stage or kind, bad ``stage_blocks``, a
+        disconnected mask graph unless ``allow_disconnected``: True by default, for specs built
+        to inspect; runs pass the config's ``sdp.allow_disconnected``).
     """
     return _vision_build(cfg, False, variant, workers, coverage, scheme, seed,
-                         allow_nonuniform, stage_blocks)
+                         allow_nonuniform, stage_blocks, allow_disconnected)
 
 
 def vision_stats_spec(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec) -> spec_lib.SDPSpec:
     """The spec of the BatchNorm running statistics (an empty spec for a model without
     BatchNorm), built from the parameters' spec's arguments, so that its masks are the same."""
     stats = _vision_build(cfg, True, spec.variant, spec.workers, spec.coverage, spec.scheme,
-                          spec.seed, spec.allow_nonuniform, spec.stage_blocks)
+                          spec.seed, spec.allow_nonuniform, spec.stage_blocks, True)
     if stats is None:   # no BatchNorm (Swin): an empty state, as vision checkpoints store it
         return spec_lib.SDPSpec({}, spec.variant, spec.workers, spec.coverage, spec.scheme,
                                 spec.seed, spec.allow_nonuniform)
@@ -171,7 +218,7 @@ def vision_stats_spec(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec) -> spec_lib.
 
 
 def _vision_build(cfg, stats, variant, workers, coverage, scheme, seed, allow_nonuniform,
-                  stage_blocks):
+                  stage_blocks, allow_disconnected):
     model = nnx.eval_shape(lambda: vm.build(cfg))
     tree = model.batch_stats() if stats else model.params()
     if not tree:
@@ -184,7 +231,8 @@ def _vision_build(cfg, stats, variant, workers, coverage, scheme, seed, allow_no
         return spec_lib.build(tree, vision_rules(cfg, blocks=variant != "ddp", stats=stats),
                               variant, workers, coverage, scheme=scheme, seed=seed,
                               allow_nonuniform=allow_nonuniform, names=names,
-                              allow_disconnected=True, stage_blocks=tuple(stage_blocks or ()),
+                              allow_disconnected=allow_disconnected,
+                              stage_blocks=tuple(stage_blocks or ()),
                               stage_balanced=True)
     except ValueError as e:
         raise ValueError(f"{cfg.name}: {e}") from None

@@ -92,16 +92,30 @@ def make_optimizer(optim: OptimConfig, total_steps: int,
 
 def make_plan(variant: str, cfg: LlamaConfig, workers: int, coverage: float,
               scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False,
-              allow_disconnected: bool = False) -> SDPSpec:
+              allow_disconnected: bool = False, pipe=None) -> SDPSpec:
     """The :class:`sdp_jax.spec.SDPSpec` of a LLaMA model for a variant (DDP: all-ones block
     mask), from the model's declared rules (:func:`sdp_jax.models.llama.sdp_rules`).
 
+    With ``pipe`` (:class:`sdp_jax.pipeline.PipelineConfig`, ``stages = P > 1``): the spec of
+    one pipeline stage, whose ``L / P`` blocks carry the same masks in every stage, and the
+    always-kept boundary parameters (:func:`sdp_jax.pipeline.init_boundary`).
+
     Raises:
       ValueError: unknown variant, a coverage not realizable for a component kind, or a
-        disconnected mask graph (unless ``allow_disconnected``).
+        disconnected mask graph (unless ``allow_disconnected``); ``P`` not dividing ``L``.
     """
-    shapes = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
-    return spec_lib.build(shapes, sdp_rules(cfg), variant, workers, coverage, scheme=scheme,
+    tree = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+    if pipe is not None and pipe.stages > 1:
+        from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+        if cfg.n_layers % pipe.stages:
+            raise ValueError(f"pipeline.stages={pipe.stages} does not divide "
+                             f"model.n_layers={cfg.n_layers}; choose a divisor of it.")
+        stage = dataclasses.replace(cfg, n_layers=cfg.n_layers // pipe.stages)
+        tree = {**nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Llama(stage, nnx.Rngs(0))),
+                                             nnx.Param)),
+                "boundary": jax.eval_shape(lambda: pl.init_boundary(jax.random.key(0), cfg,
+                                                                    pipe))}
+    return spec_lib.build(tree, sdp_rules(cfg), variant, workers, coverage, scheme=scheme,
                           seed=seed, allow_nonuniform=allow_nonuniform, names=SDP_NAMES,
                           allow_disconnected=allow_disconnected)
 

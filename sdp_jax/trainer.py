@@ -3,8 +3,8 @@
 ``train(config, workdir)`` is what ``python train.py`` runs for a language model. It validates
 everything it can before any compute (variant, coverage, worker count, data files, config
 compatibility with an existing checkpoint), builds the mesh and the step
-(:class:`sdp_jax.step.SDPStep`, or :class:`sdp_jax.pipeline.PipelineStep` with
-``pipeline.stages > 1``), and hands them to the shared loop :mod:`sdp_jax.loop` (checkpoints,
+(:class:`sdp_jax.step.SDPStep`; with ``pipeline.stages > 1`` its loss is the GPipe schedule of
+:mod:`sdp_jax.pipeline`), and hands them to the shared loop :mod:`sdp_jax.loop` (checkpoints,
 progress, ``metrics.jsonl``, signals, ``summary.json``).
 """
 
@@ -62,9 +62,10 @@ def resolve(config, device_count: int) -> RunSpec:
     if config.seq_len > model.max_seq_len:
         raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
                          f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
+    loop.check_step_fields(config)
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
     if pipe.stages > 1:
-        _check_pipeline(config, pipe, model, device_count)
+        pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
         workers = config.workers or max(device_count // pipe.stages, 1)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"config.workers={config.workers!r} must be a positive integer "
@@ -74,28 +75,15 @@ def resolve(config, device_count: int) -> RunSpec:
                              f"needed, {device_count} present; lower --config.workers or "
                              "--config.pipeline.stages (on a CPU, raise "
                              "--config.num_cpu_devices).")
-        plan_model = dataclasses.replace(model, n_layers=model.n_layers // pipe.stages)
     else:
         workers = loop.resolve_workers(config, device_count)
-        plan_model = model
     sdp = config.sdp
     if sdp.method not in tasks.METHODS:
         raise ValueError(f"config.sdp.method={sdp.method!r}; use one of "
                          f"{', '.join(tasks.METHODS)}.")
-    if not isinstance(config.fsdp, bool):
-        raise ValueError(f"config.fsdp={config.fsdp!r} must be True or False.")
-    if config.remat not in step_lib.REMAT:
-        raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(step_lib.REMAT)}.")
-    if config.dtype not in ts.DTYPES:
-        raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
-    if config.fsdp and sdp.average == "parameters":
-        raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, but "
-                         "--config.fsdp=True stores one sharded copy; use average=gradients "
-                         "or fsdp=False.")
-    loop.check_averaging(sdp)
     # With a pipeline the masks are over one stage's L / P blocks (the same in every stage).
-    plan = ts.make_plan(sdp.variant, plan_model, workers, sdp.coverage, sdp.scheme,
-                        sdp.mask_seed, sdp.allow_nonuniform, sdp.allow_disconnected)
+    plan = ts.make_plan(sdp.variant, model, workers, sdp.coverage, sdp.scheme,
+                        sdp.mask_seed, sdp.allow_nonuniform, sdp.allow_disconnected, pipe=pipe)
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
         total = ts.flop_matched_steps(config.steps, plan.coverage)
@@ -107,14 +95,23 @@ def resolve(config, device_count: int) -> RunSpec:
                    byte_level, pipe)
 
 
-def pipeline_step(config, spec: RunSpec, mesh) -> pl.PipelineStep:
-    """The :class:`sdp_jax.pipeline.PipelineStep` of a pipelined run config (``spec`` from
-    :func:`resolve`, ``mesh`` from :func:`sdp_jax.pipeline.make_mesh`)."""
-    sdp = config.sdp
-    return pl.PipelineStep(spec.model, spec.pipe, spec.optim, mesh, spec.total_steps,
-                           variant=sdp.variant, coverage=spec.plan.coverage, scheme=sdp.scheme,
-                           mask_seed=sdp.mask_seed, allow_nonuniform=sdp.allow_nonuniform,
-                           batch_per_worker=config.batch_per_worker)
+def make_step(config, spec: RunSpec, mesh) -> step_lib.SDPStep:
+    """The :class:`sdp_jax.step.SDPStep` of a run config (``spec`` from :func:`resolve`;
+    ``mesh`` ``('data',)``, or from :func:`sdp_jax.pipeline.make_mesh` when pipelined)."""
+    return tasks.language_model_step(
+        spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
+        averaging=config.sdp.average, sync_every=config.sdp.sync_every,
+        method=config.sdp.method, fsdp=config.fsdp, remat=config.remat, dtype=config.dtype,
+        pipe=spec.pipe)
+
+
+def make_mesh(spec: RunSpec):
+    """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of
+    ``W x P`` when pipelined."""
+    devices = jax.devices()[:spec.workers * spec.pipe.stages]
+    if spec.pipe.stages > 1:
+        return pl.make_mesh(spec.workers, spec.pipe.stages, devices)
+    return jax.make_mesh((spec.workers,), (ts.AXIS,), devices=devices)
 
 
 def check_workdir(config, workdir: str, spec: RunSpec | None = None) -> None:
@@ -138,27 +135,6 @@ def check_workdir(config, workdir: str, spec: RunSpec | None = None) -> None:
 
 def _meta(config, spec: RunSpec) -> dict:
     return {"config": loop.trajectory_config(config), "masks": spec.plan.record()}
-
-
-def _check_pipeline(config, pipe: pl.PipelineConfig, model: LlamaConfig,
-                    device_count: int) -> None:
-    """What a pipelined run (``pipeline.stages > 1``) cannot combine with, refused up front."""
-    pipe.check(model, config.batch_per_worker)
-    if config.sdp.variant not in pl.PIPE_VARIANTS:
-        raise ValueError(f"config.sdp.variant={config.sdp.variant!r} is not built with a "
-                         f"pipeline; use {' or '.join(pl.PIPE_VARIANTS)}, or "
-                         "--config.pipeline.stages=1.")
-    for name, ok, want in (("fsdp", False, "False"), ("remat", "none", "none"),
-                           ("dtype", "float32", "float32")):
-        if config[name] != ok:
-            raise ValueError(f"config.{name}={config[name]!r} is not built with a pipeline "
-                             f"(pipeline.stages={pipe.stages}); set --config.{name}={want}.")
-    if config.sdp.average != "gradients":
-        raise ValueError("config.sdp.average=parameters is not built with a pipeline; use "
-                         "--config.sdp.average=gradients.")
-    if config.sdp.method not in ("auto", "reference"):
-        raise ValueError(f"config.sdp.method={config.sdp.method!r}: a pipeline averages with "
-                         "the masked sum over data (reference); use auto.")
 
 
 # Config fields added after checkpoints were first written, with the value that older runs used.
@@ -185,11 +161,8 @@ def train(config, workdir: str) -> dict[str, Any]:
     spec = resolve(config, jax.device_count())
     loop.check_workdir_is_dir(workdir)
     W, T, pipe = spec.workers, config.seq_len, spec.pipe
-    devices = jax.devices()[:W * pipe.stages]
-    if pipe.stages > 1:
-        mesh = pl.make_mesh(W, pipe.stages, devices)
-    else:
-        mesh = jax.make_mesh((W,), (ts.AXIS,), devices=devices)
+    mesh = make_mesh(spec)
+    devices = list(mesh.devices.flat)
     mask_info = spec.plan.summary()
 
     # Data first: a bad path or a split too small fails here, before any compile.
@@ -205,13 +178,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     meta = _meta(config, spec)
     manager, latest = loop.open_checkpoints(config, workdir, meta, defaults=_ADDED_FIELDS)
 
-    if pipe.stages > 1:
-        builder = pipeline_step(config, spec, mesh)
-    else:
-        builder = tasks.language_model_step(
-            spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
-            averaging=config.sdp.average, sync_every=config.sdp.sync_every,
-            method=config.sdp.method, fsdp=config.fsdp, remat=config.remat, dtype=config.dtype)
+    builder = make_step(config, spec, mesh)
     counts = spec.model.param_count()
     loop.log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
              f"process(es)); {spec.plan.describe()}"
@@ -228,8 +195,8 @@ def train(config, workdir: str) -> dict[str, Any]:
                     f"{pipe.anchor_rank}" if pipe.compressed else "")
                  + (f", RVQ {pipe.rvq_levels} levels x {pipe.rvq_codebook} codes"
                     if pipe.quantized else "")
-                 + (f"; {builder.boundary_param_count():,} boundary parameters (not in the "
-                    "total below)" if pipe.compressed else ""))
+                 + (f"; {pl.boundary_param_count(spec.model, pipe):,} boundary parameters "
+                    "(not in the total below)" if pipe.compressed else ""))
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
                      for k, v in mask_info["kinds"].items())
     loop.log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
@@ -248,7 +215,9 @@ def train(config, workdir: str) -> dict[str, Any]:
              f"{loop.fmt_bytes(mem['peak_bytes_per_device'])} per device")
     boundary = None
     if pipe.stages > 1:
-        boundary = builder.boundary_bytes(step_fn, config.batch_per_worker, T)
+        boundary = pl.boundary_bytes(step_fn, tokens_per_worker=config.batch_per_worker * T,
+                                     stages=pipe.stages,
+                                     codebook_bytes=pl.codebook_sync_bytes(spec.model, pipe))
         loop.log(f"stage boundaries: {loop.fmt_bytes(boundary['per_boundary'])} per boundary "
                  f"per worker per step ({boundary['per_token']:.1f} bytes/token, forward and "
                  "backward, from the compiled program)")

@@ -64,21 +64,16 @@ def resolve(config, device_count: int) -> VisionRunSpec:
                                    "num_cpu_devices"),
                           ("eval_every", "eval_limit", "eval_bn_batches", "checkpoint_every",
                            "stop_at_step", "seed"))
-    if config.dtype not in ts.DTYPES:
-        raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
-    if config.remat not in ("none", "full"):
-        raise ValueError(f"config.remat={config.remat!r}; vision models take none or full "
-                         "(activation checkpointing of every block).")
+    loop.check_step_fields(config, remat=("none", "full"))
     workers = loop.resolve_workers(config, device_count)
     sdp = config.sdp
-    loop.check_averaging(sdp)
     stage_blocks = tuple(sdp.get("stage_blocks", ()) or ())
     if stage_blocks and sdp.variant not in ("b-sdp", "bb-sdp"):
         raise ValueError(f"config.sdp.stage_blocks={stage_blocks} applies to block variants "
                          f"(b-sdp, bb-sdp), not {sdp.variant}; leave it empty.")
     plan = tasks.vision_spec(model, sdp.variant, workers, sdp.coverage, sdp.scheme,
-                             sdp.mask_seed, sdp.allow_nonuniform, stage_blocks)
-    loop.check_mask_graph(plan, config)
+                             sdp.mask_seed, sdp.allow_nonuniform, stage_blocks,
+                             sdp.allow_disconnected)
     total = config.steps
     if config.flop_matched and sdp.variant != "ddp":
         total = ts.flop_matched_steps(config.steps, plan.coverage)

@@ -1,4 +1,5 @@
-"""Pipeline axis `stage` with compressed boundaries (MAPL): equivalences, bytes, orthogonality."""
+"""Pipeline axis `stage` with compressed boundaries (MAPL) through the one step: equivalences,
+compositions (N-SDP, FSDP, bf16, remat), bytes, orthogonality."""
 
 import json
 
@@ -11,32 +12,41 @@ from test_train_cli import tiny  # the tiny config with dotted overrides
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import pipeline as pl
-from sdp_jax import stiefel, study, trainer
+from sdp_jax import stiefel, study, tasks, trainer
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import Llama, LlamaConfig, next_token_loss
 
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, d_ff=64,
                   max_seq_len=32)
+CFG8 = LlamaConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, n_kv_heads=2, d_ff=64,
+                   max_seq_len=32)   # 4 blocks per stage: C = 1/2 on 4 workers stays connected
 T = 16
+ADAM = ts.OptimConfig(warmup_steps=0)
+# SGD with an active clip threshold for the 3-step equivalences (as tests/test_fsdp.py): the
+# clipping factor must come from the norm with every component counted once across the stages.
+SGD = ts.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.05, weight_decay=0.0)
 
 
-def _builder(method="none", ratio=4, workers=2, stages=2, variant="ddp", coverage=1.0,
-             cfg=CFG, anchor_rank=8, microbatches=2, rvq_levels=0):
-    pipe = pl.PipelineConfig(stages=stages, microbatches=microbatches, method=method,
+def _pipe(method="none", stages=2, microbatches=2, ratio=4, anchor_rank=8, rvq_levels=0):
+    return pl.PipelineConfig(stages=stages, microbatches=microbatches, method=method,
                              ratio=ratio, anchor_rank=anchor_rank, rvq_levels=rvq_levels,
                              rvq_codebook=16)
-    return pl.PipelineStep(cfg, pipe, ts.OptimConfig(warmup_steps=0), pl.make_mesh(workers, stages),
-                           20, variant=variant, coverage=coverage, batch_per_worker=4)
 
 
-def _tokens(b, batch=4, seed=1):
-    tok = jax.random.randint(jax.random.key(seed), (b.W * batch, T + 1), 0, b.model.vocab_size)
-    return tok, jax.device_put(tok, b.batch_sharding())
+def _step(method="none", ratio=4, workers=2, stages=2, variant="ddp", coverage=1.0, cfg=CFG,
+          anchor_rank=8, microbatches=2, rvq_levels=0, optim=ADAM, **kw):
+    pipe = _pipe(method, stages, microbatches, ratio, anchor_rank, rvq_levels)
+    plan = ts.make_plan(variant, cfg, workers, coverage, pipe=pipe)
+    st = tasks.language_model_step(cfg, plan, optim, pl.make_mesh(workers, stages), 20,
+                                   pipe=pipe, **kw)
+    st.cfg, st.pipe = cfg, pipe
+    return st
 
 
-def _placed(b, full):
-    params = b.full_to_compact(full)
-    return jax.device_put(params, b.shardings(b._specs(params)))
+def _tokens(st, batch=4, seed=1):
+    W = st.spec.workers
+    tok = jax.random.randint(jax.random.key(seed), (W * batch, T + 1), 0, st.cfg.vocab_size)
+    return tok, st.put_batch(tok)
 
 
 def _close(a, b, atol):
@@ -44,102 +54,223 @@ def _close(a, b, atol):
                                                          atol=atol, rtol=1e-4), a, b)
 
 
+def reference_loss(cfg, pipe, full, tokens):
+    """The oracle: the same model on one device, stage after stage (no schedule, no mesh):
+    mean next-token loss of ``tokens`` [B, T + 1] plus the RVQ terms. ``full["blocks"]`` may be
+    one worker's subnetwork ``[P * k, ...]`` (k per stage)."""
+    task, bd = tasks.LanguageModel(cfg), pl.Boundary(pipe)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    h = task.embed(full, x)
+    n = jax.tree.leaves(full["blocks"])[0].shape[0] // pipe.stages
+    bnd, aux = full.get("boundary", {}), 0.0
+    for s in range(pipe.stages):
+        for i in range(s * n, (s + 1) * n):
+            h = task.block(jax.tree.map(lambda a, i=i: a[i], full["blocks"]), h)
+        if s < pipe.stages - 1:
+            c = bd.encode(bnd, s, h, x)
+            if pipe.quantized:
+                c, _, a = bd.quantize(bnd, s, c)
+                aux = aux + a
+            h = bd.decode(bnd, s, c, x)
+    return task.head(full, h, y) + aux
+
+
+def _train(st, batches, full=None):
+    state = st.init(full) if full is not None else st.init_state(0)
+    losses = []
+    for x in batches:
+        state, m = st.train_step_fn()(state, x)
+        losses.append(float(m["train_loss"]))
+    return state, losses
+
+
+def _same_model(s1, st1, s2, st2, **kw):
+    f1, f2 = s1.full_params(st1), s2.full_params(st2)
+    for x, y in zip(jax.tree.leaves(f1), jax.tree.leaves(f2), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+
+
 def test_uncompressed_pipeline_equals_unpipelined_model():
-    b = _builder("none")
-    full = b.init_full(0)
-    tok, tok_d = _tokens(b)
-    model = Llama(CFG, nnx.Rngs(0))  # the same initialization as init_full(0)
+    st = _step("none")
+    tok, tok_d = _tokens(st)
+    model = Llama(CFG, nnx.Rngs(0))  # the same initialization as the step's init_state(0)
     graphdef, state = nnx.split(model, nnx.Param)
 
-    def model_loss(st):
-        return next_token_loss(nnx.merge(graphdef, st)(tok[:, :-1]), tok[:, 1:])
+    def model_loss(s):
+        return next_token_loss(nnx.merge(graphdef, s)(tok[:, :-1]), tok[:, 1:])
 
     want_loss, g = jax.jit(jax.value_and_grad(model_loss))(state)
-    g = nnx.to_pure_dict(g)
-    loss, grads, _ = jax.jit(b.grads)(_placed(b, full), tok_d)
+    params = st.init_state(0)["params"]
+    assert jax.tree.leaves(params["blocks"])[0].shape[:3] == (2, 2, 2)   # [W, P, k, ...]
+    loss, grads = st.grads_fn()(params, tok_d)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    got = b.compact_to_full(grads)
-    _close(got["blocks"], g["blocks"], 1e-6)
-    _close(got["kept"], {"embed": g["embed"], "final_norm": g["final_norm"],
-                         "lm_head": g["lm_head"]}, 1e-6)
+    _close(st.full_params(grads), nnx.to_pure_dict(g), 1e-6)
     # The full-model evaluation through the pipeline is the same model.
-    np.testing.assert_allclose(float(b.eval_loss_fn()(_placed(b, full), tok_d)),
-                               float(want_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(st.eval_step_fn()(params, tok_d)), float(want_loss),
+                               rtol=1e-5)
+
+
+def test_pipelined_ddp_equals_unpipelined_ddp_after_3_steps():
+    """The staged layout, the per-stage optimizer and the clipping norm summed over the stages
+    give the same trajectory as the step without a pipeline."""
+    plain = tasks.language_model_step(CFG, ts.make_plan("ddp", CFG, 2, 1.0), SGD,
+                                      jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]),
+                                      20)
+    piped = _step("none", optim=SGD)
+    tok = [jax.random.randint(jax.random.key(i), (8, T + 1), 0, 64) for i in range(3)]
+    s1, l1 = _train(plain, [plain.put_batch(t) for t in tok])
+    s2, l2 = _train(piped, [piped.put_batch(t) for t in tok])
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    _same_model(plain, s1, piped, s2, rtol=1e-4, atol=1e-6)
 
 
 def test_full_width_identity_projector_equals_uncompressed():
-    b = _builder("fixed", ratio=1)   # r = d
-    ref = _builder("none")
-    full = b.init_full(0)
+    st = _step("fixed", ratio=1)   # r = d
+    full = st.init_fn(0)
     bnd = dict(full["boundary"])
     bnd["frozen_A"] = jnp.broadcast_to(jnp.eye(CFG.d_model), bnd["frozen_A"].shape)
     bnd["anchor_embed"] = bnd["anchor_embed"] * 50  # anchors far from zero cancel exactly
     full = {**full, "boundary": bnd}
-    tok, tok_d = _tokens(b)
-    want = float(jax.jit(ref.reference_loss)({**full, "boundary": {}}, tok))
-    np.testing.assert_allclose(float(jax.jit(b.reference_loss)(full, tok)), want, rtol=1e-5)
-    loss, grads, _ = jax.jit(b.grads)(_placed(b, full), tok_d)
+    tok, tok_d = _tokens(st)
+    want = float(jax.jit(lambda f, t: reference_loss(CFG, _pipe("none"), f, t))(
+        {**full, "boundary": {}}, tok))
+    state = st.init(full)
+    loss, grads = st.grads_fn()(state["params"], tok_d)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-    # `fixed` never moves A: no gradient reaches it, and the optimizer routes it to set_to_zero
+    # `fixed` never moves A: no gradient reaches it, and the optimizer does not update it
     assert float(jnp.abs(grads["boundary"]["frozen_A"]).max()) == 0.0
-    assert b._labels(full)["boundary"]["frozen_A"] == pl.FROZEN
+    a0 = np.asarray(state["params"]["boundary"]["frozen_A"])
+    state, _ = st.train_step_fn()(state, tok_d)
+    np.testing.assert_array_equal(np.asarray(state["params"]["boundary"]["frozen_A"]), a0)
     # A compressed boundary (r < d) is not the identity: the check above can fail.
-    b4 = _builder("fixed", ratio=4)
-    assert abs(float(jax.jit(b4.reference_loss)(b4.init_full(0), tok)) - want) > 1e-4
+    p4 = _pipe("fixed", ratio=4)
+    f4 = {**full, "boundary": pl.init_boundary(jax.random.key(0), CFG, p4)}
+    assert abs(float(jax.jit(lambda f, t: reference_loss(CFG, p4, f, t))(f4, tok)) - want) > 1e-4
 
 
 @pytest.mark.parametrize("rvq_levels", [0, 2])
 def test_compressed_pipeline_forward_and_gradient_match_single_device(rvq_levels):
-    b = _builder("mapl", ratio=4, rvq_levels=rvq_levels)
-    full = b.init_full(0)
-    tok, tok_d = _tokens(b)
-    want_loss, want = jax.jit(jax.value_and_grad(b.reference_loss))(full, tok)
-    loss, grads, _ = jax.jit(b.grads)(_placed(b, full), tok_d)
+    st = _step("mapl", ratio=4, rvq_levels=rvq_levels)
+    full = st.init_fn(0)
+    tok, tok_d = _tokens(st)
+    want_loss, want = jax.jit(jax.value_and_grad(
+        lambda f, t: reference_loss(CFG, st.pipe, f, t)))(full, tok)
+    params = st.init(full)["params"]
+    loss, grads = st.grads_fn()(params, tok_d)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    got = b.compact_to_full(grads)
-    _close(got["kept"], want["kept"], 1e-6)
-    _close(got["blocks"], want["blocks"], 1e-6)
-    _close(got["boundary"]["stiefel_A"], want["boundary"]["stiefel_A"], 1e-6)
-    _close(got["boundary"]["anchor_embed"], want["boundary"]["anchor_embed"], 1e-6)
+    got = st.full_params(grads)
+    _close(got, want, 1e-6)
     if rvq_levels:  # codebooks are trained (codebook loss), and only codes travel forward
-        lm = float(b.eval_loss_fn()(_placed(b, full), tok_d))   # validation: next-token only
+        lm = float(st.eval_step_fn()(params, tok_d))   # validation: next-token only
         assert 0 < float(loss) - lm < 0.1
         assert float(jnp.abs(got["boundary"]["rvq_codebook"]).max()) > 0
-        _close(got["boundary"]["rvq_codebook"], want["boundary"]["rvq_codebook"], 1e-6)
     # every worker's copy of a block carries the same (averaged) gradient
     for leaf in jax.tree.leaves(grads["blocks"]):
         np.testing.assert_allclose(np.asarray(leaf[0]), np.asarray(leaf[1]), atol=1e-7)
 
 
 def test_block_sdp_pipeline_averages_over_holders():
-    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, n_kv_heads=2, d_ff=64,
-                      max_seq_len=32)
-    b = _builder("mapl", ratio=4, workers=4, variant="b-sdp", coverage=0.5, cfg=cfg)
-    assert b.k == 2 and list(b.counts) == [2, 2, 2, 2]
-    full = b.init_full(0)
-    compact = b.full_to_compact(full)
-    tok, tok_d = _tokens(b)
-    _, grads, _ = jax.jit(b.grads)(jax.device_put(compact, b.shardings(b._specs(compact))),
-                                   tok_d)
+    cfg = CFG8
+    st = _step("mapl", ratio=4, workers=4, variant="b-sdp", coverage=0.5, cfg=cfg)
+    bt = st.spec.kinds["block"]
+    held, Lp = bt.held, st.spec.n_blocks                      # the same masks in every stage
+    assert held.shape == (4, 2) and Lp == 4 and list(bt.counts) == [2, 2, 2, 2]
+    full = st.init_fn(0)
+    params = st.init(full)["params"]
+    tok, tok_d = _tokens(st)
+    _, grads = st.grads_fn()(params, tok_d)
     # Reference: each worker's subnetwork on its own quarter of the batch, on one device; a
     # block's gradient is the mean over its holders, always-kept ones the mean over workers.
-    ref_grad = jax.jit(jax.grad(b.reference_loss))
-    per = [ref_grad(
-        {**full, "blocks": jax.tree.map(lambda a, w=w: a[w].reshape((-1,) + a.shape[3:]),
-                                        compact["blocks"])}, tok[w * 4:(w + 1) * 4])
-        for w in range(4)]
-    want_embed = sum(p["kept"]["embed"] for p in per) / 4
-    np.testing.assert_allclose(np.asarray(grads["kept"]["embed"]), np.asarray(want_embed),
-                               atol=1e-6)
+    ref_grad = jax.jit(jax.grad(lambda f, t: reference_loss(cfg, st.pipe, f, t)))
+    per = [ref_grad({**full, "blocks": jax.tree.map(
+        lambda a, w=w: np.asarray(a[w]).reshape((-1,) + a.shape[3:]), params["blocks"])},
+        tok[w * 4:(w + 1) * 4]) for w in range(4)]
+    np.testing.assert_allclose(np.asarray(grads["embed"]),
+                               np.asarray(sum(p["embed"] for p in per) / 4), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(grads["boundary"]["stiefel_A"]),
+        np.asarray(sum(p["boundary"]["stiefel_A"] for p in per) / 4), atol=1e-6)
     wq = np.asarray(grads["blocks"]["attn"]["wq"])             # [W, P, k, ...]
     for s in range(2):
-        for l in range(b.Lp):
-            holders = [(w, int(np.flatnonzero(b.held[w] == l)[0])) for w in range(4)
-                       if l in b.held[w]]
-            want_l = sum(np.asarray(per[w]["blocks"]["attn"]["wq"][s * b.k + j])
+        for b in range(Lp):
+            holders = [(w, int(np.flatnonzero(held[w] == b)[0])) for w in range(4)
+                       if b in held[w]]
+            want_b = sum(np.asarray(per[w]["blocks"]["attn"]["wq"][s * 2 + j])
                          for w, j in holders) / len(holders)
             for w, j in holders:
-                np.testing.assert_allclose(wq[w, s, j], want_l, atol=1e-6)
+                np.testing.assert_allclose(wq[w, s, j], want_b, atol=1e-6)
+
+
+# The compositions that the pipeline builder refused before the one step (issue 12): each at
+# C = 1 equals DDP, and each with FSDP equals it without FSDP, after 3 steps.
+def _batches(st, n=3):
+    return [st.put_batch(jax.random.randint(jax.random.key(10 + i), (st.spec.workers * 2, T + 1),
+                                            0, 64)) for i in range(n)]
+
+
+@pytest.mark.parametrize("variant", ["n-sdp", "nb-sdp"])
+def test_pipeline_neuron_sdp_at_full_coverage_equals_ddp(variant):
+    ddp = _step("mapl", variant="ddp", optim=SGD)
+    nsdp = _step("mapl", variant=variant, coverage=1.0, optim=SGD)
+    assert "mlp" in nsdp.spec.kinds and "heads" in nsdp.spec.kinds
+    s1, l1 = _train(ddp, _batches(ddp))
+    s2, l2 = _train(nsdp, _batches(nsdp))
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    _same_model(ddp, s1, nsdp, s2, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["n-sdp", "b-sdp", "bb-sdp"])
+def test_pipeline_with_fsdp_equals_it_without_fsdp(variant):
+    kw = dict(variant=variant, coverage=0.5, workers=4, optim=SGD, cfg=CFG8)
+    plain, sharded = _step("none", **kw), _step("none", fsdp=True, **kw)
+    assert sharded.per_device_param_count() < plain.per_device_param_count()
+    s1, l1 = _train(plain, _batches(plain))
+    s2, l2 = _train(sharded, _batches(sharded))
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    _same_model(plain, s1, sharded, s2, rtol=1e-4, atol=1e-6)
+    x = _batches(plain, 1)[0]
+    np.testing.assert_allclose(float(sharded.eval_step_fn()(s2["params"], x)),
+                               float(plain.eval_step_fn()(s1["params"], x)), rtol=1e-5)
+
+
+def test_pipeline_bf16_remat_full_coverage_equals_ddp_and_fsdp_equals_plain():
+    kw = dict(optim=SGD, dtype="bfloat16", remat="full")
+    ddp = _step("none", variant="ddp", **kw)
+    full_b = _step("none", variant="b-sdp", coverage=1.0, **kw)
+    s1, l1 = _train(ddp, _batches(ddp))
+    s2, l2 = _train(full_b, _batches(full_b))
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    _same_model(ddp, s1, full_b, s2, rtol=1e-6, atol=1e-7)
+    # the program sends the payload (and its gradient) across the boundary in bf16 (XLA:CPU
+    # widens bf16 collectives to float32 when it compiles them, measured: so read the program)
+    tok = jax.ShapeDtypeStruct((4, T + 1), jnp.int32, sharding=ddp.batch_sharding())
+    text = ddp.train_step_fn().lower(ddp.abstract_state(), tok).as_text()
+    permutes = [ln for ln in text.splitlines() if "collective_permute" in ln]
+    assert len(permutes) == 2 and all("x32xbf16>" in ln for ln in permutes)
+    for leaf in jax.tree.leaves(s1["params"]) + jax.tree.leaves(s1["opt_state"]):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert leaf.dtype == jnp.float32   # float32 master state
+    kw.update(variant="b-sdp", coverage=0.5, workers=4, cfg=CFG8)
+    plain, sharded = _step("none", **kw), _step("none", fsdp=True, **kw)
+    s1, l1 = _train(plain, _batches(plain))
+    s2, l2 = _train(sharded, _batches(sharded))
+    np.testing.assert_allclose(l2, l1, rtol=1e-2)
+    _same_model(plain, s1, sharded, s2, rtol=2e-2, atol=2e-3)
+
+
+def test_pipeline_parameter_averaging_trains():
+    st = _step("unconstrained", variant="b-sdp", coverage=0.5, workers=4, cfg=CFG8,
+               optim=ts.OptimConfig(lr=1e-2, warmup_steps=0), averaging="parameters",
+               sync_every=2)
+    x = _batches(st, 1)[0]
+    state = st.init_state(0)
+    losses = []
+    for i in range(6):
+        state, m = st.train_step_fn(sync_now=st.is_sync_step(i + 1))(state, x)
+        losses.append(float(m["train_loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1
+    emb = np.asarray(state["params"]["embed"])     # per-worker copies [W, V, d], averaged
+    np.testing.assert_allclose(emb[0], emb[3], atol=1e-6)
 
 
 def test_boundary_bytes_of_compiled_step():
@@ -147,9 +278,10 @@ def test_boundary_bytes_of_compiled_step():
                       d_ff=64, max_seq_len=32)
     out = {}
     for method, rvq in (("none", 0), ("mapl", 0), ("rvq", 2)):
-        b = _builder("mapl" if rvq else method, ratio=4, cfg=cfg, rvq_levels=rvq)
-        c = b.compiled_train_step(jax.ShapeDtypeStruct((b.W * 4, T + 1), jnp.int32))
-        out[method] = b.boundary_bytes(c, 4, T)
+        st = _step("mapl" if rvq else method, ratio=4, cfg=cfg, rvq_levels=rvq)
+        c = st.compiled_train_step(jax.ShapeDtypeStruct((2 * 4, T + 1), jnp.int32))
+        out[method] = pl.boundary_bytes(c, tokens_per_worker=4 * T, stages=2,
+                                        codebook_bytes=pl.codebook_sync_bytes(cfg, st.pipe))
     ticks = (2 + 2 - 1) / 2   # (M + P - 1) / M transfers per microbatch
     # uncompressed: d float32 forward and d float32 gradients back per token
     assert out["none"]["per_token"] == pytest.approx(2 * 64 * 4 * ticks)
@@ -165,15 +297,15 @@ def test_boundary_bytes_of_compiled_step():
 def test_projectors_orthogonality_by_method():
     errs = {}
     for method in ("mapl", "unconstrained"):
-        b = _builder(method, ratio=4)
-        state = b.init_state(0)
-        a0 = np.asarray(state["params"]["boundary"][pl.projector_key(method)])
-        step = b.train_step_fn()
+        st = _step(method, ratio=4)
+        state = st.init_state(0)
+        key = pl.projector_key(method)
+        a0 = np.asarray(state["params"]["boundary"][key])
         for i in range(4):
-            state, m = step(state, _tokens(b, seed=i)[1])
+            state, m = st.train_step_fn()(state, _tokens(st, seed=i)[1])
             float(m["train_loss"])
         errs[method] = float(m["ortho_err"])
-        a = np.asarray(state["params"]["boundary"][pl.projector_key(method)])
+        a = np.asarray(state["params"]["boundary"][key])
         assert np.abs(a - a0).max() > 1e-4   # it was trained
         assert errs[method] == pytest.approx(float(stiefel.orthogonality_error(a)), abs=1e-7)
     assert errs["mapl"] < 1e-5
@@ -192,8 +324,8 @@ def tiny_pipe(**kw):
     ({"pipeline.method": "pca"}, "pipeline.method='pca'"),
     ({"pipeline.schedule": "1f1b"}, "only gpipe is built"),
     ({"pipeline.method": "none", "pipeline.rvq_levels": 2}, "rvq_levels=2 needs a compressed"),
-    ({"sdp.variant": "n-sdp", "sdp.coverage": 0.5}, "not built with a pipeline"),
-    ({"fsdp": True}, "config.fsdp=True is not built with a pipeline"),
+    ({"fsdp": True}, "fsdp=True with pipeline.method='mapl'"),
+    ({"sdp.average": "parameters", "sdp.sync_every": 2}, "mean of the workers' orthogonal"),
     ({"workers": 5}, "5 \\* 2 devices needed, 8 present"),
 ])
 def test_pipeline_config_errors(override, match):
@@ -211,6 +343,45 @@ def test_pipelined_run_end_to_end(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         recs = [json.loads(x) for x in f]
     assert all("ortho_err" in r for r in recs) and recs[-1]["step"] == 4
+
+
+def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
+    """Pipelined checkpoints written before the pipeline became the loss of the one step kept
+    the always-kept parameters under ``kept``; they still resume, to the same trajectory. The
+    old layout is pinned: the SHA-256 of its key paths, shapes and dtypes, as the old builder
+    (commit 576784c) gave them for this config."""
+    import hashlib
+    import shutil
+
+    import orbax.checkpoint as ocp
+    c = tiny_pipe(**{"sdp.variant": "b-sdp", "sdp.coverage": 0.5, "model.n_layers": 8,
+                     "sdp.allow_disconnected": True})
+    spec = trainer.resolve(c, 8)
+    old = pl.legacy_layout(trainer.make_step(c, spec, trainer.make_mesh(spec)).abstract_state(),
+                           True)
+    lines = sorted(f"{jax.tree_util.keystr(p)} {tuple(x.shape)} {x.dtype}"
+                   for p, x in jax.tree_util.tree_leaves_with_path(old))
+    assert any(ln.startswith("['params']['kept']['embed'] ") for ln in lines)
+    assert hashlib.sha256("\n".join(lines).encode()).hexdigest() == (
+        "41373f08cf99e2b002060c74c760465c358d99c8ac6f39cd4087cce510e06dc3")
+
+    c = tiny_pipe(steps=8, eval_every=8, checkpoint_every=4, stop_at_step=4)
+    a, b = tmp_path / "a", tmp_path / "b"
+    trainer.train(c, str(a))
+    shutil.copytree(a, b)   # b: the same checkpoint, its state in the old layout
+    spec = trainer.resolve(c, 8)
+    abstract = trainer.make_step(c, spec, trainer.make_mesh(spec)).abstract_state()
+    path = b / "checkpoints" / "4" / "state"
+    ck = ocp.StandardCheckpointer()
+    state = ck.restore(path, abstract)
+    shutil.rmtree(path)
+    ck.save(path, pl.legacy_layout(state, True))
+    ck.wait_until_finished()
+    with pytest.raises(Exception):   # the current layout alone does not read it
+        ck.restore(path, abstract)
+    c.stop_at_step = 0
+    want = trainer.train(c, str(a))["final_val_loss"]
+    assert trainer.train(c, str(b))["final_val_loss"] == pytest.approx(want, abs=1e-6)
 
 
 def test_study_table_and_plot(tmp_path):

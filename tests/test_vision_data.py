@@ -116,6 +116,13 @@ def test_bad_vision_configs():
     c.sdp.variant, c.sdp.coverage = "b-sdp", 0.3
     with pytest.raises(ValueError, match="not realizable"):
         vision_trainer.resolve(c, 8)
+    c = vision_config("resnet18", "digits")   # each channel held by one of 2 workers
+    c.sdp.variant, c.sdp.coverage = "n-sdp", 0.5
+    with pytest.raises(ValueError, match="resnet18: the mask graph .* disconnected.*"
+                                         "allow_disconnected=True"):
+        vision_trainer.resolve(c, 2)
+    c.sdp.allow_disconnected = True
+    assert vision_trainer.resolve(c, 2).plan.spectral_gap() < 1e-9
     c = vision_config("swin_t", "cifar10")
     c.model.depth = 3
     with pytest.raises(ValueError, match=r"unknown model config keys \['depth'\]"):
