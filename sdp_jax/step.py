@@ -330,21 +330,15 @@ class SDPStep:
     # PartitionSpec; inside shard_map the step drops it (each device sees its stage's blocks,
     # the spec's L / P) and puts it back on the way out.
     def _unstage(self, tree, specs):
-        if not self.staged:
-            return tree
-        return jax.tree.map(lambda s, x: jnp.squeeze(x, tuple(s).index(STAGE))
-                            if STAGE in tuple(s) else x, specs, tree, is_leaf=_is_spec)
+        return _stage_map(lambda i, x: jnp.squeeze(x, i), specs, tree) if self.staged else tree
 
     def _restage(self, tree, specs):
-        if not self.staged:
-            return tree
-        return jax.tree.map(lambda s, x: jnp.expand_dims(x, tuple(s).index(STAGE))
-                            if STAGE in tuple(s) else x, specs, tree, is_leaf=_is_spec)
+        return _stage_map(lambda i, x: jnp.expand_dims(x, i), specs, tree) if self.staged \
+            else tree
 
     def _take(self, tree, stage: int, specs):
         """Stage ``stage`` of a stored tree (numpy or jax leaves); others unchanged."""
-        return jax.tree.map(lambda s, x: x[(slice(None),) * tuple(s).index(STAGE) + (stage,)]
-                            if STAGE in tuple(s) else x, specs, tree, is_leaf=_is_spec)
+        return _stage_map(lambda i, x: x[(slice(None),) * i + (stage,)], specs, tree)
 
     def _per_stage(self, fn, tree, specs, out_specs):
         """``fn`` (on one stage's tree, as without a pipeline) applied per stage and the
@@ -357,8 +351,7 @@ class SDPStep:
     @staticmethod
     def _stack(parts: list, specs):
         """Per-stage trees stacked on the stage axes of ``specs`` (other leaves: stage 0's)."""
-        return jax.tree.map(lambda s, *xs: jnp.stack(xs, tuple(s).index(STAGE))
-                            if STAGE in tuple(s) else xs[0], specs, *parts, is_leaf=_is_spec)
+        return _stage_map(lambda i, *xs: jnp.stack(xs, i), specs, *parts)
 
     def _row_tables(self) -> dict:
         """FSDP: the rows view of every leaf (:class:`sdp_jax.sync.HolderTables`; None for a
@@ -1047,6 +1040,15 @@ class SDPStep:
 
 def _is_spec(x) -> bool:
     return isinstance(x, P)
+
+
+def _stage_map(fn, specs, *trees):
+    """``fn(i, *leaves)`` for the leaves whose PartitionSpec names ``stage`` at position ``i``;
+    any other leaf: the first tree's."""
+    def one(s, *xs):
+        s = tuple(s)
+        return fn(s.index(STAGE), *xs) if STAGE in s else xs[0]
+    return jax.tree.map(one, specs, *trees, is_leaf=_is_spec)
 
 
 def _is_module(x) -> bool:

@@ -38,8 +38,9 @@ from sdp_jax import spec as spec_lib
 AXIS = "data"
 
 
-def to_varying(tree: Any, axis: str = AXIS) -> Any:
-    """Mark values that are invariant over ``axis`` (every leaf must be) as varying (``lax.pcast(..., to='varying')``).
+def to_varying(tree: Any, axis: str | tuple = AXIS) -> Any:
+    """Mark values that are invariant over ``axis`` (a name or a tuple of names; every leaf
+    must be) as varying (``lax.pcast(..., to='varying')``).
 
     Taking ``jax.grad`` with respect to a parameter that enters ``shard_map`` replicated (``P()``)
     returns the gradient already *summed* over the axis (the transpose of the implicit broadcast);
@@ -55,10 +56,7 @@ def zeros_varying(shape, dtype, like, axis: str = AXIS) -> jax.Array:
     """Zeros (an accumulator) varying over ``axis`` and every mesh axis ``like`` varies over
     (e.g. the pipeline axis ``stage``), so that a loop carry keeps one type."""
     axes = {axis} | set(varying_axes(like) or ())
-    z = jnp.zeros(shape, dtype)
-    if hasattr(lax, "pcast"):
-        return lax.pcast(z, tuple(sorted(axes)), to="varying")
-    return lax.pvary(z, tuple(sorted(axes)))  # older JAX
+    return to_varying(jnp.zeros(shape, dtype), tuple(sorted(axes)))
 
 
 def worker_index(axis: str = AXIS):
