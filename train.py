@@ -14,19 +14,31 @@ import signal
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # run from a checkout without installing
 
-config_flags.DEFINE_config_file(
-    "config", os.path.join(_HERE, "configs", "llama_small.py"), "Run config (a get_config() file).",
-    lock_config=True)
-flags.DEFINE_string("workdir", os.path.join("runs", "default"),
-                    "Directory for checkpoints, metrics.jsonl and summary.json.")
-flags.DEFINE_enum("distributed", "auto", ["auto", "true", "false"],
-                  "Call jax.distributed.initialize(): auto = when launched as several processes "
-                  "(JAX_COORDINATOR_ADDRESS, SLURM or Open MPI with >1 task, or a TPU pod slice).")
+from sdp_jax import cli  # noqa: E402
+
+PROG = "python train.py"
+DEFAULT_CONFIG = os.path.join(_HERE, "configs", "llama_small.py")
+
+
+def define_flags(fv: flags.FlagValues, argv=None) -> flags.FlagValues:
+    """train.py's flags on ``fv``: ``--config`` (:func:`sdp_jax.cli.flag_values`; overrides
+    read from ``argv``, default ``sys.argv``), ``--workdir``, ``--distributed``."""
+    cli.flag_values(DEFAULT_CONFIG, argv, PROG, into=fv)
+    flags.DEFINE_string("workdir", os.path.join("runs", "default"),
+                        "Directory for checkpoints, metrics.jsonl and summary.json.",
+                        flag_values=fv)
+    flags.DEFINE_enum("distributed", "auto", ["auto", "true", "false"],
+                      "Call jax.distributed.initialize(): auto = when launched as several "
+                      "processes (JAX_COORDINATOR_ADDRESS, SLURM or Open MPI with >1 task, or a "
+                      "TPU pod slice).", flag_values=fv)
+    return fv
+
+
+define_flags(flags.FLAGS)
 
 
 def _multi_process_env() -> bool:
@@ -39,32 +51,8 @@ def _multi_process_env() -> bool:
     return "," in env.get("TPU_WORKER_HOSTNAMES", "")
 
 
-def _config_path(argv):
-    for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
-
-
 def _parse_flags(argv):
-    """absl flag parsing with one-line errors (unknown config keys, missing config files)."""
-    path = _config_path(argv)
-    if path is not None and not os.path.isfile(path.split(":", 1)[0]):
-        print(f"error: config file {path!r} does not exist; see configs/ for the provided ones.",
-              file=sys.stderr)
-        sys.exit(2)
-    try:
-        return flags.FLAGS(argv)
-    except Exception as e:  # ml_collections raises KeyError/AttributeError/ValueError here
-        key_error = e if isinstance(e, KeyError) else e.__cause__ or e.__context__
-        if isinstance(key_error, KeyError):
-            msg = f"unknown config field {key_error.args[0]}"
-        else:
-            msg = str(e)
-        print(f"error: {msg}\nsee: python train.py --helpfull", file=sys.stderr)
-        sys.exit(2)
+    return cli.parse(flags.FLAGS, argv, PROG, __doc__)
 
 
 def main(argv):
@@ -85,9 +73,7 @@ def main(argv):
         jax.distributed.initialize(**kwargs)
     n_cpu = config.num_cpu_devices
     if isinstance(n_cpu, bool) or not isinstance(n_cpu, int) or n_cpu < 1:
-        print(f"error: config.num_cpu_devices={n_cpu!r} must be a positive integer.",
-              file=sys.stderr)
-        sys.exit(2)
+        cli.error(PROG, f"config.num_cpu_devices={n_cpu!r} must be a positive integer.")
     # Simulated devices when the machine has only a CPU; ignored on GPU and TPU backends.
     jax.config.update("jax_num_cpu_devices", n_cpu)
 
@@ -99,8 +85,7 @@ def main(argv):
     try:
         summary = train(config, flags.FLAGS.workdir)
     except (ValueError, FloatingPointError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.error(PROG, str(e))
     if summary["interrupted_by"]:  # resumable, but not finished: tell the scheduler
         sys.exit(128 + int(getattr(signal, summary["interrupted_by"])))
 

@@ -1,14 +1,21 @@
 """Per-device memory, communication, FLOPs and step time of compiled train steps.
 
-    python -m sdp_jax.bench --config configs/llama_1b.py --workers 8 --variants ddp,b-sdp \\
-        --coverage 0.6875 --dtype bf16 --fsdp --remat full --json out.json
+    python -m sdp_jax.bench --config configs/llama_1b.py --variants ddp,b-sdp \\
+        --config.workers=8 --config.sdp.coverage=0.6875 --config.dtype=bf16 \\
+        --config.fsdp=True --config.remat=full --json out.json
     python -m sdp_jax.bench --config configs/llama_tiny.py --variants ddp,b-sdp \\
-        --coverage 0.5 --measure-time
+        --config.sdp.coverage=0.5 --measure_time
     python -m sdp_jax.bench --paper --out bench_out
-    python -m sdp_jax.bench --config configs/resnet18_cifar.py --variants ddp,n-sdp --coverage 0.5
+    python -m sdp_jax.bench --config configs/resnet18_cifar.py --variants ddp,n-sdp \\
+        --config.sdp.coverage=0.5
+
+The config is loaded as ``train.py`` loads it (:mod:`sdp_jax.cli`: ``--config`` file, any field
+overridden as ``--config.FIELD=VALUE``) and validated by the same code before any compile; the
+SDP variants of ``--variants`` run at ``config.sdp.coverage`` (DDP at C = 1) on
+``config.workers`` devices (0: 8).
 
 For each variant the train step is lowered for abstract inputs (``jax.ShapeDtypeStruct`` with
-shardings: no parameter is materialized) on a mesh of ``--workers`` devices (simulated CPU
+shardings: no parameter is materialized) on a mesh of ``W`` devices (simulated CPU
 devices when no accelerator is present) and compiled:
 
 * memory: ``compiled.memory_analysis()``: argument, output, alias and temporary bytes per device;
@@ -17,7 +24,7 @@ devices when no accelerator is present) and compiled:
   (:mod:`sdp_jax.comm`), in bus bytes (nccl-tests convention: all-reduce ``2 (n-1)/n`` of its
   buffer, all-gather / reduce-scatter / all-to-all ``(n-1)/n`` of the full buffer);
 * FLOPs: ``compiled.cost_analysis()`` of a second compile with the block scan unrolled;
-* ``--measure-time``: a few real steps on random tokens, median wall time per step, all variants
+* ``--measure_time``: a few real steps on random tokens, median wall time per step, all variants
   side by side in one process.
 
 ``--paper`` reproduces the memory and communication comparison of Singh et al. (arXiv
@@ -28,8 +35,6 @@ at ``llama_1b``, bf16, 8 workers; it writes ``paper_table.md``, ``paper_chart.pn
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -51,18 +56,6 @@ PAPER_SETTINGS = (  # label, variant, fsdp, remat
     ("B-SDP C=0.6875", "b-sdp", False, "none"),
     ("B-SDP + FSDP + AC", "b-sdp", True, "full"),
 )
-
-
-def load_config(path: str):
-    """Load a ``get_config()`` file. Raises FileNotFoundError / AttributeError with the path."""
-    if not os.path.isfile(path) or not path.endswith(".py"):
-        raise FileNotFoundError(f"config file {path!r} does not exist or is not a .py file.")
-    spec = importlib.util.spec_from_file_location("_sdp_bench_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if not hasattr(mod, "get_config"):
-        raise AttributeError(f"config file {path!r} defines no get_config().")
-    return mod.get_config()
 
 
 def _builder(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unroll=False):
@@ -145,10 +138,12 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
 
 
 def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
-                   dtype: str = "float32", flops: bool = True, remat: str = "none") -> dict:
+                   dtype: str = "float32", flops: bool = True, remat: str = "none",
+                   fsdp: bool = False) -> dict:
     """:func:`measure` for a vision config (ResNet-18, WRN-18, Swin-T): one compile of the
-    train step at ``config.batch_per_worker`` images per worker; the same row fields (FSDP is
-    not built for vision models; ``remat``: ``none`` or ``full``; the block loop is unrolled,
+    train step at ``config.batch_per_worker`` images per worker; the same row fields (FSDP
+    gathers the whole model at the start of the step, see :class:`sdp_jax.step.SDPStep`;
+    ``remat``: ``none`` or ``full``; the block loop is unrolled,
     so one compile gives FLOPs too). Near-uniform masks are used when ``W * C`` is not whole for
     some stage (``uniform`` False)."""
     from sdp_jax import comm
@@ -175,7 +170,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
         spec = vision_trainer.resolve(spec_cfg, workers)
         uniform = False
     builder = tasks.vision_step(spec.model, spec.plan, spec.optim, mesh, config.steps,
-                                dtype=dtype, remat=remat)
+                                dtype=dtype, remat=remat, fsdp=fsdp)
     m, G = spec.model, workers * config.batch_per_worker
     compiled = builder.compiled_train_step(
         (jax.ShapeDtypeStruct((G, m.image_size, m.image_size, m.in_channels), jnp.float32),
@@ -189,7 +184,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
         for k, v in kinds.items():
             per.setdefault(k.split(".", 1)[1], []).append(f"{v['per_worker']}/{v['components']}")
         held = "; ".join(f"{kind} {' '.join(x)}" for kind, x in per.items())
-    return {"variant": variant, "setting": setting_name(variant, False, remat), "fsdp": False,
+    return {"variant": variant, "setting": setting_name(variant, fsdp, remat), "fsdp": fsdp,
             "remat": remat,
             "dtype": dtype, "regime": spec.plan.regime, "coverage": spec.plan.coverage,
             "workers": workers, "held_per_worker": held or "all", "uniform": uniform,
@@ -365,14 +360,17 @@ def paper_chart(rows: list[dict], path: str, title: str = "LLaMA 1B") -> None:
     plt.close(fig)
 
 
-def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
-    """The ``--paper`` comparison: four compiled settings at ``config_path`` (``llama_1b``),
-    bf16, coverage 0.6875; writes table, chart and rows to ``out_dir``. Returns the rows."""
+def run_paper(config, config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
+    """The ``--paper`` comparison: four compiled settings of ``config`` (``llama_1b``, loaded
+    from ``config_path``), bf16, coverage 0.6875; writes table, chart and rows to ``out_dir``.
+    Returns the rows.
+
+    Raises:
+      ValueError: C = 0.6875 is not realizable for the config's model."""
     import jax
 
     from sdp_jax import train_step as ts
     from sdp_jax.models.llama import LlamaConfig
-    config = load_config(config_path)
     model = LlamaConfig.from_config(config.model)
     try:  # before any compile: C = 0.6875 must be realizable for this model
         ts.make_plan("b-sdp", model, workers, 0.6875, config.sdp.scheme, config.sdp.mask_seed,
@@ -409,14 +407,16 @@ def run_paper(config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
     return rows
 
 
-def out_folder(parser: argparse.ArgumentParser, path: str) -> None:
-    """Create the ``--out`` folder now, or stop with a parser error naming why it cannot be."""
+def out_folder(prog: str, path: str) -> None:
+    """Create the ``--out`` folder now, or exit with a one-line error (status 2) naming why it
+    cannot be."""
+    from sdp_jax import cli
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        parser.error(f"--out {path!r}: cannot create the folder ({e.strerror or e})")
+        cli.error(prog, f"--out {path!r}: cannot create the folder ({e.strerror or e})")
     if not os.access(path, os.W_OK):
-        parser.error(f"--out {path!r}: the folder is not writable")
+        cli.error(prog, f"--out {path!r}: the folder is not writable")
 
 
 def _write_rows(path: str | None, rows: list[dict]) -> None:
@@ -439,148 +439,131 @@ def _mesh(workers: int):
     return jax.make_mesh((workers,), ("data",), devices=jax.devices()[:workers])
 
 
-def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m sdp_jax.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None,
-                   help="get_config() file (default configs/llama_1b.py)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="W data-parallel workers (devices); default: the config's, else 8")
-    p.add_argument("--variants", default="ddp,b-sdp",
-                   help="comma-separated: ddp,b-sdp,n-sdp,bb-sdp,nb-sdp")
-    p.add_argument("--coverage", type=float, default=None,
-                   help="C for the SDP variants (default: the config's sdp.coverage)")
-    p.add_argument("--batch-per-worker", type=int, default=None, help="override config")
-    p.add_argument("--seq-len", type=int, default=None, help="override config")
-    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
-                   help="shard parameters, gradients and optimizer state over the workers "
-                        "(default: the config's fsdp)")
-    p.add_argument("--remat", default=None,
-                   help="activation checkpointing: none, full, dots (default: the config's)")
-    p.add_argument("--dtype", default=None,
-                   help="compute dtype: float32 (fp32), bfloat16 (bf16) (default: the config's)")
-    p.add_argument("--method", default=None,
-                   help="averaging: auto, alltoall, reference (default: the config's "
-                        "sdp.method)")
-    p.add_argument("--no-flops", action="store_true",
-                   help="skip the second (unrolled) compile that counts FLOPs")
-    p.add_argument("--measure-time", action="store_true",
-                   help="also run real steps and report the median step time")
-    p.add_argument("--time-steps", type=int, default=50, help="timed steps per variant")
-    p.add_argument("--paper", action="store_true",
-                   help="the paper's 1B comparison (DDP, FSDP+AC, B-SDP, B-SDP+FSDP+AC)")
-    p.add_argument("--out", default="bench_out", help="output folder of --paper")
-    p.add_argument("--json", default=None, help="write the rows to this JSON file")
-    p.add_argument("--stage-blocks", default=None,
-                   help="vision block variants: blocks per worker in each stage, e.g. 1,2,4,1 "
-                        "(default: the config's sdp.stage_blocks, else apportioned from C)")
-    args = p.parse_args(argv)
+PROG = "python -m sdp_jax.bench"
+# Options of the argparse command line before it took configs as train.py does.
+RENAMED = {"workers": "--config.workers=N", "coverage": "--config.sdp.coverage=C",
+           "batch-per-worker": "--config.batch_per_worker=B", "seq-len": "--config.seq_len=T",
+           "fsdp": "--config.fsdp=True", "remat": "--config.remat=full",
+           "dtype": "--config.dtype=bfloat16", "method": "--config.sdp.method=M",
+           "stage-blocks": "--config.sdp.stage_blocks=1,2,4,1", "no-flops": "--noflops",
+           "measure-time": "--measure_time", "time-steps": "--time_steps"}
 
-    from sdp_jax import step as step_lib
-    from sdp_jax import tasks
-    from sdp_jax import train_step as ts
-    if args.workers is not None and args.workers < 1:
-        p.error(f"--workers={args.workers} must be >= 1")
-    for flag, v in (("--batch-per-worker", args.batch_per_worker), ("--seq-len", args.seq_len),
-                    ("--time-steps", args.time_steps)):
-        if v is not None and v < 1:
-            p.error(f"{flag}={v} must be >= 1")
-    if args.remat is not None and args.remat not in step_lib.REMAT:
-        p.error(f"--remat={args.remat!r}; choose one of {', '.join(step_lib.REMAT)}")
-    if args.dtype is not None and args.dtype not in ts.DTYPES:
-        p.error(f"--dtype={args.dtype!r}; choose float32, fp32, bfloat16 or bf16")
-    if args.method is not None and args.method not in tasks.METHODS:
-        p.error(f"--method={args.method!r}; choose one of {', '.join(tasks.METHODS)}")
-    if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json):
-            p.error(f"--json {args.json!r} is a folder; give a file name, e.g. {args.json}/rows.json")
+
+def flag_values(argv: list[str] | None = None):
+    """The bench's flags: ``--config`` (default ``configs/llama_1b.py``; fields overridden as
+    ``--config.FIELD=VALUE``, :mod:`sdp_jax.cli`), ``--variants``, ``--flops``,
+    ``--measure_time``, ``--time_steps``, ``--paper``, ``--out``, ``--json``."""
+    from absl import flags
+    from sdp_jax import cli
+    fv = cli.flag_values(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "configs", "llama_1b.py"), argv, PROG)
+    flags.DEFINE_list("variants", ["ddp", "b-sdp"],
+                      "comma-separated: ddp,b-sdp,n-sdp,bb-sdp,nb-sdp (the SDP variants at "
+                      "config.sdp.coverage, ddp at C = 1)", flag_values=fv)
+    flags.DEFINE_boolean("flops", True, "count FLOPs on a second compile with the block loop "
+                         "unrolled (--noflops skips it)", flag_values=fv)
+    flags.DEFINE_boolean("measure_time", False, "also run real steps and report the median "
+                         "step time (language models)", flag_values=fv)
+    flags.DEFINE_integer("time_steps", 50, "timed steps per variant", flag_values=fv)
+    flags.DEFINE_boolean("paper", False, "the paper's 1B comparison (DDP, FSDP+AC, B-SDP, "
+                         "B-SDP+FSDP+AC)", flag_values=fv)
+    flags.DEFINE_string("out", "bench_out", "output folder of --paper", flag_values=fv)
+    flags.DEFINE_string("json", None, "write the rows to this JSON file", flag_values=fv)
+    return fv
+
+
+def main(argv=None, check_only: bool = False) -> list[dict]:
+    """The bench's command line (``argv`` without the program name; default
+    ``sys.argv[1:]``). Returns the rows; a bad flag or config exits with status 2 and a
+    one-line error before any compile. ``check_only``: stop after the validation (no compile;
+    the documentation check of every shown command, ``tests/test_docs.py``)."""
+    from sdp_jax import cli
+    from sdp_jax import loop
+    argv = sys.argv[1:] if argv is None else list(argv)
+    fv = flag_values([PROG] + argv)
+    rest = cli.parse(fv, [PROG] + argv, PROG, __doc__, RENAMED)
+    if len(rest) > 1:
+        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --variants=ddp,b-sdp")
+    config, config_path = fv.config, fv["config"].config_filename
+
+    def err(msg):
+        cli.error(PROG, msg)
+    if fv.time_steps < 1:
+        err(f"--time_steps={fv.time_steps} must be >= 1")
+    if fv.json:
+        folder = os.path.dirname(os.path.abspath(fv.json))
+        if os.path.isdir(fv.json):
+            err(f"--json {fv.json!r} is a folder; give a file name, e.g. {fv.json}/rows.json")
         if not os.path.isdir(folder):
-            p.error(f"--json {args.json!r}: its folder {folder} does not exist")
+            err(f"--json {fv.json!r}: its folder {folder} does not exist")
         if not os.access(folder, os.W_OK):
-            p.error(f"--json {args.json!r}: its folder {folder} is not writable")
-    config_path = args.config or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama_1b.py")
-    if args.paper:
-        fixed = [flag for flag, v in (
-            ("--variants", args.variants != "ddp,b-sdp"), ("--coverage", args.coverage),
-            ("--fsdp", args.fsdp), ("--remat", args.remat), ("--dtype", args.dtype),
-            ("--method", args.method), ("--measure-time", args.measure_time),
-            ("--batch-per-worker", args.batch_per_worker), ("--seq-len", args.seq_len),
-            ("--json", args.json)) if v not in (None, False)]
+            err(f"--json {fv.json!r}: its folder {folder} is not writable")
+    if fv.paper:
+        fixed = [f"--{k}" for k in ("variants", "measure_time", "json") if fv[k].present]
+        fixed += [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
         if fixed:
-            p.error(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
-                    f"FSDP + AC, bf16); drop {', '.join(fixed)}")
-        out_folder(p, args.out)  # before minutes of compiling
+            err(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
+                f"FSDP + AC, bf16); drop {', '.join(fixed)}")
+        out_folder(PROG, fv.out)  # before minutes of compiling
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            p.error("--paper draws a chart with matplotlib: pip install -e '.[bench]'")
+            err("--paper draws a chart with matplotlib: pip install -e '.[bench]'")
+        if check_only:
+            return []
         try:
-            return run_paper(config_path, args.out, args.workers or 8)
-        except (OSError, AttributeError, SyntaxError, ValueError) as e:
-            p.error(str(e))
-    try:
-        config = load_config(config_path)
-    except (OSError, AttributeError, SyntaxError) as e:
-        p.error(str(e))
+            return run_paper(config, config_path, fv.out, config.get("workers", 0) or 8)
+        except ValueError as e:
+            err(str(e))
     if config.get("pipeline", {}).get("stages", 1) > 1:
-        p.error(f"{config_path} is a pipelined config (pipeline.stages="
-                f"{config.pipeline.stages}); its boundary bytes are measured by "
-                f"python -m sdp_jax.study --config {config_path} --bytes-only")
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        err(f"{config_path} is a pipelined config (pipeline.stages={config.pipeline.stages}); "
+            f"its boundary bytes are measured by python -m sdp_jax.study --config "
+            f"{config_path} --bytes_only")
+    variants = [v.strip() for v in fv.variants if v.strip()]
     if len(set(variants)) != len(variants):
-        p.error(f"--variants {args.variants!r} names a variant twice")
+        err(f"--variants {','.join(fv.variants)!r} names a variant twice")
+    from sdp_jax import train_step as ts
     bad = [v for v in variants if v not in ts.VARIANTS]
     if bad or not variants:
-        p.error(f"unknown variants {bad or args.variants!r}; choose from {','.join(ts.VARIANTS)}")
-    workers = args.workers or config.workers or 8
-    coverage = config.sdp.coverage if args.coverage is None else args.coverage
-    fsdp = bool(config.get("fsdp", False)) if args.fsdp is None else args.fsdp
-    remat = args.remat or config.get("remat", "none")
-    dtype = args.dtype or config.get("dtype", "float32")
-    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+        err(f"unknown variants {bad or fv.variants!r}; choose from {','.join(ts.VARIANTS)}")
+    workers = config.get("workers", 0) or 8
     with config.unlocked():
-        if args.method is not None:
-            config.sdp.method = args.method
-        if args.batch_per_worker is not None:
-            config.batch_per_worker = args.batch_per_worker
-        if args.seq_len is not None:
-            config.seq_len = args.seq_len
-            config.model.max_seq_len = max(config.model.get("max_seq_len", 0), args.seq_len)
+        config.workers = workers
+        if "seq_len" in config:   # the bench may measure longer sequences than the model's
+            config.model.max_seq_len = max(config.model.get("max_seq_len", 0), config.seq_len)
     try:
+        loop.canonical_dtype(config)
         mesh = _mesh(workers)
+        for v in variants:   # one validation place for every field, before any compile
+            _resolve(config, v, workers)
     except ValueError as e:
-        p.error(str(e))
+        err(str(e))
+    if check_only:
+        return []
 
     import jax
 
     from sdp_jax import vision_trainer
     if vision_trainer.is_vision(config):
-        return _main_vision(p, args, config, config_path, variants, workers, coverage, dtype,
-                            mesh)
+        return _main_vision(fv, config, config_path, variants, workers, mesh)
     from sdp_jax.models.llama import LlamaConfig
     model = LlamaConfig.from_config(config.model)
-    for v in variants:
-        try:
-            ts.make_plan(v, model, workers, 1.0 if v == "ddp" else coverage, config.sdp.scheme,
-                         config.sdp.mask_seed, allow_nonuniform=True)
-        except ValueError as e:
-            p.error(str(e))
+    fsdp, remat, dtype = config.fsdp, config.remat, config.dtype
     rows = []
     print(f"{config_path}: {model.n_layers} blocks, batch {config.batch_per_worker} x "
           f"{config.seq_len} tokens per worker, {workers} x {jax.devices()[0].platform}, "
           f"{dtype}" + (", FSDP" if fsdp else "") + f", remat {remat}, averaging "
           f"{config.sdp.method}", flush=True)
     kw = {"fsdp": fsdp, "remat": remat, "dtype": dtype}
+    coverage = config.sdp.coverage
     for v in variants:
         cov = 1.0 if v == "ddp" else coverage
-        row = measure(config, v, workers, cov, mesh, flops=not args.no_flops, **kw)
+        row = measure(config, v, workers, cov, mesh, flops=fv.flops, **kw)
         rows.append(row)
         print(f"  compiled {v} in {row['compile_s']}s", flush=True)
-    if args.measure_time:
-        print(f"  timing {args.time_steps} steps of each variant, interleaved", flush=True)
-        for row, t in zip(rows, time_steps(config, rows, workers, mesh, steps=args.time_steps,
+    if fv.measure_time:
+        print(f"  timing {fv.time_steps} steps of each variant, interleaved", flush=True)
+        for row, t in zip(rows, time_steps(config, rows, workers, mesh, steps=fv.time_steps,
                                            **kw)):
             row["step_times_s"] = t
             row["step_time_s"] = statistics.median(t)
@@ -593,56 +576,44 @@ def main(argv=None) -> list[dict]:
         print("note: XLA:CPU computes bf16 matmuls and collectives in float32 (converting back "
               "and forth), so bf16 memory and bytes here are upper bounds of what a GPU or TPU "
               "would use, and can exceed the float32 figures.")
-    _write_rows(args.json, rows)
+    _write_rows(fv.json, rows)
     return rows
 
 
-def _main_vision(p, args, config, config_path, variants, workers, coverage, dtype, mesh):
+def _resolve(config, variant: str, workers: int):
+    """The train-time validation of ``config`` with ``variant`` (at C = 1 for ddp) on
+    ``workers`` devices, near-uniform masks allowed (the paper's 1B setting needs them)."""
+    from sdp_jax import trainer
+    from sdp_jax import vision_trainer
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.sdp.variant = variant
+        c.sdp.coverage = 1.0 if variant == "ddp" else config.sdp.coverage
+        c.sdp.allow_nonuniform = True
+        if variant not in ("b-sdp", "bb-sdp") and "stage_blocks" in c.sdp:
+            c.sdp.stage_blocks = ()
+    if vision_trainer.is_vision(c):
+        return vision_trainer.resolve(c, workers)
+    return trainer.resolve(c, workers)
+
+
+def _main_vision(fv, config, config_path, variants, workers, mesh):
     """``main`` for vision configs: memory, communication and FLOPs of each variant."""
     import jax
 
-    from sdp_jax import vision_trainer
-    why = {"--fsdp": "FSDP is built for the language models only",
-           "--measure-time": "timed steps are built for the language models only",
-           "--seq-len": "vision inputs have no sequence length (set model.image_size)",
-           "--method": "vision models average with the all_to_all holder mean only"}
-    unsupported = [flag for flag, v in (("--fsdp", args.fsdp), ("--seq-len", args.seq_len),
-                                        ("--method", args.method),
-                                        ("--measure-time", args.measure_time)) if v]
-    if unsupported:
-        p.error("; ".join(f"{f}: not available for vision models ({why[f]})"
-                          for f in unsupported))
-    remat = args.remat or config.get("remat", "none")
-    if remat not in ("none", "full"):
-        p.error(f"--remat={remat!r}: vision models take none or full")
-    if args.stage_blocks:
-        try:
-            blocks = tuple(int(x) for x in args.stage_blocks.strip("()[] ").split(","))
-        except ValueError:
-            p.error(f"--stage-blocks {args.stage_blocks!r}: give integers like 1,2,4,1")
-        if not any(v in ("b-sdp", "bb-sdp") for v in variants):
-            p.error("--stage-blocks applies to the block variants b-sdp and bb-sdp; none is in "
-                    f"--variants {','.join(variants)}")
-        with config.unlocked():
-            config.sdp.stage_blocks = blocks
-    for v in variants:  # coverage realizable for the model's components, before compiling
-        c = config.copy_and_resolve_references()
-        with c.unlocked():
-            if v not in ("b-sdp", "bb-sdp"):
-                c.sdp.stage_blocks = ()
-            c.sdp.variant, c.sdp.coverage, c.sdp.allow_nonuniform = v, coverage, True
-            c.workers = workers
-        try:
-            vision_trainer.resolve(c, workers)
-        except ValueError as e:
-            p.error(str(e))
+    from sdp_jax import cli
+    if fv.measure_time:
+        cli.error(PROG, "--measure_time: not available for vision models (timed steps are "
+                  "built for the language models only)")
+    remat, dtype, fsdp = config.remat, config.dtype, config.get("fsdp", False)
     print(f"{config_path}: {config.model.name}, {config.batch_per_worker} images of "
           f"{config.model.image_size}x{config.model.image_size} per worker, {workers} x "
-          f"{jax.devices()[0].platform}, {dtype}, remat {remat}", flush=True)
+          f"{jax.devices()[0].platform}, {dtype}" + (", FSDP" if fsdp else "")
+          + f", remat {remat}", flush=True)
     rows = []
     for v in variants:
-        row = measure_vision(config, v, workers, 1.0 if v == "ddp" else coverage, mesh,
-                             dtype=dtype, flops=not args.no_flops, remat=remat)
+        row = measure_vision(config, v, workers, 1.0 if v == "ddp" else config.sdp.coverage,
+                             mesh, dtype=dtype, flops=fv.flops, remat=remat, fsdp=fsdp)
         rows.append(row)
         print(f"  compiled {v} in {row['compile_s']}s", flush=True)
     print(format_table(rows))
@@ -650,7 +621,7 @@ def _main_vision(p, args, config, config_path, variants, workers, coverage, dtyp
         if not r["uniform"]:
             print(f"note: {r['variant']}: W*C is not whole for some stage, so its masks are "
                   "near-uniform (multiplicities differ by one).")
-    _write_rows(args.json, rows)
+    _write_rows(fv.json, rows)
     return rows
 
 

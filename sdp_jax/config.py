@@ -125,6 +125,7 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
         b2=0.999, eps=1e-8, grad_clip=1.0))
     c.dtype = "float32"
     c.remat = "none"            # activation checkpointing of every block: none | full
+    c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
     c.workers = 0
     c.num_cpu_devices = 8
     c.batch_per_worker = 64     # images per worker per step (b); global batch = W * b

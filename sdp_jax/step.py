@@ -43,6 +43,10 @@ State layout, per stored leaf (mesh axis ``data``, ``W`` workers):
   on its last axis. The same devices are SDP workers and FSDP shards: worker ``w`` gathers only
   the blocks (neurons, heads) it holds, one block per scan step (an all_to_all with static
   tables); the transpose sends its gradients back to their owners (the masked sum over holders).
+  Without the block runner (list-form blocks, model state: the vision models) every leaf is
+  stored flat (``[n]``) and gathered whole at the start of the step; the worker prunes its
+  subnetwork from it, and each entry's gradient, scaled by ``1 / holders``, returns by
+  reduce-scatter (full-size bytes: the holder-only gathers need the block runner).
 
 Mixed precision (``dtype="bfloat16"``): compute and FSDP gathers in bf16; master parameters,
 optimizer state and gradient averaging in float32.
@@ -136,7 +140,10 @@ class SDPStep:
         forward variants without FSDP).
       sync_every: ``H`` of parameter averaging (a positive integer).
       fsdp: shard parameters, gradients and optimizer state over the workers (ZeRO-3, layout
-        ``S``); needs ``block_fn``.
+        ``S``). With ``block_fn`` each block is gathered when it runs, only the held blocks /
+        neurons / heads (all_to_all); without it the whole model is gathered at the start of
+        the step (all_gather of full-size bytes; the gathered copy lives through the step)
+        and the worker's subnetwork pruned from it locally. Model state is not sharded.
       remat: activation checkpointing of each block (Chen et al. 2016, "Training deep nets with
         sublinear memory cost"): ``none``, ``full`` (save only the block input) or ``dots``
         (also save matmul outputs against weights); needs ``block_fn``.
@@ -170,7 +177,7 @@ class SDPStep:
         ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat`` or ``dtype``; a
         ``stage`` axis without ``block_fn``, or with model state or ``stacked_slots``;
         ``param_metrics`` with FSDP;
-        parameter averaging with backward masking or FSDP; FSDP or remat without ``block_fn``;
+        parameter averaging with backward masking or FSDP; remat without ``block_fn``;
         ``block_fn`` without a stacked block subtree, or with a masked leaf outside it.
     """
 
@@ -207,9 +214,9 @@ class SDPStep:
                 raise ValueError("state_spec must describe the same workers and masks as the "
                                  "parameters' spec (same variant, W, kinds and masks); build it "
                                  "with the same arguments.")
-            if block_fn is not None or fsdp:
-                raise ValueError("model state (state_spec) is not built with the block runner "
-                                 "or FSDP; drop block_fn / fsdp, or the state.")
+            if block_fn is not None:
+                raise ValueError("model state (state_spec) is not built with the block runner; "
+                                 "drop block_fn, or the state.")
         self.state_spec, self.stacked_slots = state_spec, bool(stacked_slots)
         self.spec, self.loss_fn, self.optimizer, self.mesh = spec, loss_fn, optimizer, mesh
         self.block_fn, self.grad_clip, self.method = block_fn, float(grad_clip), method
@@ -225,6 +232,11 @@ class SDPStep:
         self.full_shapes = {p: ((self.stages * sh[0],) + tuple(sh[1:]) if self._staged(p)
                                 else sh) for p, sh in spec.shapes.items()}
         self._rows = self._row_tables() if fsdp else {}
+        if fsdp and block_fn is None:   # 1 / holders of every entry (broadcastable), float32
+            self._inv_holders = {
+                p: np.float32(1.0 / spec.workers) if spec.leaf_mask(p) is None
+                else (1.0 / np.maximum(spec.leaf_mask(p).sum(0), 1)).astype(np.float32)
+                for p in spec.shapes}
 
         def code(sp, which):
             if fsdp:
@@ -298,11 +310,10 @@ class SDPStep:
             raise ValueError("a mesh axis 'stage' (pipeline) runs the blocks stage by stage: pass "
                              "block_fn and a pipelined loss_fn(params, batch, run) (e.g. "
                              "sdp_jax.pipeline.Pipeline.loss), or drop the 'stage' axis.")
-        for name, on in (("fsdp", fsdp), ("remat", remat != "none")):
-            if on and block_fn is None:
-                raise ValueError(f"{name} works block by block inside the block runner: pass "
-                                 "block_fn (one block's apply) and a loss_fn(params, batch, run) "
-                                 f"that calls run(h), or set {name} off.")
+        if remat != "none" and block_fn is None:
+            raise ValueError("remat works block by block inside the block runner: pass block_fn "
+                             "(one block's apply) and a loss_fn(params, batch, run) that calls "
+                             "run(h), or set remat off (or checkpoint inside your model).")
         if block_fn is not None and not spec.blocks_stacked:
             raise ValueError("block_fn needs a stacked block subtree (rules with "
                              "Blocks(path, stacked=True)); this spec has "
@@ -357,6 +368,8 @@ class SDPStep:
         """FSDP: the rows view of every leaf (:class:`sdp_jax.sync.HolderTables`; None for a
         leaf outside the block subtree, stored flat)."""
         lay, spec = self.layout, self.spec
+        if self.prefix is None:   # no block runner: every leaf stored flat
+            return dict.fromkeys(spec.shapes)
         L, W = spec.n_blocks, spec.workers
         every = sync.HolderTables(np.tile(np.arange(L), (W, 1, 1)), np.full((1, L), W), 0,
                                   False)
@@ -713,6 +726,33 @@ class SDPStep:
 
         return self._call(kept, n, get, batch, train=train)
 
+    def _gathered(self, shards, dtype=None, scale=False) -> dict:
+        """FSDP without the block runner: every leaf gathered whole (flat ``{path: leaf}``; an
+        all_gather in ``dtype``, default the stored one). ``scale``: each entry's gradient
+        scaled by ``1 / holders``, so that the reduce-scatter of the transpose, the sum over
+        workers, is the masked mean."""
+        out = {}
+        for p, x in _flatten(shards).items():
+            v = self._from_shards(p, sync.fsdp_gather(x[None], self._rows_len(p),
+                                                      dtype or x.dtype)[0])
+            out[p] = sync.scale_grad(v, jnp.asarray(self._inv_holders[p])) if scale else v
+        return out
+
+    def _gathered_loss(self, shards, batch, *stats):
+        """FSDP without the block runner (e.g. list-form blocks, model state): the whole model
+        gathered at the start of the step in the compute dtype; forward variants prune the
+        worker's subnetwork from it locally, backward variants run it whole with gradients
+        only into the held parts. The gradient is the masked mean in layout ``S``."""
+        lay, my = self.layout, sync.worker_index(AXIS)
+        full = self._gathered(shards, self.dtype, scale=True)
+        if self.spec.backward:
+            local = lay.embed(jax.lax.stop_gradient(full), lay.prune(full, my), my)
+        else:
+            local = lay.prune(full, my)
+            if self.stacked_slots:
+                local = lay.to_stored(local)
+        return self.loss_fn(_unflatten(local), batch, *map(_unflatten, stats))
+
     def _divide_counts(self, grads: dict) -> dict:
         """FSDP: masked sums in layout ``S`` -> masked means (multiplicity of every row)."""
         W, out = self.spec.workers, {}
@@ -769,6 +809,9 @@ class SDPStep:
         lay = self.layout
         st = self._state_local(stats)
         extra = () if st is None else (st,)
+        if self.fsdp and self.block_fn is None:
+            loss, aux, g, new = self._value_and_grad(self._gathered_loss, params, batch, *extra)
+            return loss, aux, _flatten(g), _flatten(params), new
         if self.fsdp:
             loss, aux, g, _ = self._value_and_grad(self._fsdp_loss, params, batch)
             return loss, aux, self._divide_counts(_flatten(g)), _flatten(params), None
@@ -965,27 +1008,31 @@ class SDPStep:
         """Inside ``jax.shard_map`` over ``data`` (params in :attr:`param_specs`, stats in
         :attr:`stats_specs`): the full model, the same on every worker, as nested dicts
         ``(parameters, model state or None)``, each component the mean over its holders
-        (:func:`sdp_jax.sync.gather_full`), in the stored dtypes. Not under FSDP.
+        (:func:`sdp_jax.sync.gather_full`; FSDP: every leaf all-gathered), in the stored
+        dtypes.
 
         Raises:
-          ValueError: under FSDP or with a pipeline (use :meth:`eval_step_fn`, which streams
-            the blocks)."""
-        if self.fsdp or self.staged:
-            raise ValueError("gather() would hold the whole model on every device; under FSDP "
-                             "or with a pipeline use eval_step_fn, which streams the blocks.")
-        if self.spec.backward:
+          ValueError: with the block runner under FSDP, or with a pipeline (use
+            :meth:`eval_step_fn`, which streams the blocks)."""
+        if (self.fsdp and self.block_fn is not None) or self.staged:
+            raise ValueError("gather() would hold the whole model on every device; with the "
+                             "block runner under FSDP or with a pipeline use eval_step_fn, "
+                             "which streams the blocks.")
+        if self.fsdp:
+            full = _unflatten(self._gathered(params))
+        elif self.spec.backward:
             full = _unflatten(_flatten(params))
+        else:
+            full = sync.gather_full(_unflatten(self._to_local(self._strip(params))), self.spec)
+        if stats is None or self.spec.backward:
             return full, (None if stats is None else _unflatten(_flatten(stats)))
-        full = sync.gather_full(_unflatten(self._to_local(self._strip(params))), self.spec)
-        if stats is None:
-            return full, None
         flat = {p: x[0] if self.stats_layout[p] == "C" else x
                 for p, x in _flatten(stats).items()}
         return full, sync.gather_full(_unflatten(flat), self.state_spec)
 
     def _local_eval(self, params, batch):
         params = self._unstage(params, self.param_specs)
-        if self.fsdp:
+        if self.fsdp and self.block_fn is not None:
             out = self._fsdp_loss(params, batch, train=False)
         elif self.block_fn is None:
             full = _flatten(self.gather(params)[0])

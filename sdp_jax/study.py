@@ -2,8 +2,11 @@
 
     python -m sdp_jax.study                       # configs/llama_mapl.py -> runs/mapl_study
     python -m sdp_jax.study --seeds 0,1 --out /tmp/mapl       # every run with two seeds
-    python -m sdp_jax.study --steps 100 --out /tmp/mapl       # a shorter run
-    python -m sdp_jax.study --bytes-only --ratios 4,8,16      # compiled-program bytes only
+    python -m sdp_jax.study --config.steps=100 --config.optim.warmup_steps=10 --out /tmp/mapl
+    python -m sdp_jax.study --bytes_only --ratios 4,8,16      # compiled-program bytes only
+
+The config is loaded as ``train.py`` loads it (:mod:`sdp_jax.cli`; e.g.
+``--config.pipeline.rvq_levels=2`` adds residual vector quantization to the compressed payloads).
 
 Every run trains the same model on the same data with the same token budget (the config's steps,
 global batch and sequence length); only the boundary method (``pipeline.method``) and ratio
@@ -11,19 +14,18 @@ differ: ``none`` once, then ``fixed``, ``unconstrained`` and ``mapl`` at each ra
 Oyallon, Belilovsky, arXiv 2606.05484: the 4x / 8x comparison and the loss-vs-bytes Pareto front).
 Each run is an ordinary training run in ``OUT/runs/seed<s>/<method>_<ratio>x`` (a rerun resumes it or
 reuses its summary; an interrupted study exits with 128 + the signal number, as ``train.py``).
-``--steps`` also caps the warm-up at a tenth of the run. Bytes per token are read from the compiled train step
+Bytes per token are read from the compiled train step
 (:func:`sdp_jax.pipeline.boundary_bytes`: forward payload, token ids and backward gradients of one
 boundary, for one worker, divided by that worker's tokens per step; they include the GPipe bubble
 ticks, ``(M + P - 1) / M`` of the useful transfers).
 
 Writes ``OUT/study.json`` (one row per run), ``OUT/study.md`` (the table: means over the seeds,
-and each seed's loss) and ``OUT/study.png`` (the plot); ``--bytes-only`` writes ``OUT/bytes.json``
+and each seed's loss) and ``OUT/study.png`` (the plot); ``--bytes_only`` writes ``OUT/bytes.json``
 and ``OUT/bytes.md``. ``OUT`` defaults to ``runs/mapl_study``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -45,16 +47,13 @@ def _run_dir(out: str, method: str, ratio: int, seed: int) -> str:
     return os.path.join(out, "runs", f"seed{seed}", f"{method}_{1 if method == 'none' else ratio}x")
 
 
-def _with(config, method: str, ratio: int, seed: int, args):
+def _with(config, method: str, ratio: int, seed: int):
     c = config.copy_and_resolve_references()
-    c.pipeline.method = method
-    c.pipeline.ratio = ratio if method != "none" else c.pipeline.ratio
-    c.pipeline.rvq_levels = args.rvq_levels if method != "none" else 0
-    c.pipeline.rvq_codebook = args.rvq_codebook
-    if args.steps:
-        c.steps = args.steps
-        c.optim.warmup_steps = min(c.optim.warmup_steps, args.steps // 10)
-    c.seed = seed
+    with c.unlocked():
+        c.pipeline.method = method
+        c.pipeline.ratio = ratio if method != "none" else c.pipeline.ratio
+        c.pipeline.rvq_levels = c.pipeline.rvq_levels if method != "none" else 0
+        c.seed = seed
     return c
 
 
@@ -168,68 +167,84 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m sdp_jax.study",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs",
-                                                    "llama_mapl.py"))
-    p.add_argument("--out", default=os.path.join("runs", "mapl_study"),
-                   help="folder of the runs and of study.md / study.json / study.png "
-                        "(bytes.md / bytes.json with --bytes-only)")
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--ratios", default="4,8", help="compression ratios d / r")
-    p.add_argument("--steps", type=int, default=0, help="override config.steps (0 = keep)")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds (initialization and data "
-                   "order), every run once per seed; default: the config's seed")
-    p.add_argument("--rvq-levels", type=int, default=0,
-                   help="residual vector quantization of the compressed payloads (0 = off)")
-    p.add_argument("--rvq-codebook", type=int, default=256, help="codes per RVQ level")
-    p.add_argument("--bytes-only", action="store_true",
-                   help="compile and measure boundary bytes; train nothing")
-    args = p.parse_args(argv)
+PROG = "python -m sdp_jax.study"
+RENAMED = {"bytes-only": "--bytes_only", "steps": "--config.steps=N",
+           "rvq-levels": "--config.pipeline.rvq_levels=N",
+           "rvq-codebook": "--config.pipeline.rvq_codebook=K"}
 
-    from sdp_jax import bench  # pylint: disable=g-import-not-at-top
-    try:
-        config = bench.load_config(args.config)
-    except (OSError, AttributeError, SyntaxError) as e:
-        p.error(f"--config: {e}")
-    methods = [m for m in args.methods.split(",") if m]
+
+def flag_values(argv: list[str] | None = None):
+    """The study's flags: ``--config`` (default ``configs/llama_mapl.py``; fields overridden
+    as ``--config.FIELD=VALUE``, :mod:`sdp_jax.cli`), ``--out``, ``--methods``, ``--ratios``,
+    ``--seeds``, ``--bytes_only``."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
+    fv = cli.flag_values(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), "configs", "llama_mapl.py"), argv, PROG)
+    flags.DEFINE_string("out", os.path.join("runs", "mapl_study"),
+                        "folder of the runs and of study.md / study.json / study.png "
+                        "(bytes.md / bytes.json with --bytes_only)", flag_values=fv)
+    flags.DEFINE_list("methods", list(METHODS), "boundary methods", flag_values=fv)
+    flags.DEFINE_list("ratios", ["4", "8"], "compression ratios d / r", flag_values=fv)
+    flags.DEFINE_list("seeds", None, "seeds (initialization and data order), every run once "
+                      "per seed; default: the config's seed", flag_values=fv)
+    flags.DEFINE_boolean("bytes_only", False, "compile and measure boundary bytes; train "
+                         "nothing", flag_values=fv)
+    return fv
+
+
+def main(argv=None, check_only: bool = False) -> list[dict]:
+    """The study's command line (``argv`` without the program name; default
+    ``sys.argv[1:]``). Returns one row per run; a bad flag or config exits with status 2 and
+    a one-line error before any compile or training. ``check_only``: stop after the
+    validation (the documentation check, ``tests/test_docs.py``)."""
+    from sdp_jax import bench, cli  # pylint: disable=g-import-not-at-top
+    argv = [PROG] + (sys.argv[1:] if argv is None else list(argv))
+    fv = flag_values(argv)
+    rest = cli.parse(fv, argv, PROG, __doc__, RENAMED)
+    if len(rest) > 1:
+        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --ratios=4,8")
+    config = fv.config
+
+    def err(msg):
+        cli.error(PROG, msg)
+    methods = [m for m in fv.methods if m]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
-        p.error(f"--methods={args.methods!r}: choose one or more of {', '.join(METHODS)}")
-    bench.out_folder(p, args.out)  # before any compile
+        err(f"--methods={','.join(fv.methods)!r}: choose one or more of {', '.join(METHODS)}")
     try:
-        ratios = [int(r) for r in args.ratios.split(",") if r]
+        ratios = [int(r) for r in fv.ratios if r]
     except ValueError:
-        p.error(f"--ratios={args.ratios!r} must be integers like 4,8,16")
-    if args.steps < 0:
-        p.error(f"--steps={args.steps} must be >= 0")
+        err(f"--ratios={','.join(fv.ratios)!r} must be integers like 4,8,16")
     try:
-        seeds = ([int(x) for x in args.seeds.split(",") if x] if args.seeds is not None
-                 else [config.seed])
+        seeds = [int(x) for x in fv.seeds if x] if fv.seeds is not None else [config.seed]
     except ValueError:
-        p.error(f"--seeds={args.seeds!r} must be integers like 0,1,2")
+        err(f"--seeds={','.join(fv.seeds)!r} must be integers like 0,1,2")
     if not seeds or len(set(seeds)) != len(seeds):
-        p.error(f"--seeds={args.seeds!r}: give distinct seeds, e.g. 0,1")
+        err(f"--seeds={','.join(fv.seeds or [])!r}: give distinct seeds, e.g. 0,1")
+    bench.out_folder(PROG, fv.out)  # before any compile
     import jax  # pylint: disable=g-import-not-at-top
-    jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
+    if config.num_cpu_devices > int(jax.config.jax_num_cpu_devices):  # raised, never lowered
+        jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
     from sdp_jax import loop, trainer  # pylint: disable=g-import-not-at-top
 
     configs = {}
-    for seed in seeds[:1] if args.bytes_only else seeds:
+    for seed in seeds[:1] if fv.bytes_only else seeds:
         for m, r in _runs(methods, ratios):  # all validated before any compile or training
-            c = _with(config, m, r, seed, args)
-            where = _run_dir(args.out, m, r, seed)
+            c = _with(config, m, r, seed)
+            where = _run_dir(fv.out, m, r, seed)
             try:
                 spec = trainer.resolve(c, jax.device_count())
-                if not args.bytes_only:
+                if not fv.bytes_only:
                     trainer.check_workdir(c, where, spec)
             except ValueError as e:
-                p.error(f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}: {e} "
+                err(f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}: {e} "
                         f"(The study's run folder is {where}: use another --out, or the flags "
                         "that wrote it.)")
             configs[m, r, seed] = c
+    if check_only:
+        return []
     rows, measured = [], {}
     for (m, r, seed), c in configs.items():
         d = c.model.d_model
@@ -244,10 +259,10 @@ def main(argv=None) -> list[dict]:
         b = measured[m, r]
         row["bytes_per_token"] = b["per_token"]
         row["bytes_per_step"] = b["per_boundary"]
-        if not args.bytes_only:
+        if not fv.bytes_only:
             loop.log(f"study: training {m}" + (f" at {r}x" if m != "none" else "")
                          + f", seed {seed}")
-            s = trainer.train(c, _run_dir(args.out, m, r, seed))
+            s = trainer.train(c, _run_dir(fv.out, m, r, seed))
             if not s.get("completed"):
                 print(f"study stopped during {m} {r}x; rerun the same command to resume.",
                       file=sys.stderr)
@@ -258,16 +273,16 @@ def main(argv=None) -> list[dict]:
         rows.append(row)
     table = format_table(aggregate(rows))
     print(table)
-    name = "bytes" if args.bytes_only else "study"  # bytes-only never replaces a study's table
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+    name = "bytes" if fv.bytes_only else "study"  # bytes-only never replaces a study's table
+    with open(os.path.join(fv.out, f"{name}.json"), "w") as f:
         json.dump(rows, f, indent=2)  # one row per run
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+    with open(os.path.join(fv.out, f"{name}.md"), "w") as f:
         f.write(table + "\n")
-    loop.log(f"wrote {os.path.join(args.out, name)}.md and .json"
-                 + ("" if args.bytes_only else " and study.png"))
-    if not args.bytes_only:
+    loop.log(f"wrote {os.path.join(fv.out, name)}.md and .json"
+                 + ("" if fv.bytes_only else " and study.png"))
+    if not fv.bytes_only:
         c0 = next(iter(configs.values()))
-        plot(aggregate(rows), os.path.join(args.out, "study.png"),
+        plot(aggregate(rows), os.path.join(fv.out, "study.png"),
              f"LLaMA d={c0.model.d_model}, {c0.model.n_layers} blocks, {c0.pipeline.stages} "
              f"stages, {rows[0]['tokens'] / 1e6:.2f}M tokens per run, "
              f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}")

@@ -519,6 +519,25 @@ def _gather_rows_bwd(r, dtype, res, ct):
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
+@jax.custom_vjp
+def scale_grad(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x`` unchanged; its cotangent multiplied by ``scale`` (broadcastable to ``x``, e.g.
+    ``1 / m`` of every entry's component: a sum over the workers of the scaled cotangents is
+    then the masked mean over holders, DESIGN.md invariant 2)."""
+    return x
+
+
+def _scale_grad_fwd(x, scale):
+    return x, scale
+
+
+def _scale_grad_bwd(scale, ct):
+    return (ct * scale.astype(ct.dtype)).astype(ct.dtype), jnp.zeros_like(scale)
+
+
+scale_grad.defvjp(_scale_grad_fwd, _scale_grad_bwd)
+
+
 def fsdp_gather(shard: jax.Array, r: int, dtype, idx: jax.Array | None = None,
                 keep: jax.Array | None = None) -> jax.Array:
     """Gather rows of an FSDP-sharded leaf for compute; its gradient is the masked sum.

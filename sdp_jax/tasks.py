@@ -315,12 +315,15 @@ class VisionModel:
 
 
 def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total_steps: int,
-                *, dtype: str = "float32", remat: str = "none",
+                *, dtype: str = "float32", remat: str = "none", fsdp: bool = False,
                 averaging: str = "gradients", sync_every: int = 1) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a vision run: AdamW (or SGD) from ``optim`` with
     weight decay on conv / linear weights only, clipping at ``optim.grad_clip``, the BatchNorm
     statistics as model state (averaged over each layer's holders after every step), metrics
-    ``train_acc`` and ``lr``; ``init_state(seed)`` from the model's initializer.
+    ``train_acc`` and ``lr``; ``init_state(seed)`` from the model's initializer. With ``fsdp``
+    the parameters, gradients and optimizer state are sharded over the workers (ZeRO-3; the
+    whole model is gathered at the start of each step, see :class:`sdp_jax.step.SDPStep`);
+    the BatchNorm statistics are not.
 
     Raises:
       ValueError: ``remat`` not ``none`` / ``full``; and everything :class:`SDPStep` refuses.
@@ -333,6 +336,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     step = step_lib.SDPStep(
         spec, task.loss, ts.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
         grad_clip=optim.grad_clip, averaging=averaging, sync_every=sync_every, dtype=dtype,
+        fsdp=fsdp,
         schedule=ts.lr_schedule(optim, total_steps), init_fn=task.init,
         total_steps=total_steps, has_aux=True, state_spec=task.stats_spec, stacked_slots=True)
     step.task = task
@@ -431,8 +435,9 @@ class VisionEval:
         if "full" not in self._fns:
             pspec = jax.tree.map(lambda _: P(), spec_lib.unflatten(
                 {p: 0 for p in self.step.spec.shapes}))
+            # Every worker returns the same values; an FSDP all_gather is not typed invariant.
             self._fns["full"] = jax.jit(jax.shard_map(
                 self._gather, mesh=self.step.mesh,
                 in_specs=(self.step.param_specs, self._sspec()),
-                out_specs=(pspec, self._stats_spec)))
+                out_specs=(pspec, self._stats_spec), check_vma=not self.step.fsdp))
         return self._fns["full"](state["params"], state.get("stats", {}))

@@ -37,7 +37,7 @@ class VisionRunSpec:
 
 
 # Config fields newer than some vision checkpoints, with the value older runs used.
-_ADDED_FIELDS = {"sdp": {"average": "gradients", "sync_every": 1}}
+_ADDED_FIELDS = {"sdp": {"average": "gradients", "sync_every": 1}, "fsdp": False}
 
 
 def resolve(config, device_count: int) -> VisionRunSpec:
@@ -114,14 +114,15 @@ def train(config, workdir: str) -> dict[str, Any]:
     manager, latest = loop.open_checkpoints(config, workdir, meta, defaults=_ADDED_FIELDS)
 
     builder = tasks.vision_step(cfg, spec.plan, spec.optim, mesh, spec.total_steps,
-                                dtype=config.dtype, remat=config.remat,
+                                dtype=config.dtype, remat=config.remat, fsdp=config.get("fsdp", False),
                                 averaging=config.sdp.average, sync_every=config.sdp.sync_every)
     evaluation = tasks.VisionEval(builder)
     info = spec.plan.summary()
     n_params = vm.param_count(cfg)
     loop.log(f"devices: {W} x {devices[0].platform} ({pcount} process(es)); "
              f"{spec.plan.describe()}"
-             + (f"; compute dtype {config.dtype}" if config.dtype != "float32" else ""))
+             + (f"; compute dtype {config.dtype}" if config.dtype != "float32" else "")
+             + ("; FSDP (ZeRO-3)" if config.get("fsdp", False) else ""))
     loop.log(f"mask graph: spectral gap {info['spectral_gap']:.4f}; params: total "
              f"{n_params:,}, stored per device {builder.per_device_param_count():,}")
     state, start = loop.restore_or_init(manager, latest, builder, train_iter, config.seed)
@@ -191,7 +192,8 @@ def train(config, workdir: str) -> dict[str, Any]:
         return {
             "model": cfg.name, "dataset": config.data.dataset, "variant": config.sdp.variant,
             "regime": spec.plan.regime, "coverage": spec.plan.coverage, "workers": W,
-            "scheme": config.sdp.scheme, "dtype": config.dtype, "steps": step,
+            "scheme": config.sdp.scheme, "dtype": config.dtype, "fsdp": config.get("fsdp", False),
+            "steps": step,
             "average": config.sdp.average, "sync_every": config.sdp.sync_every,
             "total_steps": spec.total_steps, "completed": step >= spec.total_steps,
             "images": step * G, "final_test_acc": last.get("test_acc"),

@@ -13,8 +13,9 @@ TINY = os.path.join(ROOT, "configs", "llama_tiny.py")
 
 def test_bench_rows_and_ratios(tmp_path, capsys):
     out = tmp_path / "out.json"
-    rows = bench.main(["--config", TINY, "--workers", "4", "--variants",
-                       "ddp,b-sdp,n-sdp,bb-sdp,nb-sdp", "--coverage", "0.5", "--json", str(out)])
+    rows = bench.main(["--config", TINY, "--config.workers=4", "--variants",
+                       "ddp,b-sdp,n-sdp,bb-sdp,nb-sdp", "--config.sdp.coverage=0.5", "--json",
+                       str(out)])
     saved = json.loads(out.read_text())
     assert saved == rows
     by = {r["variant"]: r for r in rows}
@@ -46,9 +47,9 @@ def test_bench_rows_and_ratios(tmp_path, capsys):
 
 
 def test_bench_fsdp_remat_bf16_and_measured_time(capsys):
-    rows = bench.main(["--config", TINY, "--variants", "ddp,b-sdp", "--coverage", "0.5",
-                       "--fsdp", "--remat", "full", "--dtype", "bf16", "--no-flops",
-                       "--measure-time", "--time-steps", "3"])
+    rows = bench.main(["--config", TINY, "--variants", "ddp,b-sdp", "--config.sdp.coverage=0.5",
+                       "--config.fsdp=True", "--config.remat=full", "--config.dtype=bf16",
+                       "--noflops", "--measure_time", "--time_steps", "3"])
     by = {r["variant"]: r for r in rows}
     assert [r["setting"] for r in rows] == ["ddp+fsdp+ac", "b-sdp+fsdp+ac"]
     assert all(r["workers"] == 4 and r["dtype"] == "bfloat16" for r in rows)  # config's W
@@ -79,23 +80,29 @@ def test_paper_table_and_chart(tmp_path):
 
 def test_bench_bad_input(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--config", TINY, "--workers", "4", "--variants", "ddp,q-sdp"])
+        bench.main(["--config", TINY, "--variants", "ddp,q-sdp"])
     assert "unknown variants" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main(["--config", TINY, "--workers", "4", "--coverage", "0.3"])
+        bench.main(["--config", TINY, "--config.sdp.coverage=0.3"])
     assert "nearest valid coverages" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--config", "no_such.py"])
     assert "no_such.py" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main(["--config", TINY, "--workers", "4", "--seq-len", "-5"])
-    assert "--seq-len=-5 must be >= 1" in capsys.readouterr().err
+        bench.main(["--config", TINY, "--config.seq_len=-5"])
+    assert "seq_len=-5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main(["--config", TINY, "--remat", "everything"])
-    assert "--remat='everything'" in capsys.readouterr().err
+        bench.main(["--config", TINY, "--config.remat=everything"])
+    assert "remat='everything'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main(["--config", TINY, "--dtype", "fp16"])
-    assert "--dtype='fp16'" in capsys.readouterr().err
+        bench.main(["--config", TINY, "--config.dtype=fp16"])
+    assert "dtype='fp16'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # the argparse options before configs came by flags
+        bench.main(["--config", TINY, "--fsdp"])
+    assert "unknown flag --fsdp: it is now --config.fsdp=True" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--config.sdp.coverag=0.5"])
+    assert "unknown config field" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--config", TINY, "--json", os.path.dirname(TINY)])
     assert "is a folder" in capsys.readouterr().err
@@ -106,5 +113,5 @@ def test_bench_bad_input(capsys):
         bench.main(["--paper", "--config", TINY, "--out", os.path.dirname(TINY)])
     assert "needs 0.6875 x n_layers whole" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main(["--paper", "--fsdp"])
-    assert "drop --fsdp" in capsys.readouterr().err
+        bench.main(["--paper", "--config.fsdp=True"])
+    assert "drop --config.fsdp" in capsys.readouterr().err

@@ -255,8 +255,9 @@ def test_stage_blocks_override():
 
 
 def test_bench_vision_rows(tmp_path):
-    """The benchmark compiles vision steps: N-SDP stores and peaks below DDP; options built for
-    language models only are refused before compiling."""
+    """The benchmark compiles vision steps: N-SDP stores and peaks below DDP, with FSDP about
+    1/W of the parameters; options built for language models only are refused before
+    compiling."""
     from sdp_jax import bench
     cfg = tmp_path / "tiny_vision.py"
     cfg.write_text(
@@ -264,16 +265,20 @@ def test_bench_vision_rows(tmp_path):
         "    c = vision_config('resnet18', 'digits')\n"
         "    c.model.update(width=4, image_size=16)\n    c.model.depths = (2, 2)\n"
         "    c.workers = 4\n    c.batch_per_worker = 4\n    return c\n")
-    rows = bench.main(["--config", str(cfg), "--variants", "ddp,n-sdp", "--coverage", "0.5",
-                       "--no-flops"])
+    rows = bench.main(["--config", str(cfg), "--variants", "ddp,n-sdp",
+                       "--config.sdp.coverage=0.5", "--noflops"])
     ddp, nsdp = rows
     assert nsdp["params_per_device"] < 0.7 * ddp["params_per_device"]
     assert nsdp["peak_bytes_per_device"] < ddp["peak_bytes_per_device"]
     assert nsdp["held_per_worker"].startswith("channels 2/4 4/8")
+    fsdp = bench.main(["--config", str(cfg), "--variants", "n-sdp", "--config.sdp.coverage=0.5",
+                       "--config.fsdp=True", "--noflops"])[0]
+    assert fsdp["setting"] == "n-sdp+fsdp"
+    assert fsdp["params_per_device"] < 0.3 * ddp["params_per_device"]   # ~1/W, padding
     with pytest.raises(SystemExit):
-        bench.main(["--config", str(cfg), "--variants", "ddp", "--fsdp"])
+        bench.main(["--config", str(cfg), "--variants", "b-sdp", "--config.sdp.coverage=0.3"])
     with pytest.raises(SystemExit):
-        bench.main(["--config", str(cfg), "--variants", "b-sdp", "--coverage", "0.3"])
+        bench.main(["--config", str(cfg), "--measure_time"])
 
 
 @pytest.mark.parametrize("variant", ["ddp", "b-sdp"])
@@ -299,6 +304,34 @@ def test_periodic_parameter_averaging(mesh, variant):
         spread = np.abs(stem - stem[0]).max()
         # step 1: lr 0 (warm-up); 2 and 4 average; 3 is a local step: the copies drift apart
         assert (spread > 0) if i == 2 else (spread == 0), (i, spread)
+
+
+@pytest.mark.parametrize("variant,coverage,ref_variant", [
+    ("n-sdp", 1.0, "ddp"), ("b-sdp", 0.5, "b-sdp"), ("nb-sdp", 0.5, "nb-sdp")])
+def test_fsdp_equals_unsharded_step(mesh, variant, coverage, ref_variant):
+    """Vision + FSDP (ZeRO-3, the one SDPStep without a block runner): after 3 steps the
+    parameters and BatchNorm statistics equal those of the same run without FSDP (of DDP at
+    C = 1), each device stores about 1/W of the parameters, and the full-model evaluation with
+    re-estimated BatchNorm statistics gives the same loss."""
+    batches = _batches(mesh, RESNET)
+    ref_b, ref, m_ref = _run(mesh, RESNET, ref_variant, 1.0 if ref_variant == "ddp" else coverage,
+                             batches)
+    b, got, m = _run(mesh, RESNET, variant, coverage, batches, step_kw=dict(fsdp=True))
+    _close(jax.device_get(tasks.VisionEval(b).full_model(got)),
+           jax.device_get(tasks.VisionEval(ref_b).full_model(ref)), tol=1e-5)
+    assert abs(m["train_loss"] - m_ref["train_loss"]) < 1e-5
+    assert abs(m["grad_norm"] - m_ref["grad_norm"]) < 1e-5
+    n_full = sum(int(np.prod(s)) for s in b.spec.shapes.values())
+    assert b.per_device_param_count() < n_full / W + 64 * len(b.spec.shapes)
+    x, y = batches[0]
+    valid = jax.device_put(jnp.ones(y.shape, bool), NamedSharding(mesh, P("data")))
+    outs = []
+    for builder, state in ((b, got), (ref_b, ref)):
+        ev = tasks.VisionEval(builder)
+        extra = (ev.bn_stats_fn()(state["params"], state["stats"], x),) if ev.recalibrate else ()
+        outs.append(ev.eval_step_fn(bool(extra))(state["params"], state["stats"], x, y, valid,
+                                                 *extra))
+    assert abs(float(outs[0][0]) - float(outs[1][0])) < 1e-4 and outs[0][1] == outs[1][1]
 
 
 # The train state layout of vision checkpoints written before the one step (the deleted

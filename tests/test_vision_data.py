@@ -146,16 +146,19 @@ def _train(workdir, *extra):
 
 
 def test_cli_vision_run_resumes(tmp_path):
+    """A B-SDP ResNet run with FSDP (ZeRO-3) stops, resumes, re-estimates BatchNorm statistics
+    for evaluation and refuses an unrealizable coverage before compute."""
     wd = tmp_path / "run"
-    r = _train(wd, "--config.stop_at_step=2")
+    r = _train(wd, "--config.stop_at_step=2", "--config.fsdp=True")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "stopped at step 2 of 4" in r.stdout
+    assert "stopped at step 2 of 4" in r.stdout and "FSDP (ZeRO-3)" in r.stdout
     assert "re-estimates the full model's BatchNorm statistics" in r.stdout
-    r = _train(wd)
+    r = _train(wd, "--config.fsdp=True")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout and "at step 2" in r.stdout
     summary = json.loads((wd / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 4 and summary["model"] == "resnet18"
+    assert summary["fsdp"] is True
     assert 0.0 <= summary["final_test_acc"] <= 1.0
     recs = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]

@@ -1,0 +1,95 @@
+"""The one way the command lines load a run config: ``python train.py``, ``python -m
+sdp_jax.bench`` and ``python -m sdp_jax.study``.
+
+Each tool defines its flags on its own ``absl.flags.FlagValues`` (:func:`flag_values`): a
+``--config`` file with ``get_config()`` (``ml_collections.config_flags``; any field overridden
+as ``--config.FIELD=VALUE``, e.g. ``--config.sdp.coverage=0.5``) and the tool's own flags.
+:func:`parse` turns every mistake into a one-line error before any compute.
+
+Example::
+
+    argv = ["prog", "--config.steps=20"]
+    fv = cli.flag_values("configs/llama_tiny.py", argv)
+    flags.DEFINE_integer("seeds", 1, "how many seeds", flag_values=fv)
+    cli.parse(fv, argv, "python -m my_tool")
+    config = fv.config
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+from absl import flags
+from ml_collections import config_flags
+
+
+def flag_values(default_config: str, argv: list[str] | None = None, prog: str = "", *,
+                into: flags.FlagValues | None = None) -> flags.FlagValues:
+    """``into`` (default: a new ``FlagValues``) with ``--config`` (a ``get_config()`` file,
+    locked: an override of a field that does not exist is an error) defined; its overrides
+    are read from ``argv`` (the command line :func:`parse` will get; default ``sys.argv``).
+    Without ``--config`` in ``argv`` the default file is loaded and overridden here, so a
+    mistake exits as in :func:`parse` (one line naming ``prog``, status 2)."""
+    fv = flags.FlagValues() if into is None else into
+    try:
+        config_flags.DEFINE_config_file("config", default_config,
+                                        "Run config (a get_config() file); override any field "
+                                        "as --config.FIELD=VALUE.", flag_values=fv,
+                                        lock_config=True, sys_argv=argv)
+    except Exception as e:  # noqa: BLE001 (ml_collections' errors, as in parse)
+        _config_error(prog or os.path.basename(sys.argv[0]), e)
+    return fv
+
+
+def error(prog: str, message: str) -> NoReturn:
+    """Print ``prog: error: message`` to stderr and exit with status 2 (a usage error)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _config_path(argv) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def parse(fv: flags.FlagValues, argv: list[str], prog: str, doc: str = "",
+          renamed: dict[str, str] | None = None) -> list[str]:
+    """Parse ``argv`` (``argv[0]`` is the program) into ``fv``.
+
+    ``--help`` (or ``-h``) prints ``doc`` and the flags and exits 0. Errors are one line on
+    stderr and exit status 2: a config file that does not exist, an unknown config field, a
+    value of the wrong type, an unknown flag (``renamed`` maps an old flag name to a hint of
+    its new form).
+
+    Returns:
+      the arguments that are not flags (``argv[0]`` first).
+    """
+    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+        print((doc.strip() + "\n\n" if doc else "") + fv.get_help())
+        sys.exit(0)
+    path = _config_path(argv)
+    if path is not None and not os.path.isfile(path.split(":", 1)[0]):
+        error(prog, f"config file {path!r} does not exist; see configs/ for the provided ones.")
+    try:
+        return fv(argv)
+    except flags.UnrecognizedFlagError as e:
+        hint = (renamed or {}).get(e.flagname)
+        error(prog, f"unknown flag --{e.flagname}"
+              + (f": it is now {hint}" if hint else f"; see {prog} --help"))
+    except Exception as e:  # noqa: BLE001 (ml_collections raises KeyError/AttributeError/...)
+        _config_error(prog, e)
+
+
+def _config_error(prog: str, e: Exception) -> NoReturn:
+    """One line for an error of loading or overriding a config."""
+    key_error = e if isinstance(e, KeyError) else e.__cause__ or e.__context__
+    if isinstance(key_error, KeyError):
+        error(prog, f"unknown config field {' '.join(str(key_error.args[0]).split())}; see "
+              f"{prog} --help")
+    error(prog, str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
