@@ -57,7 +57,8 @@ def _parse_flags(argv):
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.FIELD=VALUE.")
+        cli.error(PROG, f"unexpected arguments {argv[1:]}; flags look like --config.FIELD=VALUE "
+                  "or --workdir=DIR.")
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
     import jax
 

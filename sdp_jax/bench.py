@@ -360,6 +360,23 @@ def paper_chart(rows: list[dict], path: str, title: str = "LLaMA 1B") -> None:
     plt.close(fig)
 
 
+def paper_check(config, workers: int = 8) -> None:
+    """Raise ValueError, before any compile, unless the paper's B-SDP C = 0.6875 is realizable
+    for the config's language model on ``workers`` workers."""
+    from sdp_jax import train_step as ts
+    from sdp_jax import vision_trainer
+    from sdp_jax.models.llama import LlamaConfig
+    if vision_trainer.is_vision(config) or config.get("pipeline", {}).get("stages", 1) > 1:
+        raise ValueError("--paper compares unpipelined LLaMA runs (configs/llama_1b.py); give "
+                         "a language-model config without pipeline stages.")
+    try:
+        ts.make_plan("b-sdp", LlamaConfig.from_config(config.model), workers, 0.6875,
+                     config.sdp.scheme, config.sdp.mask_seed, allow_nonuniform=True)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"--paper runs B-SDP at the paper's C = 0.6875, which needs 0.6875 x "
+                         f"n_layers whole (llama_1b: 16 blocks): {e}") from None
+
+
 def run_paper(config, config_path: str, out_dir: str, workers: int = 8) -> list[dict]:
     """The ``--paper`` comparison: four compiled settings of ``config`` (``llama_1b``, loaded
     from ``config_path``), bf16, coverage 0.6875; writes table, chart and rows to ``out_dir``.
@@ -369,15 +386,7 @@ def run_paper(config, config_path: str, out_dir: str, workers: int = 8) -> list[
       ValueError: C = 0.6875 is not realizable for the config's model."""
     import jax
 
-    from sdp_jax import train_step as ts
-    from sdp_jax.models.llama import LlamaConfig
-    model = LlamaConfig.from_config(config.model)
-    try:  # before any compile: C = 0.6875 must be realizable for this model
-        ts.make_plan("b-sdp", model, workers, 0.6875, config.sdp.scheme, config.sdp.mask_seed,
-                     allow_nonuniform=True)
-    except ValueError as e:
-        raise ValueError(f"--paper runs B-SDP at the paper's C = 0.6875, which needs 0.6875 x "
-                         f"n_layers whole (llama_1b: 16 blocks): {e}") from None
+    paper_check(config, workers)
     mesh = _mesh(workers)
     rows = []
     for label, variant, fsdp, remat in PAPER_SETTINGS:
@@ -445,7 +454,8 @@ RENAMED = {"workers": "--config.workers=N", "coverage": "--config.sdp.coverage=C
            "batch-per-worker": "--config.batch_per_worker=B", "seq-len": "--config.seq_len=T",
            "fsdp": "--config.fsdp=True", "remat": "--config.remat=full",
            "dtype": "--config.dtype=bfloat16", "method": "--config.sdp.method=M",
-           "stage-blocks": "--config.sdp.stage_blocks=1,2,4,1", "no-flops": "--noflops",
+           "stage-blocks": '--config.sdp.stage_blocks="(1,1,1,1)"', "no-flops": "--noflops",
+           "no-fsdp": "--config.fsdp=False",
            "measure-time": "--measure_time", "time-steps": "--time_steps"}
 
 
@@ -499,11 +509,16 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         if not os.access(folder, os.W_OK):
             err(f"--json {fv.json!r}: its folder {folder} is not writable")
     if fv.paper:
-        fixed = [f"--{k}" for k in ("variants", "measure_time", "json") if fv[k].present]
+        fixed = [f"--{k}" for k in ("variants", "measure_time", "json", "flops", "time_steps")
+                 if fv[k].present]
         fixed += [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
         if fixed:
             err(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
                 f"FSDP + AC, bf16); drop {', '.join(fixed)}")
+        try:
+            paper_check(config)
+        except ValueError as e:
+            err(str(e))
         out_folder(PROG, fv.out)  # before minutes of compiling
         try:
             import matplotlib  # noqa: F401
@@ -512,7 +527,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         if check_only:
             return []
         try:
-            return run_paper(config, config_path, fv.out, config.get("workers", 0) or 8)
+            return run_paper(config, config_path, fv.out)
         except ValueError as e:
             err(str(e))
     if config.get("pipeline", {}).get("stages", 1) > 1:
@@ -526,6 +541,14 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     bad = [v for v in variants if v not in ts.VARIANTS]
     if bad or not variants:
         err(f"unknown variants {bad or fv.variants!r}; choose from {','.join(ts.VARIANTS)}")
+    if tuple(config.sdp.get("stage_blocks", ()) or ()) and not any(
+            v in ("b-sdp", "bb-sdp") for v in variants):
+        err(f"config.sdp.stage_blocks={tuple(config.sdp.stage_blocks)} applies to the block "
+            f"variants b-sdp and bb-sdp; none is in --variants {','.join(variants)}")
+    from sdp_jax import vision_trainer
+    if fv.measure_time and vision_trainer.is_vision(config):
+        err("--measure_time: not available for vision models (timed steps are built for the "
+            "language models only)")
     workers = config.get("workers", 0) or 8
     with config.unlocked():
         config.workers = workers
@@ -533,9 +556,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             config.model.max_seq_len = max(config.model.get("max_seq_len", 0), config.seq_len)
     try:
         loop.canonical_dtype(config)
-        mesh = _mesh(workers)
         for v in variants:   # one validation place for every field, before any compile
-            _resolve(config, v, workers)
+            _resolve(config, v, max(workers, 1))
+        mesh = _mesh(workers)
     except ValueError as e:
         err(str(e))
     if check_only:
@@ -543,7 +566,6 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
 
     import jax
 
-    from sdp_jax import vision_trainer
     if vision_trainer.is_vision(config):
         return _main_vision(fv, config, config_path, variants, workers, mesh)
     from sdp_jax.models.llama import LlamaConfig
@@ -601,10 +623,6 @@ def _main_vision(fv, config, config_path, variants, workers, mesh):
     """``main`` for vision configs: memory, communication and FLOPs of each variant."""
     import jax
 
-    from sdp_jax import cli
-    if fv.measure_time:
-        cli.error(PROG, "--measure_time: not available for vision models (timed steps are "
-                  "built for the language models only)")
     remat, dtype, fsdp = config.remat, config.dtype, config.get("fsdp", False)
     print(f"{config_path}: {config.model.name}, {config.batch_per_worker} images of "
           f"{config.model.image_size}x{config.model.image_size} per worker, {workers} x "

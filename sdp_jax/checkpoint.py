@@ -121,10 +121,6 @@ class CheckpointManager:
             raise self._unreadable(step, "state or data iterator", e) from e
         return out["state"]
 
-    def wait(self) -> None:
-        """Block until asynchronous saves are complete."""
-        self._mngr.wait_until_finished()
-
     def close(self) -> None:
         """Finish pending saves and release orbax's background threads."""
         self._mngr.close()

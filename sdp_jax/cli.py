@@ -77,7 +77,9 @@ def parse(fv: flags.FlagValues, argv: list[str], prog: str, doc: str = "",
     if path is not None and not os.path.isfile(path.split(":", 1)[0]):
         error(prog, f"config file {path!r} does not exist; see configs/ for the provided ones.")
     try:
-        return fv(argv)
+        rest = fv(argv)
+        _check_config(fv.config, fv["config"].config_filename, prog)
+        return rest
     except flags.UnrecognizedFlagError as e:
         hint = (renamed or {}).get(e.flagname)
         error(prog, f"unknown flag --{e.flagname}"
@@ -86,10 +88,28 @@ def parse(fv: flags.FlagValues, argv: list[str], prog: str, doc: str = "",
         _config_error(prog, e)
 
 
+# Fields every run config has (sdp_jax.config.base_config and vision_config).
+REQUIRED = ("model", "sdp", "optim", "workers", "num_cpu_devices", "batch_per_worker", "steps",
+            "dtype", "remat", "seed")
+
+
+def _check_config(config, path: str, prog: str) -> None:
+    missing = ([] if not hasattr(config, "keys") else
+               [k for k in REQUIRED if k not in config])
+    if not hasattr(config, "keys") or missing:
+        error(prog, f"config file {path!r}: get_config() must return a run config (a "
+              "ConfigDict from sdp_jax.config.base_config() or vision_config())"
+              + (f"; it lacks {', '.join(missing)}" if missing else
+                 f", not {type(config).__name__}"))
+
+
 def _config_error(prog: str, e: Exception) -> NoReturn:
     """One line for an error of loading or overriding a config."""
     key_error = e if isinstance(e, KeyError) else e.__cause__ or e.__context__
     if isinstance(key_error, KeyError):
         error(prog, f"unknown config field {' '.join(str(key_error.args[0]).split())}; see "
               f"{prog} --help")
-    error(prog, str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+    if msg.startswith("flag --"):   # absl could not parse a value
+        msg += " (give a value of the field's type, e.g. True/False, 8, 0.5, bf16, \"(1,2)\")"
+    error(prog, msg)

@@ -728,14 +728,15 @@ class SDPStep:
 
     def _gathered(self, shards, dtype=None, scale=False) -> dict:
         """FSDP without the block runner: every leaf gathered whole (flat ``{path: leaf}``; an
-        all_gather in ``dtype``, default the stored one). ``scale``: each entry's gradient
-        scaled by ``1 / holders``, so that the reduce-scatter of the transpose, the sum over
-        workers, is the masked mean."""
+        all_gather in ``dtype``, default the stored one). ``scale``: each entry's gradient,
+        in float32, scaled by ``1 / holders``, so that the reduce-scatter of the transpose,
+        the sum over workers, is the masked mean."""
         out = {}
         for p, x in _flatten(shards).items():
-            v = self._from_shards(p, sync.fsdp_gather(x[None], self._rows_len(p),
-                                                      dtype or x.dtype)[0])
-            out[p] = sync.scale_grad(v, jnp.asarray(self._inv_holders[p])) if scale else v
+            inv = jnp.asarray(self._inv_holders[p]) if scale else None
+            out[p] = self._from_shards(p, sync.fsdp_gather(
+                x[None], self._rows_len(p), dtype or x.dtype, scale=inv,
+                leaf=self.spec.shapes[p])[0])
         return out
 
     def _gathered_loss(self, shards, batch, *stats):

@@ -168,7 +168,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 PROG = "python -m sdp_jax.study"
-RENAMED = {"bytes-only": "--bytes_only", "steps": "--config.steps=N",
+RENAMED = {"bytes-only": "--bytes_only",
+           "steps": "--config.steps=N --config.optim.warmup_steps=N/10",
            "rvq-levels": "--config.pipeline.rvq_levels=N",
            "rvq-codebook": "--config.pipeline.rvq_codebook=K"}
 
@@ -223,7 +224,6 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         err(f"--seeds={','.join(fv.seeds)!r} must be integers like 0,1,2")
     if not seeds or len(set(seeds)) != len(seeds):
         err(f"--seeds={','.join(fv.seeds or [])!r}: give distinct seeds, e.g. 0,1")
-    bench.out_folder(PROG, fv.out)  # before any compile
     import jax  # pylint: disable=g-import-not-at-top
     if config.num_cpu_devices > int(jax.config.jax_num_cpu_devices):  # raised, never lowered
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
@@ -234,15 +234,19 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         for m, r in _runs(methods, ratios):  # all validated before any compile or training
             c = _with(config, m, r, seed)
             where = _run_dir(fv.out, m, r, seed)
+            run = f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}"
             try:
                 spec = trainer.resolve(c, jax.device_count())
+            except ValueError as e:
+                err(f"{run}: {e}".replace("--config.pipeline.ratio", "--ratios"))
+            try:
                 if not fv.bytes_only:
                     trainer.check_workdir(c, where, spec)
             except ValueError as e:
-                err(f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}: {e} "
-                        f"(The study's run folder is {where}: use another --out, or the flags "
-                        "that wrote it.)")
+                err(f"{run}: {e} (The study's run folder is {where}: use another --out, or the "
+                    "flags that wrote it.)")
             configs[m, r, seed] = c
+    bench.out_folder(PROG, fv.out)  # validated: now the folder, before any compile
     if check_only:
         return []
     rows, measured = [], {}

@@ -211,14 +211,6 @@ class HolderTables:
                 self.held[w, g, self.indices[w, g]] = True
         self.full = bool(self.held.all())
 
-    @classmethod
-    def for_blocks(cls, tables: CompactTables) -> "HolderTables":
-        return cls(tables.held[:, None, :], tables.counts[None, :], 0, False)
-
-    @classmethod
-    def for_layers(cls, tables: LayerTables) -> "HolderTables":
-        return cls(tables.indices, tables.counts, tables.axis, True)
-
     def row_len(self, full_shape) -> int:
         """``r``: elements per component of a leaf of this full shape."""
         n = int(np.prod(full_shape))
@@ -487,24 +479,26 @@ def sum_parts(parts: list, axis: str = AXIS, over_axis: bool = True) -> jax.Arra
 
 # ---------------------------------------------------------------- FSDP gathers (differentiable)
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gather_rows(shard, idx, keep, r, dtype):
-    return _gather_rows_fwd(shard, idx, keep, r, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gather_rows(shard, idx, keep, scale, r, dtype, leaf):
+    return _gather_rows_fwd(shard, idx, keep, scale, r, dtype, leaf)[0]
 
 
-def _gather_rows_fwd(shard, idx, keep, r, dtype):
+def _gather_rows_fwd(shard, idx, keep, scale, r, dtype, leaf):
     x = shard.astype(dtype)  # communicate in the compute dtype
     if idx is None:
         out = lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)[..., :r]
     else:
         out = rows_from_owners(x, idx, r, AXIS)
-    return out, (idx, keep, jnp.zeros((0,) + shard.shape, shard.dtype))
+    return out, (idx, keep, scale, jnp.zeros((0,) + shard.shape, shard.dtype))
 
 
-def _gather_rows_bwd(r, dtype, res, ct):
-    idx, keep, probe = res  # probe: empty array carrying the shard's shape and master dtype
+def _gather_rows_bwd(r, dtype, leaf, res, ct):
+    idx, keep, scale, probe = res  # probe: empty array with the shard's shape and master dtype
     shape = probe.shape[1:]
     ct = ct.astype(probe.dtype)  # gradients are reduced in the master dtype (float32)
+    if scale is not None:   # per entry of the leaf, in the master dtype
+        ct = (ct.reshape(ct.shape[:-1] + leaf) * scale.astype(ct.dtype)).reshape(ct.shape)
     if keep is not None:
         ct = ct * keep.reshape(keep.shape + (1,) * (ct.ndim - keep.ndim)).astype(ct.dtype)
     W = lax.axis_size(AXIS)
@@ -513,33 +507,15 @@ def _gather_rows_bwd(r, dtype, res, ct):
                              scatter_dimension=ct.ndim - 1, tiled=True)
     else:
         g = rows_to_owners(zeros_varying(shape, ct.dtype, ct), ct, idx, AXIS)
-    return g, None, None
+    return g, None, None, None
 
 
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-@jax.custom_vjp
-def scale_grad(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x`` unchanged; its cotangent multiplied by ``scale`` (broadcastable to ``x``, e.g.
-    ``1 / m`` of every entry's component: a sum over the workers of the scaled cotangents is
-    then the masked mean over holders, DESIGN.md invariant 2)."""
-    return x
-
-
-def _scale_grad_fwd(x, scale):
-    return x, scale
-
-
-def _scale_grad_bwd(scale, ct):
-    return (ct * scale.astype(ct.dtype)).astype(ct.dtype), jnp.zeros_like(scale)
-
-
-scale_grad.defvjp(_scale_grad_fwd, _scale_grad_bwd)
-
-
 def fsdp_gather(shard: jax.Array, r: int, dtype, idx: jax.Array | None = None,
-                keep: jax.Array | None = None) -> jax.Array:
+                keep: jax.Array | None = None, scale: jax.Array | None = None,
+                leaf: tuple | None = None) -> jax.Array:
     """Gather rows of an FSDP-sharded leaf for compute; its gradient is the masked sum.
 
     Args:
@@ -550,13 +526,18 @@ def fsdp_gather(shard: jax.Array, r: int, dtype, idx: jax.Array | None = None,
         components this worker holds); None: every row by all_gather (DDP-FSDP, or the full
         forward pass of the backward variants).
       keep: optional bool ``[n]`` (rows of this worker whose gradient counts: backward masking).
+      scale: optional float32 array broadcastable to ``leaf`` (each row reshaped to the leaf's
+        shape ``leaf``, ``r = prod(leaf)``) multiplying the cotangent after its cast to the
+        master dtype, e.g. ``1 / m`` of every entry's component (the sum over workers is then
+        the masked mean over holders, DESIGN.md invariant 2).
     Returns:
       ``[c or n, r]`` in ``dtype``. Backward: the cotangent (cast to the master dtype, masked by
       ``keep``) goes back to the owners by the transposed collective (all_to_all + scatter-add,
       or reduce-scatter), so the gradient of ``shard`` is the sum over the workers that use each
       row; divide by the multiplicity for the masked mean.
     """
-    return _gather_rows(shard, idx, keep, int(r), jnp.dtype(dtype))
+    return _gather_rows(shard, idx, keep, scale, int(r), jnp.dtype(dtype),
+                        None if leaf is None else tuple(int(d) for d in leaf))
 
 
 # ------------------------------------------------------------------------------------------

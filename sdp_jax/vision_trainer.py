@@ -114,7 +114,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     manager, latest = loop.open_checkpoints(config, workdir, meta, defaults=_ADDED_FIELDS)
 
     builder = tasks.vision_step(cfg, spec.plan, spec.optim, mesh, spec.total_steps,
-                                dtype=config.dtype, remat=config.remat, fsdp=config.get("fsdp", False),
+                                dtype=config.dtype, remat=config.remat, fsdp=config.fsdp,
                                 averaging=config.sdp.average, sync_every=config.sdp.sync_every)
     evaluation = tasks.VisionEval(builder)
     info = spec.plan.summary()
@@ -122,7 +122,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     loop.log(f"devices: {W} x {devices[0].platform} ({pcount} process(es)); "
              f"{spec.plan.describe()}"
              + (f"; compute dtype {config.dtype}" if config.dtype != "float32" else "")
-             + ("; FSDP (ZeRO-3)" if config.get("fsdp", False) else ""))
+             + ("; FSDP (ZeRO-3)" if config.fsdp else ""))
     loop.log(f"mask graph: spectral gap {info['spectral_gap']:.4f}; params: total "
              f"{n_params:,}, stored per device {builder.per_device_param_count():,}")
     state, start = loop.restore_or_init(manager, latest, builder, train_iter, config.seed)
@@ -192,7 +192,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         return {
             "model": cfg.name, "dataset": config.data.dataset, "variant": config.sdp.variant,
             "regime": spec.plan.regime, "coverage": spec.plan.coverage, "workers": W,
-            "scheme": config.sdp.scheme, "dtype": config.dtype, "fsdp": config.get("fsdp", False),
+            "scheme": config.sdp.scheme, "dtype": config.dtype, "fsdp": config.fsdp,
             "steps": step,
             "average": config.sdp.average, "sync_every": config.sdp.sync_every,
             "total_steps": spec.total_steps, "completed": step >= spec.total_steps,

@@ -205,15 +205,6 @@ def components(cfg: VisionConfig) -> tuple[list[Stage], list[NeuronKind]]:
     return stages, kinds
 
 
-def neuron_count(cfg: VisionConfig, stage: int, kind: str) -> int:
-    """``G`` of a neuron kind in the blocks of ``stage``."""
-    if kind == "channels":
-        return cfg.stage_width(stage)
-    if kind == "mlp":
-        return cfg.stage_width(stage) * cfg.mlp_ratio
-    return cfg.num_heads[stage]
-
-
 # ------------------------------------------------------------------------------------------
 # Layers (pure functions of parameter dicts)
 # ------------------------------------------------------------------------------------------
