@@ -155,19 +155,13 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     from sdp_jax import vision_trainer
 
     t0 = time.time()
-    spec_cfg = config.copy_and_resolve_references()
-    with spec_cfg.unlocked():
-        spec_cfg.sdp.variant, spec_cfg.sdp.coverage = variant, coverage
-        spec_cfg.workers = workers
-        if variant not in ("b-sdp", "bb-sdp"):
-            spec_cfg.sdp.stage_blocks = ()
     try:
-        spec = vision_trainer.resolve(spec_cfg, workers)
+        spec = vision_trainer.resolve(_variant_config(config, variant, coverage, workers),
+                                      workers)
         uniform = True
     except ValueError:
-        with spec_cfg.unlocked():
-            spec_cfg.sdp.allow_nonuniform = True
-        spec = vision_trainer.resolve(spec_cfg, workers)
+        spec = vision_trainer.resolve(_variant_config(config, variant, coverage, workers, True),
+                                      workers)
         uniform = False
     builder = tasks.vision_step(spec.model, spec.plan, spec.optim, mesh, config.steps,
                                 dtype=dtype, remat=remat, fsdp=fsdp)
@@ -602,18 +596,27 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     return rows
 
 
+def _variant_config(config, variant: str, coverage: float, workers: int,
+                    allow_nonuniform: bool = False):
+    """A copy of ``config`` for one bench row: ``sdp.variant``, ``sdp.coverage``, ``workers``
+    and ``sdp.allow_nonuniform`` set; ``sdp.stage_blocks`` kept for block variants only."""
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.sdp.variant, c.sdp.coverage, c.workers = variant, coverage, workers
+        if allow_nonuniform:
+            c.sdp.allow_nonuniform = True
+        if variant not in ("b-sdp", "bb-sdp") and "stage_blocks" in c.sdp:
+            c.sdp.stage_blocks = ()
+    return c
+
+
 def _resolve(config, variant: str, workers: int):
     """The train-time validation of ``config`` with ``variant`` (at C = 1 for ddp) on
     ``workers`` devices, near-uniform masks allowed (the paper's 1B setting needs them)."""
     from sdp_jax import trainer
     from sdp_jax import vision_trainer
-    c = config.copy_and_resolve_references()
-    with c.unlocked():
-        c.sdp.variant = variant
-        c.sdp.coverage = 1.0 if variant == "ddp" else config.sdp.coverage
-        c.sdp.allow_nonuniform = True
-        if variant not in ("b-sdp", "bb-sdp") and "stage_blocks" in c.sdp:
-            c.sdp.stage_blocks = ()
+    c = _variant_config(config, variant, 1.0 if variant == "ddp" else config.sdp.coverage,
+                        config.workers, True)
     if vision_trainer.is_vision(c):
         return vision_trainer.resolve(c, workers)
     return trainer.resolve(c, workers)
