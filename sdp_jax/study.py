@@ -59,20 +59,17 @@ def _with(config, method: str, ratio: int, seed: int):
 
 def measure_bytes(config) -> dict:
     """Compile the config's pipelined train step (no training) and read its boundary bytes
-    (:func:`sdp_jax.pipeline.boundary_bytes`)."""
+    (:func:`sdp_jax.trainer.boundary_bytes`)."""
     import jax  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
     from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
 
     spec = trainer.resolve(config, jax.device_count())
     builder = trainer.make_step(config, spec, trainer.make_mesh(spec))
     compiled = builder.compiled_train_step(
         jax.ShapeDtypeStruct((spec.global_batch, config.seq_len + 1), np.int32))
-    return pl.boundary_bytes(compiled, tokens_per_worker=config.batch_per_worker * config.seq_len,
-                             stages=spec.pipe.stages,
-                             codebook_bytes=pl.codebook_sync_bytes(spec.model, spec.pipe))
+    return trainer.boundary_bytes(config, spec, compiled)
 
 
 def aggregate(rows: list[dict]) -> list[dict]:

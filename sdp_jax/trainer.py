@@ -105,6 +105,15 @@ def make_step(config, spec: RunSpec, mesh) -> step_lib.SDPStep:
         pipe=spec.pipe)
 
 
+def boundary_bytes(config, spec: RunSpec, compiled) -> dict:
+    """Stage-boundary bytes of a pipelined run's compiled train step
+    (:func:`sdp_jax.pipeline.boundary_bytes` with the run's tokens per worker, stages and RVQ
+    codebook synchronization)."""
+    return pl.boundary_bytes(compiled, tokens_per_worker=config.batch_per_worker * config.seq_len,
+                             stages=spec.pipe.stages,
+                             codebook_bytes=pl.codebook_sync_bytes(spec.model, spec.pipe))
+
+
 def make_mesh(spec: RunSpec):
     """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of
     ``W x P`` when pipelined."""
@@ -215,9 +224,7 @@ def train(config, workdir: str) -> dict[str, Any]:
              f"{loop.fmt_bytes(mem['peak_bytes_per_device'])} per device")
     boundary = None
     if pipe.stages > 1:
-        boundary = pl.boundary_bytes(step_fn, tokens_per_worker=config.batch_per_worker * T,
-                                     stages=pipe.stages,
-                                     codebook_bytes=pl.codebook_sync_bytes(spec.model, pipe))
+        boundary = boundary_bytes(config, spec, step_fn)
         loop.log(f"stage boundaries: {loop.fmt_bytes(boundary['per_boundary'])} per boundary "
                  f"per worker per step ({boundary['per_token']:.1f} bytes/token, forward and "
                  "backward, from the compiled program)")
