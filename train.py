@@ -78,13 +78,9 @@ def main(argv):
     # Simulated devices when the machine has only a CPU; ignored on GPU and TPU backends.
     jax.config.update("jax_num_cpu_devices", n_cpu)
 
-    from sdp_jax import vision_trainer
-    if vision_trainer.is_vision(config):
-        train = vision_trainer.train
-    else:
-        from sdp_jax.trainer import train
+    from sdp_jax import loop
     try:
-        summary = train(config, flags.FLAGS.workdir)
+        summary = loop.train(config, flags.FLAGS.workdir)
     except (ValueError, FloatingPointError, ImportError) as e:
         cli.error(PROG, str(e))
     if summary["interrupted_by"]:  # resumable, but not finished: tell the scheduler

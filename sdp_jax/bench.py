@@ -152,16 +152,14 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     import jax.numpy as jnp
 
     from sdp_jax import tasks
-    from sdp_jax import vision_trainer
+    from sdp_jax.config import resolve
 
     t0 = time.time()
     try:
-        spec = vision_trainer.resolve(_variant_config(config, variant, coverage, workers),
-                                      workers)
+        spec = resolve(_variant_config(config, variant, coverage, workers), workers)
         uniform = True
     except ValueError:
-        spec = vision_trainer.resolve(_variant_config(config, variant, coverage, workers, True),
-                                      workers)
+        spec = resolve(_variant_config(config, variant, coverage, workers, True), workers)
         uniform = False
     builder = tasks.vision_step(spec.model, spec.plan, spec.optim, mesh, config.steps,
                                 dtype=dtype, remat=remat, fsdp=fsdp)
@@ -358,9 +356,8 @@ def paper_check(config, workers: int = 8) -> None:
     """Raise ValueError, before any compile, unless the paper's B-SDP C = 0.6875 is realizable
     for the config's language model on ``workers`` workers."""
     from sdp_jax import train_step as ts
-    from sdp_jax import vision_trainer
     from sdp_jax.models.llama import LlamaConfig
-    if vision_trainer.is_vision(config) or config.get("pipeline", {}).get("stages", 1) > 1:
+    if _is_vision(config) or config.get("pipeline", {}).get("stages", 1) > 1:
         raise ValueError("--paper compares unpipelined LLaMA runs (configs/llama_1b.py); give "
                          "a language-model config without pipeline stages.")
     try:
@@ -430,12 +427,23 @@ def _write_rows(path: str | None, rows: list[dict]) -> None:
         print(f"wrote {path}")
 
 
+def _simulate_devices(workers) -> None:
+    """Raise the simulated CPU device count to ``workers`` (ignored on GPU/TPU), before
+    anything initializes a backend (the validation builds specs with ``jax.eval_shape``). Only
+    raised, never lowered; a caller whose backend is already up (tests) keeps its devices, and
+    :func:`_mesh` then names a shortfall."""
+    import jax
+    if isinstance(workers, int) and not isinstance(workers, bool) \
+            and workers > int(jax.config.jax_num_cpu_devices):
+        try:
+            jax.config.update("jax_num_cpu_devices", workers)
+        except RuntimeError:   # backend already initialized
+            pass
+
+
 def _mesh(workers: int):
     import jax
-    # Simulated CPU devices (ignored on GPU/TPU); only raised, never lowered, so that a caller
-    # that already set more devices (tests) keeps them.
-    if workers > int(jax.config.jax_num_cpu_devices):
-        jax.config.update("jax_num_cpu_devices", workers)
+    _simulate_devices(workers)
     if jax.device_count() < workers:
         raise ValueError(f"--workers={workers} but only {jax.device_count()} "
                          f"{jax.devices()[0].platform} devices are present")
@@ -482,7 +490,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     one-line error before any compile. ``check_only``: stop after the validation (no compile;
     the documentation check of every shown command, ``tests/test_docs.py``)."""
     from sdp_jax import cli
-    from sdp_jax import loop
+    from sdp_jax import config as config_lib
     argv = sys.argv[1:] if argv is None else list(argv)
     fv = flag_values([PROG] + argv)
     rest = cli.parse(fv, [PROG] + argv, PROG, __doc__, RENAMED)
@@ -539,8 +547,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             v in ("b-sdp", "bb-sdp") for v in variants):
         err(f"config.sdp.stage_blocks={tuple(config.sdp.stage_blocks)} applies to the block "
             f"variants b-sdp and bb-sdp; none is in --variants {','.join(variants)}")
-    from sdp_jax import vision_trainer
-    if fv.measure_time and vision_trainer.is_vision(config):
+    if fv.measure_time and _is_vision(config):
         err("--measure_time: not available for vision models (timed steps are built for the "
             "language models only)")
     workers = config.get("workers", 0) or 8
@@ -548,8 +555,10 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         config.workers = workers
         if "seq_len" in config:   # the bench may measure longer sequences than the model's
             config.model.max_seq_len = max(config.model.get("max_seq_len", 0), config.seq_len)
+    if not check_only:
+        _simulate_devices(workers)
     try:
-        loop.canonical_dtype(config)
+        config_lib.canonical_dtype(config)
         for v in variants:   # one validation place for every field, before any compile
             _resolve(config, v, max(workers, 1))
         mesh = _mesh(workers)
@@ -560,7 +569,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
 
     import jax
 
-    if vision_trainer.is_vision(config):
+    if _is_vision(config):
         return _main_vision(fv, config, config_path, variants, workers, mesh)
     from sdp_jax.models.llama import LlamaConfig
     model = LlamaConfig.from_config(config.model)
@@ -613,13 +622,15 @@ def _variant_config(config, variant: str, coverage: float, workers: int,
 def _resolve(config, variant: str, workers: int):
     """The train-time validation of ``config`` with ``variant`` (at C = 1 for ddp) on
     ``workers`` devices, near-uniform masks allowed (the paper's 1B setting needs them)."""
-    from sdp_jax import trainer
-    from sdp_jax import vision_trainer
     c = _variant_config(config, variant, 1.0 if variant == "ddp" else config.sdp.coverage,
                         config.workers, True)
-    if vision_trainer.is_vision(c):
-        return vision_trainer.resolve(c, workers)
-    return trainer.resolve(c, workers)
+    from sdp_jax import config as config_lib
+    return config_lib.resolve(c, workers)
+
+
+def _is_vision(config) -> bool:
+    from sdp_jax import tasks
+    return isinstance(tasks.family_of(config), tasks.VisionFamily)
 
 
 def _main_vision(fv, config, config_path, variants, workers, mesh):

@@ -1,28 +1,30 @@
-"""Default run configuration (``ml_collections.ConfigDict``) shared by the files in ``configs/``.
+"""The run configuration (``ml_collections.ConfigDict``) of every model family, and the one place
+that validates it.
+
+:func:`base_config` (language models) and :func:`vision_config` (image classifiers) share one
+schema: the ``sdp``, ``optim`` and run-control fields are defined once (:func:`_run_fields`);
+a family adds its ``model`` and ``data`` sections and a few fields of its own (language models:
+``seq_len``, ``eval_batches``, ``pipeline``; vision: ``eval_limit``, ``eval_bn_batches``,
+``sdp.stage_blocks``). :func:`resolve` validates a config of either family before any compute
+and derives the run's static facts (:class:`RunSpec`), for ``train.py``, the bench and the study.
 
 Every field can be overridden on the command line: ``--config.sdp.coverage=0.5``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from typing import Any
+
+import jax
 import ml_collections
 
 from sdp_jax import data
 
 
-def base_config() -> ml_collections.ConfigDict:
-    """Fields common to every run; the ``configs/*.py`` files set the model shape on top.
-
-    Sections: ``model`` (:class:`sdp_jax.models.llama.LlamaConfig` fields), ``data``
-    (:func:`sdp_jax.data.default_data_config`), ``sdp`` (variant and mask recipe), ``pipeline``
-    (:class:`sdp_jax.pipeline.PipelineConfig` fields), ``optim``
-    (:class:`sdp_jax.train_step.OptimConfig` fields), and run control at the top level.
-    """
-    c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(
-        name="llama", vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384,
-        max_seq_len=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02))
-    c.data = data.default_data_config()
+def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The fields of every run config (set on ``c``; families change some defaults)."""
     c.sdp = ml_collections.ConfigDict(dict(
         variant="ddp",            # ddp | b-sdp | n-sdp | bb-sdp | nb-sdp
         coverage=1.0,             # C: fraction of blocks / neurons / heads each worker holds
@@ -37,6 +39,37 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim = ml_collections.ConfigDict(dict(
         name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
         grad_clip=1.0))
+    c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
+    c.remat = "none"            # activation checkpointing per block: none | full | dots
+    c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
+    c.workers = 0               # W data-parallel workers; 0 = every device
+    c.num_cpu_devices = 8       # simulated devices when only a CPU is present
+    c.batch_per_worker = 8      # examples per worker per step (b); global batch = W * b
+    c.steps = 300               # optimizer steps (the DDP budget when flop_matched)
+    c.flop_matched = False      # SDP runs ceil(steps / C) steps (the paper's FLOP-matched budget)
+    c.eval_every = 100          # steps between full-model evaluations (and at the end)
+    c.log_every = 10            # steps between progress updates
+    c.checkpoint_every = 100    # steps between checkpoints (and at the end); 0 = only at the end
+    c.keep_checkpoints = 2
+    c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
+    c.seed = 0
+    return c
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """A language-model run; the ``configs/llama_*.py`` files set the model shape on top.
+
+    Sections: ``model`` (:class:`sdp_jax.models.llama.LlamaConfig` fields), ``data``
+    (:func:`sdp_jax.data.default_data_config`), ``sdp`` (variant and mask recipe), ``pipeline``
+    (:class:`sdp_jax.pipeline.PipelineConfig` fields), ``optim``
+    (:class:`sdp_jax.train_step.OptimConfig` fields), and run control at the top level.
+    """
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(
+        name="llama", vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384,
+        max_seq_len=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02))
+    c.data = data.default_data_config()
+    _run_fields(c)
     # Pipeline stages on the mesh axis `stage` (W * stages devices), with compressed boundaries
     # (MAPL): see sdp_jax.pipeline.PipelineConfig. stages=1: no pipeline.
     c.pipeline = ml_collections.ConfigDict(dict(
@@ -47,22 +80,8 @@ def base_config() -> ml_collections.ConfigDict:
         proj_lr=0.01, proj_momentum=0.9, polar_steps=10,  # the Stiefel optimizer (mapl)
         rvq_levels=0,             # residual vector quantization of the payload (0 = off)
         rvq_codebook=256, rvq_beta=0.25))
-    c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
-    c.remat = "none"            # activation checkpointing per block: none | full | dots
-    c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
-    c.workers = 0               # W data-parallel workers; 0 = every device
-    c.num_cpu_devices = 8       # simulated devices when only a CPU is present
     c.seq_len = 128             # tokens per sequence (T)
-    c.batch_per_worker = 8      # sequences per worker per step (b); global batch = W * b
-    c.steps = 300               # optimizer steps (the DDP budget when flop_matched)
-    c.flop_matched = False      # SDP runs ceil(steps / C) steps (the paper's FLOP-matched budget)
-    c.eval_every = 100          # steps between full-model validations (and at the end)
     c.eval_batches = 8          # validation batches of W * b sequences
-    c.log_every = 10            # steps between progress updates
-    c.checkpoint_every = 100    # steps between checkpoints (and at the end); 0 = only at the end
-    c.keep_checkpoints = 2
-    c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
-    c.seed = 0
     return c
 
 
@@ -91,16 +110,14 @@ def paper_scale_config(*, d_model: int, n_layers: int, n_heads: int, d_ff: int,
 
 
 def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
-    """Fields of an image-classification run (``configs/resnet18_*.py``, ``wrn18_*``,
-    ``swin_t_*``).
+    """An image-classification run (``configs/resnet18_*.py``, ``wrn18_*``, ``swin_t_*``).
 
     Sections: ``model`` (:class:`sdp_jax.models.vision.VisionConfig` fields; ``num_classes=0``
     takes the dataset's), ``data`` (:func:`sdp_jax.vision_data.default_vision_data_config`),
-    ``sdp`` (variant, mask recipe and averaging as for language models), ``optim`` (AdamW with
-    warm-up and cosine decay), and run control at the top level as for language models, with
-    ``eval_limit`` (test images per evaluation; 0 = the whole test split) instead of
-    ``eval_batches``, and ``eval_bn_batches`` (see
-    :attr:`sdp_jax.tasks.VisionEval.recalibrate`).
+    and the ``sdp``, ``optim`` and run-control fields of every run (:func:`base_config`;
+    AdamW with warm-up and cosine decay), with ``eval_limit`` (test images per evaluation; 0 =
+    the whole test split) instead of ``eval_batches``, ``eval_bn_batches`` (see
+    :attr:`sdp_jax.tasks.VisionEval.recalibrate`) and ``sdp.stage_blocks``.
     """
     from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
 
@@ -114,30 +131,192 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
                        patch=2, mlp_ratio=4)
     c.data = vision_data.default_vision_data_config()
     c.data.dataset = dataset
-    c.sdp = ml_collections.ConfigDict(dict(variant="ddp", coverage=1.0, scheme="cyclic",
-                                           mask_seed=0, allow_nonuniform=False,
-                                           allow_disconnected=False, average="gradients",
-                                           sync_every=1))
+    _run_fields(c)
     # Block variants: blocks per worker in each stage, e.g. (1, 2, 4, 1); () = apportion C.
     c.sdp.stage_blocks = ml_collections.FieldReference((), field_type=tuple)
-    c.optim = ml_collections.ConfigDict(dict(
-        name="adamw", lr=2e-3, min_lr_ratio=0.01, warmup_steps=100, weight_decay=0.05, b1=0.9,
-        b2=0.999, eps=1e-8, grad_clip=1.0))
-    c.dtype = "float32"
-    c.remat = "none"            # activation checkpointing of every block: none | full
-    c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
-    c.workers = 0
-    c.num_cpu_devices = 8
-    c.batch_per_worker = 64     # images per worker per step (b); global batch = W * b
+    c.optim.update(lr=2e-3, min_lr_ratio=0.01, warmup_steps=100, weight_decay=0.05, b2=0.999)
+    c.batch_per_worker = 64     # images per worker per step
     c.steps = 8000
-    c.flop_matched = False
     c.eval_every = 1000
     c.eval_limit = 0
     c.eval_bn_batches = 8       # forward-masking SDP with BatchNorm: re-estimate the full
                                 # model's BatchNorm statistics on this many training batches
     c.log_every = 50
     c.checkpoint_every = 1000
-    c.keep_checkpoints = 2
-    c.stop_at_step = 0
-    c.seed = 0
     return c
+
+
+# ---------------------------------------------------------------------------- validation
+
+# Fields that do not change the training trajectory: a checkpoint written under other values
+# still resumes (remat: same results, may change).
+RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
+               "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
+               "remat")
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """Everything a run config resolves to before compute (host-side; no device touched).
+
+    Attributes:
+      family: the model family's run hooks (:func:`sdp_jax.tasks.family_of`).
+      model: the model's config (:class:`sdp_jax.models.llama.LlamaConfig` or
+        :class:`sdp_jax.models.vision.VisionConfig`).
+      optim: :class:`sdp_jax.train_step.OptimConfig`.
+      plan: the spec (masks) of the run; with a pipeline, of one stage.
+      workers: ``W``; total_steps: the run's optimizer steps (FLOP-matched when asked);
+      global_batch: ``W * batch_per_worker`` examples per step.
+      pipe: :class:`sdp_jax.pipeline.PipelineConfig` (``stages=1``: no pipeline).
+    """
+
+    family: Any
+    model: Any
+    optim: Any
+    plan: Any
+    workers: int
+    total_steps: int
+    global_batch: int
+    pipe: Any
+
+
+def _integer(config, name: str, low: int) -> int:
+    v = config[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"config.{name}={v!r} must be "
+                         + ("a positive integer." if low == 1 else f"an integer >= {low}."))
+    return v
+
+
+def resolve(config, device_count: int) -> RunSpec:
+    """Validate a run config of any model family and derive its static facts: the one
+    validation place of ``train.py``, ``python -m sdp_jax.bench`` and ``python -m
+    sdp_jax.study``.
+
+    Args:
+      config: the run ``ConfigDict`` (:func:`base_config`, :func:`vision_config`); a ``dtype``
+        alias (``bf16``, ``fp32``) is replaced by its canonical name (:func:`canonical_dtype`).
+      device_count: devices available (``jax.device_count()``).
+
+    Raises:
+      ValueError: with the bad value and a fix, for any invalid field (run control, step
+        settings, workers, model, data, masks, warm-up longer than the run).
+    """
+    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+    from sdp_jax import tasks  # pylint: disable=g-import-not-at-top
+    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+    canonical_dtype(config)
+    family = tasks.family_of(config)
+    for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
+                 "num_cpu_devices") + family.positive_fields:
+        _integer(config, name, 1)
+    for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed") \
+            + family.non_negative_fields:
+        _integer(config, name, 0)
+    wc = config.data.worker_count
+    if isinstance(wc, bool) or not isinstance(wc, int) or wc < 0:
+        raise ValueError(f"config.data.worker_count={wc!r} must be an integer >= 0 "
+                         "(0 = read data in the training process).")
+    model = family.model_config(config)
+    optim = ts.OptimConfig.from_config(config.optim)
+    check_step_fields(config, family.remat)
+    pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
+    if pipe.stages > 1:
+        pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
+    workers = resolve_workers(config, device_count, pipe.stages)
+    plan = family.plan(config, model, workers, pipe)
+    total = config.steps
+    if config.flop_matched and config.sdp.variant != "ddp":
+        total = ts.flop_matched_steps(config.steps, plan.coverage)
+    if optim.warmup_steps > total:
+        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
+                         f"({total} steps); lower --config.optim.warmup_steps.")
+    return RunSpec(family, model, optim, plan, workers, total,
+                   workers * config.batch_per_worker, pipe)
+
+
+def resolve_workers(config, device_count: int, stages: int = 1) -> int:
+    """``W`` from ``config.workers`` (0 = every device, or devices / ``stages`` with a
+    pipeline of ``stages`` stages).
+
+    Raises:
+      ValueError: not a positive integer, ``W * stages`` more than the devices, or not every
+        device with several processes."""
+    workers = config.workers or max(device_count // stages, 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"config.workers={config.workers!r} must be a positive integer or 0 "
+                         "(= every device" + (" / pipeline.stages)." if stages > 1 else ")."))
+    need = workers * stages
+    if need > device_count:
+        hint = (f", or simulate more CPU devices with --config.num_cpu_devices={need}"
+                if jax.devices()[0].platform == "cpu" else "")
+        what = (f"config.workers={workers}" if stages == 1 else
+                f"workers * pipeline.stages = {workers} * {stages}")
+        raise ValueError(f"{what} needs {need} devices but only {device_count} devices are "
+                         "available; "
+                         "lower --config.workers (0 = every device)"
+                         + (" or --config.pipeline.stages" if stages > 1 else "") + f"{hint}.")
+    if jax.process_count() > 1 and need != device_count:
+        raise ValueError(f"with several processes every device is a worker: set "
+                         f"--config.workers=0 (got {need} of {device_count} devices).")
+    return workers
+
+
+def check_step_fields(config, remat: tuple | None = None) -> None:
+    """Validate the step's settings of a run config (every model family): ``sdp.method``,
+    ``sdp.average``, ``sdp.sync_every``, ``fsdp`` (absent = False), ``remat`` (one of ``remat``,
+    default :data:`sdp_jax.step.REMAT`) and ``dtype``.
+
+    Raises:
+      ValueError: naming the bad value and the choices: an unknown averaging mode or method,
+        a bad ``sync_every``, ``sync_every`` without parameter averaging, parameter averaging
+        with a backward-masking variant or with FSDP."""
+    from sdp_jax import spec as spec_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import tasks  # pylint: disable=g-import-not-at-top
+    sdp, remat = config.sdp, tuple(remat or step_lib.REMAT)
+    fsdp = config.get("fsdp", False)
+    if not isinstance(fsdp, bool):
+        raise ValueError(f"config.fsdp={fsdp!r} must be True or False.")
+    if config.remat not in remat:
+        raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(remat)} "
+                         "(activation checkpointing of every block).")
+    if config.dtype not in step_lib.DTYPES:
+        raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
+    if sdp.get("method", "auto") not in tasks.METHODS:
+        raise ValueError(f"config.sdp.method={sdp.method!r}; use one of "
+                         f"{', '.join(tasks.METHODS)}.")
+    if sdp.average not in step_lib.AVERAGING:
+        raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
+    if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
+            or sdp.sync_every < 1:
+        raise ValueError(f"config.sdp.sync_every={sdp.sync_every!r} must be a positive integer.")
+    if sdp.average == "gradients" and sdp.sync_every != 1:
+        raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
+                         "--config.sdp.average=parameters (gradients are averaged every step); "
+                         "set both or neither.")
+    if sdp.average == "parameters" and sdp.variant in spec_lib.BACKWARD_VARIANTS:
+        raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
+                         "(backward masking keeps every worker's full parameters identical); "
+                         "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
+    if fsdp and sdp.average == "parameters":
+        raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, but "
+                         "--config.fsdp=True stores one sharded copy; use average=gradients "
+                         "or fsdp=False.")
+
+
+def canonical_dtype(config) -> None:
+    """``bf16`` / ``fp32`` -> ``bfloat16`` / ``float32``, so that checkpoints record one name."""
+    alias = {"bf16": "bfloat16", "fp32": "float32"}
+    if config.dtype in alias:
+        with config.unlocked():
+            config.dtype = alias[config.dtype]
+
+
+def trajectory_config(config) -> dict[str, Any]:
+    """The parts of the config a checkpoint must agree with (plain JSON dict)."""
+    d = json.loads(config.to_json())
+    for k in RUN_CONTROL:
+        d.pop(k, None)
+    d.get("data", {}).pop("worker_count", None)
+    return d

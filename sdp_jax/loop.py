@@ -1,10 +1,9 @@
-"""The one training loop of every run: checkpoints, progress, metrics, signals, finiteness checks
-and the summary, written once for every model family.
+"""The one training loop of every run, for every model family and for pipelines.
 
-A family (:mod:`sdp_jax.trainer` for language models and pipelines,
-:mod:`sdp_jax.vision_trainer` for image classifiers) validates its config, builds its data and
-its step, and hands :func:`run` a :class:`Run`: how to take one step from a host batch, how to
-evaluate the full model, and what to add to the log and the summary. :func:`run` then
+:func:`train` validates the config (:func:`sdp_jax.config.resolve`), builds the data, the mesh
+and the step through the run's model family (:func:`sdp_jax.tasks.family_of`: the spec, the
+data, the :class:`sdp_jax.step.SDPStep`, the evaluation and the family's log and summary
+fields), and then, written once for every family:
 
 * refuses, before any compute, a ``workdir`` whose latest checkpoint another config wrote;
 * restores the latest checkpoint (the train state and the grain iterator state) or initializes;
@@ -18,148 +17,22 @@ evaluate the full model, and what to add to the log and the summary. :func:`run`
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
 from sdp_jax import checkpoint as ckpt_lib
+from sdp_jax import config as config_lib
+from sdp_jax.sync import AXIS
+from sdp_jax.train_step import memory_stats
 
-# Fields that do not change the training trajectory: a checkpoint written under other values
-# still resumes (remat: same results, may change).
-RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
-               "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
-               "remat")
 FINITE_KEYS = ("train_loss", "grad_norm", "val_loss", "test_loss")
-
-
-# ---------------------------------------------------------------------------- config checks
-
-def positive_int(config, name: str) -> int:
-    """``config[name]`` if it is a positive integer.
-
-    Raises:
-      ValueError: naming the field and its value."""
-    v = config[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"config.{name}={v!r} must be a positive integer.")
-    return v
-
-
-def check_run_fields(config, positive, non_negative) -> None:
-    """The run-control fields of a config: ``positive`` ones positive integers,
-    ``non_negative`` ones integers >= 0, and ``data.worker_count`` an integer >= 0.
-
-    Raises:
-      ValueError: naming the first bad field and its value."""
-    for name in positive:
-        positive_int(config, name)
-    for name in non_negative:
-        v = config[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"config.{name}={v!r} must be an integer >= 0.")
-    wc = config.data.worker_count
-    if isinstance(wc, bool) or not isinstance(wc, int) or wc < 0:
-        raise ValueError(f"config.data.worker_count={wc!r} must be an integer >= 0 "
-                         "(0 = read data in the training process).")
-
-
-def resolve_workers(config, device_count: int) -> int:
-    """``W`` from ``config.workers`` (0 = every device).
-
-    Raises:
-      ValueError: not a positive integer, more than the devices, or not every device with
-        several processes."""
-    workers = config.workers or device_count
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"config.workers={config.workers!r} must be a positive integer or 0 "
-                         "(= every device).")
-    if workers > device_count:
-        hint = (f", or simulate more CPU devices with --config.num_cpu_devices={workers}"
-                if jax.devices()[0].platform == "cpu" else "")
-        raise ValueError(f"config.workers={workers} but only {device_count} devices are "
-                         f"available; lower --config.workers (0 = every device){hint}.")
-    if jax.process_count() > 1 and workers != device_count:
-        raise ValueError(f"with several processes every device is a worker: set "
-                         f"--config.workers=0 (got {workers} of {device_count}).")
-    return workers
-
-
-def check_averaging(sdp) -> None:
-    """Validate ``config.sdp.average`` and ``config.sdp.sync_every`` (every model family).
-
-    Raises:
-      ValueError: an unknown mode, a bad ``sync_every``, ``sync_every`` without parameter
-        averaging, or parameter averaging with a backward-masking variant."""
-    from sdp_jax import spec as spec_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
-    if sdp.average not in step_lib.AVERAGING:
-        raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
-    if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
-            or sdp.sync_every < 1:
-        raise ValueError(f"config.sdp.sync_every={sdp.sync_every!r} must be a positive integer.")
-    if sdp.average == "gradients" and sdp.sync_every != 1:
-        raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
-                         "--config.sdp.average=parameters (gradients are averaged every step); "
-                         "set both or neither.")
-    if sdp.average == "parameters" and sdp.variant in spec_lib.BACKWARD_VARIANTS:
-        raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
-                         "(backward masking keeps every worker's full parameters identical); "
-                         "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
-
-
-def check_step_fields(config, remat: tuple | None = None) -> None:
-    """Validate the step's settings of a run config (every model family): ``sdp.average``,
-    ``sdp.sync_every`` (:func:`check_averaging`), ``fsdp`` (absent = False), ``remat`` (one of
-    ``remat``, default :data:`sdp_jax.step.REMAT`) and ``dtype``.
-
-    Raises:
-      ValueError: naming the bad value and the choices."""
-    from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
-    remat = tuple(remat or step_lib.REMAT)
-    fsdp = config.get("fsdp", False)
-    if not isinstance(fsdp, bool):
-        raise ValueError(f"config.fsdp={fsdp!r} must be True or False.")
-    if config.remat not in remat:
-        raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(remat)} "
-                         "(activation checkpointing of every block).")
-    if config.dtype not in step_lib.DTYPES:
-        raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
-    if fsdp and config.sdp.average == "parameters":
-        raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, but "
-                         "--config.fsdp=True stores one sharded copy; use average=gradients "
-                         "or fsdp=False.")
-    check_averaging(config.sdp)
-
-
-def check_warmup(optim, total: int) -> None:
-    """Raise ValueError if the warm-up is longer than the run."""
-    if optim.warmup_steps > total:
-        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
-                         f"({total} steps); lower --config.optim.warmup_steps.")
-
-
-def canonical_dtype(config) -> None:
-    """``bf16`` / ``fp32`` -> ``bfloat16`` / ``float32``, so that checkpoints record one name."""
-    alias = {"bf16": "bfloat16", "fp32": "float32"}
-    if config.dtype in alias:
-        with config.unlocked():
-            config.dtype = alias[config.dtype]
-
-
-def trajectory_config(config) -> dict[str, Any]:
-    """The parts of the config a checkpoint must agree with (plain JSON dict)."""
-    d = json.loads(config.to_json())
-    for k in RUN_CONTROL:
-        d.pop(k, None)
-    d.get("data", {}).pop("worker_count", None)
-    return d
 
 
 # ---------------------------------------------------------------------------- output
@@ -340,49 +213,167 @@ def restore_or_init(manager, latest, builder, train_iter, seed: int):
     return state, start
 
 
-@dataclasses.dataclass
-class Run:
-    """What a model family gives :func:`train`.
 
-    Attributes:
-      step: ``(state, host batch, step number (1-based)) -> (state, metrics)``: one optimizer
-        step; the metrics are device scalars (``train_loss``, ``grad_norm`` at least).
-      evaluate: ``state -> {name: float}`` full-model evaluation (``val_loss`` or
-        ``test_loss``...).
-      items_per_step: tokens or images per step, for the rate ``rate_key`` in the records.
-      rate_key: ``tokens_per_s`` or ``images_per_s``.
-      postfix: ``record -> {label: text}`` for the progress bar.
-      summary: ``(steps done, last evaluation, last record, wall seconds) -> dict``: the
-        family's ``summary.json`` fields.
-      done_line / already_line: ``summary -> text``: the last log line of a finished run / of a
-        rerun of one.
+def make_mesh(spec: config_lib.RunSpec):
+    """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of
+    ``W x P`` when pipelined (:func:`sdp_jax.pipeline.make_mesh`)."""
+    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+    devices = jax.devices()[:spec.workers * spec.pipe.stages]
+    if spec.pipe.stages > 1:
+        return pl.make_mesh(spec.workers, spec.pipe.stages, devices)
+    return jax.make_mesh((spec.workers,), (AXIS,), devices=devices)
+
+
+def make_step(config, spec: config_lib.RunSpec, mesh, unroll: bool = False):
+    """The :class:`sdp_jax.step.SDPStep` of a run config (``spec`` from
+    :func:`sdp_jax.config.resolve`, ``mesh`` from :func:`make_mesh`); ``unroll``: the block
+    scan unrolled (FLOP counting)."""
+    return spec.family.step(config, spec, mesh, unroll)
+
+
+def _meta(config, spec: config_lib.RunSpec) -> dict:
+    return {"config": config_lib.trajectory_config(config),
+            "masks": spec.family.record(spec.plan)}
+
+
+def check_workdir(config, workdir: str, spec: config_lib.RunSpec | None = None) -> None:
+    """Refuse, before any compute, a ``workdir`` whose latest checkpoint another config wrote.
+
+    Raises:
+      ValueError: listing the differing fields (see
+        :meth:`sdp_jax.checkpoint.CheckpointManager.check_compatible`)."""
+    path = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(path):
+        return
+    spec = spec or config_lib.resolve(config, jax.device_count())
+    manager = ckpt_lib.CheckpointManager(path, keep=config.keep_checkpoints)
+    try:
+        latest = manager.latest_step()
+        if latest is not None:
+            manager.check_compatible(latest, _meta(config, spec),
+                                     defaults=spec.family.added_fields())
+    finally:
+        manager.close()
+
+
+def train(config, workdir: str) -> dict[str, Any]:
+    """Train (or resume) the run ``config`` (any model family; pipelined or not) in ``workdir``.
+
+    Validates the config (:func:`sdp_jax.config.resolve`), the data and the checkpoint's
+    compatibility before any compute, builds the mesh and the step (the family's
+    :class:`sdp_jax.step.SDPStep`), restores or initializes, compiles, and runs the loop.
+
+    Writes ``workdir/metrics.jsonl`` (one record per logged step: ``step``, ``train_loss``,
+    ``grad_norm``, ``lr``, the family's metrics and rate: language models ``tokens_per_s`` and,
+    on evaluation steps, ``val_loss`` nats/token and for byte-level data ``val_bpb``
+    bits/byte; vision ``train_acc``, ``images_per_s``, ``test_loss`` nats and ``test_acc``),
+    ``workdir/checkpoints/`` (orbax) and ``workdir/summary.json``.
+
+    Returns:
+      the summary dict (``interrupted_by``: the signal's name when a signal stopped it).
+
+    Raises:
+      ValueError: invalid config or data, or a checkpoint in ``workdir`` from another config
+        (raised before any training step).
+      ImportError: a dataset's optional dependency is missing.
+      FloatingPointError: a non-finite loss or norm (that state is not saved).
     """
+    t_start = time.time()
+    spec = config_lib.resolve(config, jax.device_count())
+    family = spec.family
+    check_workdir_is_dir(workdir)
+    mesh = make_mesh(spec)
+    devices = list(mesh.devices.flat)
+    line, train_iter, eval_data = family.data(config, spec)   # bad data fails before compile
+    log(line)
+    meta = _meta(config, spec)
+    manager, latest = open_checkpoints(config, workdir, meta, defaults=family.added_fields())
+    builder = make_step(config, spec, mesh)
+    mask_info, sdp = spec.plan.summary(), config.sdp
+    log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
+        f"process(es)); {spec.plan.describe()}"
+        + (f"; parameters averaged over holders every {sdp.sync_every} steps"
+           if sdp.average == "parameters" else "")
+        + (f"; FSDP (ZeRO-3) over the {spec.workers} workers" if config.fsdp else "")
+        + (f"; activation checkpointing: {config.remat}" if config.remat != "none" else "")
+        + (f"; compute dtype {config.dtype}" if config.dtype != "float32" else ""))
+    for extra in family.describe(config, spec):
+        log(extra)
+    mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
+                     for k, v in mask_info["kinds"].items())
+    log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}"
+        + (f"; multiplicity {mult}" if mult else "") + "; params: total "
+        f"{family.param_count(spec):,}, stored per device {builder.per_device_param_count():,}")
 
-    step: Callable
-    evaluate: Callable
-    items_per_step: int
-    rate_key: str
-    postfix: Callable
-    summary: Callable
-    done_line: Callable
-    already_line: Callable
+    # Restore before compiling: an unreadable checkpoint is reported before any compute.
+    state, start = restore_or_init(manager, latest, builder, train_iter, config.seed)
+    t0 = time.time()
+    shapes = family.batch_shapes(config, spec)
+    compiled = builder.compiled_train_step(shapes)
+    mem = memory_stats(compiled)
+    log(f"compiled train step in {time.time() - t0:.1f}s: peak "
+        f"{fmt_bytes(mem['peak_bytes_per_device'])} per device")
+    from_compiled = family.compiled(config, spec, compiled, log)
+    sharding = builder.batch_sharding()
+
+    def put(x, shape):
+        return jax.make_array_from_process_local_data(sharding, x, shape.shape)
+
+    evaluate = family.evaluator(config, spec, builder, eval_data, put, log)
+    step_fns = {True: compiled}
+
+    def one_step(state, batch, step):
+        sync_now = builder.is_sync_step(step)   # periodic parameter averaging
+        if sync_now not in step_fns:
+            step_fns[sync_now] = builder.train_step_fn(sync_now)
+        return step_fns[sync_now](state, jax.tree.map(put, tuple(batch) if isinstance(
+            shapes, tuple) else batch, shapes))
+
+    def summary(step, last_eval, last_rec, wall):
+        return {
+            **family.summary(config, spec, step, last_eval, last_rec),
+            "variant": sdp.variant, "regime": spec.plan.regime, "coverage": spec.plan.coverage,
+            "workers": spec.workers, "scheme": sdp.scheme, "average": sdp.average,
+            "sync_every": sdp.sync_every, "fsdp": config.fsdp, "remat": config.remat,
+            "dtype": config.dtype, "steps": step, "total_steps": spec.total_steps,
+            "completed": step >= spec.total_steps, "wall_s": wall,
+            "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
+            "params_total": family.param_count(spec),
+            "params_per_device": builder.per_device_param_count(),
+            "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
+            "platform": devices[0].platform, **from_compiled}
+
+    total = spec.total_steps
+    state, step, last_eval, interrupted, last_rec = _loop(
+        config, workdir, family, one_step, evaluate, family.items_per_step(config, spec),
+        state=state, start=start, total=total, manager=manager, meta=meta,
+        train_iter=train_iter)
+    path = os.path.join(workdir, "summary.json")
+    if start >= total and os.path.exists(path):
+        with open(path) as f:  # nothing trained now: keep the run's own figures
+            stored = json.load(f)
+        log(f"already complete: {stored['steps']} steps; {family.done_line(stored)} "
+            f"(from {path})")
+        return stored
+    prev_wall = previous_wall(path, start)  # a resumed run adds the earlier time
+    done = step >= total
+    if done and not last_eval:
+        last_eval = evaluate(state)
+    out = summary(step, last_eval, last_rec, prev_wall + time.time() - t_start)
+    out["interrupted_by"] = interrupted[0] if interrupted and not done else None
+    if jax.process_index() == 0:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+    if done:
+        log(f"done: {out['steps']} steps in {out['wall_s']:.0f}s; {family.done_line(out)}; "
+            f"summary in {path}")
+    else:
+        log_stopped(step, total, interrupted)
+    return out
 
 
-def run(config, workdir: str, family: Run, *, state, start: int, total: int, manager,
-        meta: dict, train_iter, t_start: float) -> dict:
-    """:func:`train`, then :func:`finish`: the whole run after set-up. Returns the summary."""
-    state, step, last_eval, interrupted, last_rec = train(
-        config, workdir, family, state=state, start=start, total=total, manager=manager,
-        meta=meta, train_iter=train_iter)
-    return finish(workdir, start=start, step=step, total=total, t_start=t_start,
-                  summary=lambda wall: family.summary(step, last_eval, last_rec, wall),
-                  evaluate=lambda: family.evaluate(state), last_eval=last_eval,
-                  done_line=family.done_line, already_line=family.already_line,
-                  interrupted=interrupted)
-
-
-def train(config, workdir: str, family: Run, *, state, start: int, total: int, manager,
-          meta: dict, train_iter) -> tuple[Any, int, dict, list, dict]:
+def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int, *, state,
+          start: int, total: int, manager, meta: dict, train_iter):
     """The loop: steps ``start + 1 ..`` up to ``total`` (or ``config.stop_at_step``), with
     evaluation every ``config.eval_every`` steps and at the end, logging every
     ``config.log_every`` steps, checkpoints every ``config.checkpoint_every`` steps.
@@ -402,7 +393,7 @@ def train(config, workdir: str, family: Run, *, state, start: int, total: int, m
     with StopOnSignal(interrupted):
         try:
             while step < stop and not interrupted:
-                state, m = family.step(state, next(train_iter), step + 1)
+                state, m = one_step(state, next(train_iter), step + 1)
                 # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
                 rec = {k: float(v) for k, v in m.items()}
                 last_rec = rec
@@ -412,11 +403,11 @@ def train(config, workdir: str, family: Run, *, state, start: int, total: int, m
                 is_eval = step == total or (config.eval_every > 0
                                             and step % config.eval_every == 0)
                 if step % config.log_every == 0 or is_eval or step == stop or interrupted:
-                    rec[family.rate_key] = family.items_per_step * n_window / max(
+                    rec[family.rate_key] = items_per_step * n_window / max(
                         time.time() - t_window, 1e-9)
                     t_window, n_window = time.time(), 0
                     if is_eval:
-                        last_eval = family.evaluate(state)
+                        last_eval = evaluate(state)
                         rec.update(last_eval)
                         check_finite(rec, step, manager)
                     rec["step"] = step
@@ -430,39 +421,3 @@ def train(config, workdir: str, family: Run, *, state, start: int, total: int, m
             bar.close()
             manager.close()  # waits for the last save
     return state, step, last_eval, interrupted, last_rec
-
-
-def finish(workdir: str, *, start: int, step: int, total: int, t_start: float,
-           summary: Callable[[float], dict], evaluate: Callable[[], dict], last_eval: dict,
-           done_line: Callable[[dict], str], already_line: Callable[[dict], str],
-           interrupted: list) -> dict:
-    """Write ``summary.json`` (process 0) and the last log line.
-
-    Args:
-      summary: ``wall seconds -> summary dict`` (called with the run's total wall time; it
-        reads the final evaluation passed through ``last_eval``).
-      evaluate: full-model evaluation for a finished run that did not evaluate at its last step.
-      done_line / already_line: the last line of a finished run / of a rerun of one.
-    Returns:
-      the summary; for a run that was already complete, its stored summary.
-    """
-    path = os.path.join(workdir, "summary.json")
-    if start >= total and os.path.exists(path):
-        with open(path) as f:  # nothing trained now: keep the run's own figures
-            stored = json.load(f)
-        log(already_line(stored) + f" (from {path})")
-        return stored
-    prev_wall = previous_wall(path, start)  # a resumed run adds the earlier time
-    done = step >= total
-    if done and not last_eval:
-        last_eval.update(evaluate())
-    out = summary(prev_wall + time.time() - t_start)
-    out["interrupted_by"] = interrupted[0] if interrupted and not done else None
-    if jax.process_index() == 0:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
-    if done:
-        log(done_line(out) + f"; summary in {path}")
-    else:
-        log_stopped(step, total, interrupted)
-    return out

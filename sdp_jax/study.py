@@ -59,17 +59,16 @@ def _with(config, method: str, ratio: int, seed: int):
 
 def measure_bytes(config) -> dict:
     """Compile the config's pipelined train step (no training) and read its boundary bytes
-    (:func:`sdp_jax.trainer.boundary_bytes`)."""
+    (:func:`sdp_jax.tasks.boundary_bytes`)."""
     import jax  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import trainer  # pylint: disable=g-import-not-at-top
+    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import loop, tasks  # pylint: disable=g-import-not-at-top
 
-    spec = trainer.resolve(config, jax.device_count())
-    builder = trainer.make_step(config, spec, trainer.make_mesh(spec))
-    compiled = builder.compiled_train_step(
-        jax.ShapeDtypeStruct((spec.global_batch, config.seq_len + 1), np.int32))
-    return trainer.boundary_bytes(config, spec, compiled)
+    spec = config_lib.resolve(config, jax.device_count())
+    builder = loop.make_step(config, spec, loop.make_mesh(spec))
+    compiled = builder.compiled_train_step(spec.family.batch_shapes(config, spec))
+    return tasks.boundary_bytes(config, spec, compiled)
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -224,7 +223,8 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     import jax  # pylint: disable=g-import-not-at-top
     if config.num_cpu_devices > int(jax.config.jax_num_cpu_devices):  # raised, never lowered
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
-    from sdp_jax import loop, trainer  # pylint: disable=g-import-not-at-top
+    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
 
     configs = {}
     for seed in seeds[:1] if fv.bytes_only else seeds:
@@ -233,12 +233,12 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             where = _run_dir(fv.out, m, r, seed)
             run = f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}"
             try:
-                spec = trainer.resolve(c, jax.device_count())
+                spec = config_lib.resolve(c, jax.device_count())
             except ValueError as e:
                 err(f"{run}: {e}".replace("--config.pipeline.ratio", "--ratios"))
             try:
                 if not fv.bytes_only:
-                    trainer.check_workdir(c, where, spec)
+                    loop.check_workdir(c, where, spec)
             except ValueError as e:
                 err(f"{run}: {e} (The study's run folder is {where}: use another --out, or the "
                     "flags that wrote it.)")
@@ -263,7 +263,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         if not fv.bytes_only:
             loop.log(f"study: training {m}" + (f" at {r}x" if m != "none" else "")
                          + f", seed {seed}")
-            s = trainer.train(c, _run_dir(fv.out, m, r, seed))
+            s = loop.train(c, _run_dir(fv.out, m, r, seed))
             if not s.get("completed"):
                 print(f"study stopped during {m} {r}x; rerun the same command to resume.",
                       file=sys.stderr)

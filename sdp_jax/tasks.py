@@ -18,6 +18,7 @@ statistics follow the same rules (:func:`vision_spec`).
 from __future__ import annotations
 
 import hashlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -316,7 +317,8 @@ class VisionModel:
 
 def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total_steps: int,
                 *, dtype: str = "float32", remat: str = "none", fsdp: bool = False,
-                averaging: str = "gradients", sync_every: int = 1) -> step_lib.SDPStep:
+                averaging: str = "gradients", sync_every: int = 1,
+                method: str = "auto") -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a vision run: AdamW (or SGD) from ``optim`` with
     weight decay on conv / linear weights only, clipping at ``optim.grad_clip``, the BatchNorm
     statistics as model state (averaged over each layer's holders after every step), metrics
@@ -325,10 +327,16 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     whole model is gathered at the start of each step, see :class:`sdp_jax.step.SDPStep`);
     the BatchNorm statistics are not.
 
+    ``method``: ``auto`` / ``alltoall`` (holder-only bytes) or ``reference`` (the masked psum).
+
     Raises:
-      ValueError: ``remat`` not ``none`` / ``full``; and everything :class:`SDPStep` refuses.
+      ValueError: ``remat`` not ``none`` / ``full``, an unknown ``method``; and everything
+        :class:`SDPStep` refuses.
     """
     from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; use one of {', '.join(METHODS)} "
+                         "(--config.sdp.method).")
     if remat not in ("none", "full"):
         raise ValueError(f"remat={remat!r}; vision models take none or full (activation "
                          "checkpointing of every block).")
@@ -336,7 +344,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     step = step_lib.SDPStep(
         spec, task.loss, ts.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
         grad_clip=optim.grad_clip, averaging=averaging, sync_every=sync_every, dtype=dtype,
-        fsdp=fsdp,
+        fsdp=fsdp, method=METHODS[method],
         schedule=ts.lr_schedule(optim, total_steps), init_fn=task.init,
         total_steps=total_steps, has_aux=True, state_spec=task.stats_spec, stacked_slots=True)
     step.task = task
@@ -441,3 +449,318 @@ class VisionEval:
                 in_specs=(self.step.param_specs, self._sspec()),
                 out_specs=(pspec, self._stats_spec), check_vma=not self.step.fsdp))
         return self._fns["full"](state["params"], state.get("stats", {}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Model families as the hooks of the one training loop (sdp_jax.loop.train)
+# ----------------------------------------------------------------------------------------------
+
+class _Family:
+    """The hooks a model family gives :func:`sdp_jax.config.resolve` and
+    :func:`sdp_jax.loop.train`; everything else about a run is written once in those two.
+
+    Attributes and methods (``spec`` is the run's :class:`sdp_jax.config.RunSpec`):
+      name; rate_key: the throughput field of ``metrics.jsonl`` (``tokens_per_s``...);
+      positive_fields / non_negative_fields: the family's own run-control fields;
+      remat: the activation checkpointing modes it supports;
+      model_config(config): the model's config, after checking the model and data fields;
+      plan(config, model, workers, pipe): the run's :class:`sdp_jax.spec.SDPSpec`;
+      record(plan): what a checkpoint stores to recognise the masks (DESIGN.md invariant 7);
+      added_fields(): config fields newer than some checkpoints, with the value older runs used;
+      data(config, spec): ``(log line, train iterator, evaluation data)`` of this process;
+      step(config, spec, mesh, unroll): the :class:`sdp_jax.step.SDPStep`;
+      batch_shapes(config, spec): the global batch as ``jax.ShapeDtypeStruct`` (a tuple for
+        several arrays, matching what the train iterator yields);
+      items_per_step(config, spec): tokens or images per step; param_count(spec): the full
+        model's parameters;
+      describe / compiled: extra log lines, and summary fields read from the compiled step;
+      evaluator(config, spec, builder, data, put, log): ``state -> {name: float}``, the full
+        model's evaluation (``put(host array, ShapeDtypeStruct)`` places a batch);
+      postfix(record), summary(config, spec, step, last_eval, last_record), done_line(summary).
+
+    Defaults: no run-control fields of its own, every remat mode, the spec's own mask record,
+    no extra log lines or compiled figures.
+    """
+
+    positive_fields: tuple = ()
+    non_negative_fields: tuple = ()
+    remat = step_lib.REMAT
+
+    def record(self, plan) -> dict:
+        return plan.record()
+
+    def describe(self, config, spec) -> list[str]:
+        return []
+
+    def compiled(self, config, spec, compiled, log) -> dict:
+        return {}
+
+
+class LanguageModelFamily(_Family):
+    """A LLaMA run (optionally pipelined) in :func:`sdp_jax.loop.train`: validation of the
+    model and data fields, the spec, the data, the step, the evaluation (``val_loss``
+    nats/token and, for byte-level data, ``val_bpb`` bits/byte) and the summary fields."""
+
+    name = "language model"
+    positive_fields = ("seq_len", "eval_batches")
+    rate_key = "tokens_per_s"
+
+    def model_config(self, config) -> LlamaConfig:
+        from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+        model = LlamaConfig.from_config(config.model)
+        if config.seq_len > model.max_seq_len:
+            raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
+                             f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
+        if config.data.source != "llmc" and model.vocab_size < data_lib.VOCAB_BYTES:
+            raise ValueError(f"byte-level data needs model.vocab_size >= 256, got "
+                             f"{model.vocab_size}.")
+        return model
+
+    def plan(self, config, model, workers, pipe) -> spec_lib.SDPSpec:
+        """The masks (with a pipeline, over one stage's ``L / P`` blocks, the same in every
+        stage)."""
+        from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+        s = config.sdp
+        return ts.make_plan(s.variant, model, workers, s.coverage, s.scheme, s.mask_seed,
+                            s.allow_nonuniform, s.allow_disconnected, pipe=pipe)
+
+    def added_fields(self) -> dict:
+        """Config fields added after checkpoints were first written, with the value older
+        runs used."""
+        from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+        return {"fsdp": False, "dtype": "float32",
+                "pipeline": dict(pl.PipelineConfig().__dict__)}
+
+    def data(self, config, spec):
+        """``(log line, train iterator, validation batches)`` of this process."""
+        from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+        kw = dict(seq_len=config.seq_len, global_batch=spec.global_batch,
+                  vocab_size=spec.model.vocab_size, process_index=jax.process_index(),
+                  process_count=jax.process_count())
+        line = data_lib.describe(config.data)   # a bad path fails here, before any compile
+        return (line, data_lib.make_train_iterator(config.data, seed=config.seed, **kw),
+                data_lib.make_val_batches(config.data, num_batches=config.eval_batches, **kw))
+
+    def step(self, config, spec, mesh, unroll: bool = False) -> step_lib.SDPStep:
+        return language_model_step(
+            spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
+            averaging=config.sdp.average, sync_every=config.sdp.sync_every,
+            method=config.sdp.method, fsdp=config.fsdp, remat=config.remat, dtype=config.dtype,
+            unroll=unroll, pipe=spec.pipe)
+
+    def batch_shapes(self, config, spec):
+        return jax.ShapeDtypeStruct((spec.global_batch, config.seq_len + 1), jnp.int32)
+
+    def items_per_step(self, config, spec) -> int:
+        return spec.global_batch * config.seq_len
+
+    def param_count(self, spec) -> int:
+        return spec.model.param_count()["total"]
+
+    def describe(self, config, spec) -> list[str]:
+        """The pipeline's log line (none without one)."""
+        from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+        pipe, m = spec.pipe, spec.model
+        if pipe.stages == 1:
+            return []
+        return [f"pipeline: {pipe.stages} stages x {spec.workers} workers ({pipe.schedule}, "
+                f"{pipe.microbatches} microbatches); masks are per stage "
+                f"({m.n_layers // pipe.stages} blocks each); boundaries: {pipe.method}"
+                + (f", {pipe.ratio}x (r = {pipe.width(m.d_model)}), anchors of rank "
+                   f"{pipe.anchor_rank}" if pipe.compressed else "")
+                + (f", RVQ {pipe.rvq_levels} levels x {pipe.rvq_codebook} codes"
+                   if pipe.quantized else "")
+                + (f"; {pl.boundary_param_count(m, pipe):,} boundary parameters "
+                   "(not in the total below)" if pipe.compressed else "")]
+
+    def compiled(self, config, spec, compiled, log) -> dict:
+        """The pipeline's settings and boundary bytes (logged; None without a pipeline)."""
+        if spec.pipe.stages == 1:
+            return {"pipeline": dict(spec.pipe.__dict__), "boundary_bytes_per_token": None,
+                    "boundary_bytes_per_step": None}
+        b = boundary_bytes(config, spec, compiled)
+        from sdp_jax import loop  # pylint: disable=g-import-not-at-top
+        log(f"stage boundaries: {loop.fmt_bytes(b['per_boundary'])} per boundary per worker "
+            f"per step ({b['per_token']:.1f} bytes/token, forward and backward, from the "
+            "compiled program)")
+        return {"pipeline": dict(spec.pipe.__dict__), "boundary_bytes_per_token": b["per_token"],
+                "boundary_bytes_per_step": b["per_boundary"]}
+
+    def evaluator(self, config, spec, builder, val_batches, put, log):
+        """``state -> {val_loss[, val_bpb]}``: the full model on the validation batches."""
+        eval_fn, byte_level = builder.eval_step_fn(), config.data.source != "llmc"
+        shape = self.batch_shapes(config, spec)
+
+        def evaluate(state):
+            v = float(np.mean([float(eval_fn(state["params"], put(b, shape)))
+                               for b in val_batches]))
+            return {"val_loss": v, **({"val_bpb": v / math.log(2)} if byte_level else {})}
+        return evaluate
+
+    def postfix(self, rec) -> dict:
+        post = {"loss": f"{rec['train_loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+        if "ortho_err" in rec:
+            post["|A'A-I|"] = f"{rec['ortho_err']:.1e}"
+        if "val_loss" in rec:
+            post["val"] = f"{rec['val_loss']:.3f}"
+        return post
+
+    def summary(self, config, spec, step, last_eval, last_rec) -> dict:
+        return {"n_layers": spec.model.n_layers,
+                "tokens": step * self.items_per_step(config, spec),
+                "final_val_loss": last_eval.get("val_loss"),
+                "final_val_bpb": last_eval.get("val_bpb"),
+                "final_ortho_err": last_rec.get("ortho_err")}
+
+    def done_line(self, s) -> str:
+        bpb = (f", {s['final_val_bpb']:.3f} bits/byte" if s.get("final_val_bpb") is not None
+               else "")
+        return (f"final val loss {s['final_val_loss']:.4f} nats/token{bpb}")
+
+
+def boundary_bytes(config, spec, compiled) -> dict:
+    """Stage-boundary bytes of a pipelined run's compiled train step
+    (:func:`sdp_jax.pipeline.boundary_bytes` with the run's tokens per worker, stages and RVQ
+    codebook synchronization; ``spec`` from :func:`sdp_jax.config.resolve`)."""
+    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+    return pl.boundary_bytes(compiled, tokens_per_worker=config.batch_per_worker * config.seq_len,
+                             stages=spec.pipe.stages,
+                             codebook_bytes=pl.codebook_sync_bytes(spec.model, spec.pipe))
+
+
+class VisionFamily(_Family):
+    """An image-classification run (ResNet-18, WRN-18, Swin-T) in :func:`sdp_jax.loop.train`:
+    validation of the model and data fields, the stage-balanced spec, the data, the step, the
+    full model's test accuracy and loss (BatchNorm statistics re-estimated when subnetworks
+    trained them, :attr:`VisionEval.recalibrate`) and the summary fields."""
+
+    name = "vision"
+    non_negative_fields = ("eval_limit", "eval_bn_batches")
+    remat = ("none", "full")
+    rate_key = "images_per_s"
+
+    def model_config(self, config) -> vm.VisionConfig:
+        from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
+        ds = config.data.dataset
+        if ds not in vision_data.DATASETS:
+            raise ValueError(f"unknown data.dataset={ds!r}; choose one of "
+                             f"{', '.join(vision_data.DATASETS)} (--config.data.dataset=...).")
+        model_cfg, classes = dict(config.model), vision_data.CLASSES[ds]
+        if model_cfg.get("num_classes", 0) in (0, None):
+            model_cfg["num_classes"] = classes
+        elif model_cfg["num_classes"] != classes:
+            raise ValueError(f"model.num_classes={model_cfg['num_classes']} but {ds} has "
+                             f"{classes} classes; set --config.model.num_classes=0 (= the "
+                             "dataset's).")
+        return vm.VisionConfig.from_config(model_cfg)
+
+    def plan(self, config, model, workers, pipe) -> spec_lib.SDPSpec:
+        s = config.sdp
+        stage_blocks = tuple(s.get("stage_blocks", ()) or ())
+        if stage_blocks and s.variant not in ("b-sdp", "bb-sdp"):
+            raise ValueError(f"config.sdp.stage_blocks={stage_blocks} applies to block variants "
+                             f"(b-sdp, bb-sdp), not {s.variant}; leave it empty.")
+        return vision_spec(model, s.variant, workers, s.coverage, s.scheme, s.mask_seed,
+                           s.allow_nonuniform, stage_blocks, s.allow_disconnected)
+
+    def record(self, plan) -> dict:
+        return vision_record(plan)
+
+    def added_fields(self) -> dict:
+        """Config fields newer than some vision checkpoints, with the value older runs used."""
+        return {"sdp": {"average": "gradients", "sync_every": 1, "method": "auto"},
+                "fsdp": False}
+
+    def _iter(self, config, spec, seed):
+        from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
+        m = spec.model
+        return vision_data.make_train_iterator(
+            config.data, image_size=m.image_size, channels=m.in_channels,
+            global_batch=spec.global_batch, seed=seed, process_index=jax.process_index(),
+            process_count=jax.process_count())
+
+    def data(self, config, spec):
+        """``(log line, train iterator, test batches)`` of this process."""
+        from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
+        m = spec.model
+        line = vision_data.describe(config.data)
+        return (line, self._iter(config, spec, config.seed), vision_data.make_eval_batches(
+            config.data, image_size=m.image_size, channels=m.in_channels,
+            global_batch=spec.global_batch, process_index=jax.process_index(),
+            process_count=jax.process_count(), limit=config.eval_limit))
+
+    def step(self, config, spec, mesh, unroll: bool = False) -> step_lib.SDPStep:
+        del unroll   # the vision models' blocks are not a scan
+        return vision_step(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
+                           dtype=config.dtype, remat=config.remat, fsdp=config.fsdp,
+                           averaging=config.sdp.average, sync_every=config.sdp.sync_every,
+                           method=config.sdp.method)
+
+    def batch_shapes(self, config, spec):
+        m, G = spec.model, spec.global_batch
+        return (jax.ShapeDtypeStruct((G, m.image_size, m.image_size, m.in_channels),
+                                     jnp.float32), jax.ShapeDtypeStruct((G,), jnp.int32))
+
+    def items_per_step(self, config, spec) -> int:
+        return spec.global_batch
+
+    def param_count(self, spec) -> int:
+        return vm.param_count(spec.model)
+
+    def evaluator(self, config, spec, builder, test_batches, put, log):
+        """``state -> {test_loss, test_acc}``: the full model on the test batches."""
+        evaluation = VisionEval(builder)
+        eval_fn = evaluation.eval_step_fn()
+        images, labels = self.batch_shapes(config, spec)
+        recal = evaluation.recalibrate and config.eval_bn_batches > 0
+        if evaluation.recalibrate and not recal:
+            log("warning: --config.eval_bn_batches=0: the full model is evaluated with the "
+                "running BatchNorm statistics of subnetworks, which do not describe it (expect "
+                "a much lower test accuracy than with re-estimated statistics)")
+        if recal:
+            log(f"evaluation re-estimates the full model's BatchNorm statistics on "
+                f"{config.eval_bn_batches} training batches (--config.eval_bn_batches; the "
+                "running statistics of subnetworks do not describe the full model)")
+            eval_fn = evaluation.eval_step_fn(recalibrated=True)
+            bn_fn = evaluation.bn_stats_fn()
+
+        def bn_stats(state):
+            it, total = self._iter(config, spec, config.seed + 7919), None
+            for _ in range(config.eval_bn_batches):
+                s = bn_fn(state["params"], state.get("stats", {}), put(next(it)[0], images))
+                jax.block_until_ready(s)  # one collective program in flight (DESIGN.md, CPU)
+                total = s if total is None else jax.tree.map(jnp.add, total, s)
+            return jax.tree.map(lambda a: a / config.eval_bn_batches, total)
+
+        def evaluate(state):
+            loss = right = count = 0.0
+            extra = (bn_stats(state),) if recal else ()
+            for x, y, valid in test_batches:
+                a, b, c = eval_fn(state["params"], state.get("stats", {}), put(x, images),
+                                  put(y, labels), put(valid, labels), *extra)
+                loss, right, count = loss + float(a), right + float(b), count + float(c)
+            return {"test_loss": loss / count, "test_acc": right / count}
+        return evaluate
+
+    def postfix(self, rec) -> dict:
+        post = {"loss": f"{rec['train_loss']:.3f}", "acc": f"{rec['train_acc']:.3f}"}
+        if "test_acc" in rec:
+            post["test_acc"] = f"{rec['test_acc']:.4f}"
+        return post
+
+    def summary(self, config, spec, step, last_eval, last_rec) -> dict:
+        return {"model": spec.model.name, "dataset": config.data.dataset,
+                "images": step * spec.global_batch, "final_test_acc": last_eval.get("test_acc"),
+                "final_test_loss": last_eval.get("test_loss")}
+
+    def done_line(self, s) -> str:
+        return (f"final test accuracy {s['final_test_acc']:.4f} (loss "
+                f"{s['final_test_loss']:.4f} nats)")
+
+
+def family_of(config):
+    """The model family of a run config: :class:`VisionFamily` when ``model.name`` is a vision
+    model (:data:`sdp_jax.models.vision.MODELS`), else :class:`LanguageModelFamily`."""
+    if config.model.get("name", "llama") in vm.MODELS:
+        return VisionFamily()
+    return LanguageModelFamily()

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -44,6 +46,19 @@ def test_bench_rows_and_ratios(tmp_path, capsys):
     assert set(ddp["comm_by_op"]) == {"all-reduce"}
     table = capsys.readouterr().out
     assert "| b-sdp | 0.5 | 4 | 2/4 blocks |" in table and "comm / DDP" in table
+
+
+def test_bench_in_a_fresh_process_simulates_its_workers(tmp_path):
+    """``python -m sdp_jax.bench`` as a user runs it: JAX starts with one CPU device, and the
+    bench raises the simulated count to its workers (4 here) before the validation touches a backend
+    (it once failed with "jax_num_cpu_devices config should be updated before backends are
+    initialized")."""
+    out = subprocess.run([sys.executable, "-m", "sdp_jax.bench", "--config", TINY, "--variants",
+                          "ddp", "--noflops", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())[0]["workers"] == 4   # llama_tiny
 
 
 def test_bench_fsdp_remat_bf16_and_measured_time(capsys):

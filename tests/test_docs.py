@@ -18,7 +18,8 @@ import shlex
 import pytest
 from absl import flags
 
-from sdp_jax import bench, cli, loop, study, trainer, vision_trainer
+from sdp_jax import bench, cli, study
+from sdp_jax.config import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(
@@ -118,12 +119,8 @@ def _check_train(argv: list[str]) -> None:
     fv = train.define_flags(flags.FlagValues(), argv)
     cli.parse(fv, argv, train.PROG, train.__doc__)
     config = fv.config
-    loop.canonical_dtype(config)
     devices = max(config.num_cpu_devices, config.get("workers", 0) or 0)
-    if vision_trainer.is_vision(config):
-        vision_trainer.resolve(config, devices)
-    else:
-        trainer.resolve(config, devices)
+    resolve(config, devices)
 
 
 @pytest.mark.parametrize("path,cmd", COMMANDS,

@@ -12,7 +12,8 @@ from test_train_cli import tiny  # the tiny config with dotted overrides
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import pipeline as pl
-from sdp_jax import stiefel, study, tasks, trainer
+from sdp_jax import loop, stiefel, study, tasks
+from sdp_jax.config import resolve
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import Llama, LlamaConfig, next_token_loss
 
@@ -326,17 +327,29 @@ def tiny_pipe(**kw):
     ({"pipeline.method": "none", "pipeline.rvq_levels": 2}, "rvq_levels=2 needs a compressed"),
     ({"fsdp": True}, "fsdp=True with pipeline.method='mapl'"),
     ({"sdp.average": "parameters", "sdp.sync_every": 2}, "mean of the workers' orthogonal"),
-    ({"workers": 5}, "5 \\* 2 devices needed, 8 present"),
+    ({"workers": 5}, "5 \\* 2 needs 10 devices but only 8 devices are available"),
 ])
 def test_pipeline_config_errors(override, match):
     c = tiny_pipe(**override)
     with pytest.raises(ValueError, match=match):
-        trainer.resolve(c, jax.device_count())
+        resolve(c, jax.device_count())
+
+
+def test_every_device_is_a_worker_with_several_processes(monkeypatch):
+    """The multi-process check is the one of every run (sdp_jax.config.resolve_workers), so it
+    also covers pipelines: with several processes, workers x stages must use every device (a
+    pipelined config launched as 2 processes used to fail only after compiling)."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="every device is a worker.*got 4 of 8 devices"):
+        resolve(tiny_pipe(), 8)
+    with pytest.raises(ValueError, match="every device is a worker.*got 2 of 8 devices"):
+        resolve(tiny(workers=2), 8)
+    assert resolve(tiny_pipe(workers=0), 8).workers == 4
 
 
 def test_pipelined_run_end_to_end(tmp_path):
     c = tiny_pipe(steps=4, eval_every=4, checkpoint_every=4)
-    s = trainer.train(c, str(tmp_path / "run"))
+    s = loop.train(c, str(tmp_path / "run"))
     assert s["completed"] and np.isfinite(s["final_val_loss"])
     assert s["final_ortho_err"] < 1e-5
     assert s["boundary_bytes_per_token"] == pytest.approx((2 * 8 * 4 + 1) * 1.5)
@@ -356,8 +369,8 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     import orbax.checkpoint as ocp
     c = tiny_pipe(**{"sdp.variant": "b-sdp", "sdp.coverage": 0.5, "model.n_layers": 8,
                      "sdp.allow_disconnected": True})
-    spec = trainer.resolve(c, 8)
-    old = pl.legacy_layout(trainer.make_step(c, spec, trainer.make_mesh(spec)).abstract_state(),
+    spec = resolve(c, 8)
+    old = pl.legacy_layout(loop.make_step(c, spec, loop.make_mesh(spec)).abstract_state(),
                            True)
     lines = sorted(f"{jax.tree_util.keystr(p)} {tuple(x.shape)} {x.dtype}"
                    for p, x in jax.tree_util.tree_leaves_with_path(old))
@@ -367,10 +380,10 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
 
     c = tiny_pipe(steps=8, eval_every=8, checkpoint_every=4, stop_at_step=4)
     a, b = tmp_path / "a", tmp_path / "b"
-    trainer.train(c, str(a))
+    loop.train(c, str(a))
     shutil.copytree(a, b)   # b: the same checkpoint, its state in the old layout
-    spec = trainer.resolve(c, 8)
-    abstract = trainer.make_step(c, spec, trainer.make_mesh(spec)).abstract_state()
+    spec = resolve(c, 8)
+    abstract = loop.make_step(c, spec, loop.make_mesh(spec)).abstract_state()
     path = b / "checkpoints" / "4" / "state"
     ck = ocp.StandardCheckpointer()
     state = ck.restore(path, abstract)
@@ -380,8 +393,8 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     with pytest.raises(Exception):   # the current layout alone does not read it
         ck.restore(path, abstract)
     c.stop_at_step = 0
-    want = trainer.train(c, str(a))["final_val_loss"]
-    assert trainer.train(c, str(b))["final_val_loss"] == pytest.approx(want, abs=1e-6)
+    want = loop.train(c, str(a))["final_val_loss"]
+    assert loop.train(c, str(b))["final_val_loss"] == pytest.approx(want, abs=1e-6)
 
 
 def test_study_table_and_plot(tmp_path):

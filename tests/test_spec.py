@@ -74,6 +74,8 @@ def test_neuron_masks_per_layer_on_the_declared_axis():
     assert tree["blocks"][1]["down"]["kernel"].shape == (4, 6, 1)
     assert tree["blocks"][1]["down"]["bias"] is None           # not declared: always-kept
     assert spec.holders("mlp", 0, layer=1) == np.flatnonzero(t.masks[1][:, 0]).tolist()
+    for w in range(4):   # what each worker holds, per layer
+        assert spec.held_by(w)["mlp"] == [np.flatnonzero(m[w]).tolist() for m in t.masks]
 
 
 @pytest.mark.parametrize("rules, variant, match", [

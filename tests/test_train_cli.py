@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sdp_jax import checkpoint as ckpt_lib
-from sdp_jax import trainer
+from sdp_jax import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -70,10 +70,10 @@ def test_cli_rejects_bad_coverage_before_compute(tmp_path):
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
     common = {"sdp.variant": "b-sdp", "sdp.coverage": 0.5, "steps": 6, "eval_every": 3,
               "checkpoint_every": 0}
-    trainer.train(tiny(**common), str(tmp_path / "full"))
-    s1 = trainer.train(tiny(stop_at_step=3, **common), str(tmp_path / "resumed"))
+    loop.train(tiny(**common), str(tmp_path / "full"))
+    s1 = loop.train(tiny(stop_at_step=3, **common), str(tmp_path / "resumed"))
     assert s1["steps"] == 3 and not s1["completed"]
-    s2 = trainer.train(tiny(**common), str(tmp_path / "resumed"))
+    s2 = loop.train(tiny(**common), str(tmp_path / "resumed"))
     assert s2["steps"] == 6 and s2["completed"]
 
     full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
@@ -99,12 +99,12 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
 def test_fsdp_bf16_run_resumes_with_another_remat_and_refuses_another_layout(tmp_path):
     common = {"sdp.variant": "n-sdp", "sdp.coverage": 0.5, "fsdp": True, "dtype": "bfloat16",
               "steps": 4, "eval_every": 2, "checkpoint_every": 0}
-    full = trainer.train(tiny(remat="full", **common), str(tmp_path / "full"))
+    full = loop.train(tiny(remat="full", **common), str(tmp_path / "full"))
     assert full["fsdp"] and full["dtype"] == "bfloat16" and full["remat"] == "full"
-    part = trainer.train(tiny(remat="full", stop_at_step=2, **common), str(tmp_path / "res"))
+    part = loop.train(tiny(remat="full", stop_at_step=2, **common), str(tmp_path / "res"))
     assert part["steps"] == 2 and not part["completed"]
     # activation checkpointing changes no result, so it may change on resume
-    done = trainer.train(tiny(remat="dots", **common), str(tmp_path / "res"))
+    done = loop.train(tiny(remat="dots", **common), str(tmp_path / "res"))
     assert done["completed"] and done["steps"] == 4
     a = read_jsonl(tmp_path / "full" / "metrics.jsonl")
     b = read_jsonl(tmp_path / "res" / "metrics.jsonl")
@@ -114,7 +114,7 @@ def test_fsdp_bf16_run_resumes_with_another_remat_and_refuses_another_layout(tmp
     # the state layout differs without FSDP: refused before compute, nothing overwritten
     ckpts = sorted(os.listdir(tmp_path / "res" / "checkpoints"))
     with pytest.raises(ValueError, match="fsdp: checkpoint has True, this run has False"):
-        trainer.train(tiny(remat="full", **{**common, "fsdp": False}), str(tmp_path / "res"))
+        loop.train(tiny(remat="full", **{**common, "fsdp": False}), str(tmp_path / "res"))
     assert sorted(os.listdir(tmp_path / "res" / "checkpoints")) == ckpts
 
 
@@ -123,7 +123,7 @@ def test_non_finite_state_is_never_checkpointed(tmp_path):
     cfg = tiny(steps=6, checkpoint_every=1, keep_checkpoints=1, eval_every=0,
                **{"optim.lr": 1e8, "optim.grad_clip": 0.0})
     with pytest.raises(FloatingPointError, match="non-finite .* stopped without saving"):
-        trainer.train(cfg, str(wd))
+        loop.train(cfg, str(wd))
     m = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
     step = m.latest_step()
     if step is not None:  # whatever was kept is a finite state
@@ -135,22 +135,22 @@ def test_non_finite_state_is_never_checkpointed(tmp_path):
 
 def test_checkpoint_from_before_fsdp_and_dtype_existed_resumes(tmp_path):
     wd = tmp_path / "old"
-    trainer.train(tiny(stop_at_step=2, eval_every=2), str(wd))
+    loop.train(tiny(stop_at_step=2, eval_every=2), str(wd))
     meta_file = wd / "checkpoints" / "2" / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
     for key in ("fsdp", "dtype"):  # what a run of an earlier release recorded
         del meta["config"][key]
     meta_file.write_text(json.dumps(meta))
-    done = trainer.train(tiny(eval_every=2), str(wd))
+    done = loop.train(tiny(eval_every=2), str(wd))
     assert done["completed"] and done["steps"] == 6
 
 
 def test_checkpoint_from_other_config_is_refused(tmp_path):
     wd = str(tmp_path / "run")
-    trainer.train(tiny(steps=2, eval_every=2), wd)
+    loop.train(tiny(steps=2, eval_every=2), wd)
     before = sorted(os.listdir(os.path.join(wd, "checkpoints")))
     with pytest.raises(ValueError) as e:
-        trainer.train(tiny(steps=2, eval_every=2, **{"model.d_model": 64}), wd)
+        loop.train(tiny(steps=2, eval_every=2, **{"model.d_model": 64}), wd)
     msg = str(e.value)
     assert "model.d_model: checkpoint has 32, this run has 64" in msg and "--workdir" in msg
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before  # nothing overwritten
@@ -169,7 +169,7 @@ def test_checkpoint_from_other_config_is_refused(tmp_path):
 ])
 def test_bad_config_raises_before_compute(tmp_path, overrides, fragment):
     with pytest.raises(ValueError, match=fragment.replace("*", r"\*").replace(".", r"\.")):
-        trainer.train(tiny(**overrides), str(tmp_path / "bad"))
+        loop.train(tiny(**overrides), str(tmp_path / "bad"))
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
@@ -216,7 +216,7 @@ def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     m.close()
     assert step is not None and 3 <= step < 400
     assert read_jsonl(metrics)[-1]["step"] == step
-    s = trainer.train(tiny(steps=400, checkpoint_every=0, eval_every=0, stop_at_step=step + 2),
+    s = loop.train(tiny(steps=400, checkpoint_every=0, eval_every=0, stop_at_step=step + 2),
                       str(wd))
     assert s["steps"] == step + 2
     assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, step + 3))
@@ -224,13 +224,13 @@ def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
 
 def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     wd = tmp_path / "run"
-    trainer.train(tiny(steps=4, checkpoint_every=2, eval_every=0), str(wd))
+    loop.train(tiny(steps=4, checkpoint_every=2, eval_every=0), str(wd))
     state_dir = wd / "checkpoints" / "4" / "state" / "d"
     victim = sorted(state_dir.iterdir())[0]
     with open(victim, "r+b") as f:
         f.truncate(100)
     with pytest.raises(ValueError) as e:
-        trainer.train(tiny(steps=4, checkpoint_every=2, eval_every=0), str(wd))
+        loop.train(tiny(steps=4, checkpoint_every=2, eval_every=0), str(wd))
     msg = str(e.value)
     assert "checkpoint at step 4" in msg and "unreadable" in msg
     assert f"delete {wd / 'checkpoints' / '4'} to resume from step 2" in msg
@@ -242,13 +242,13 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     ("b-sdp", {"sdp.average": "parameters", "sdp.sync_every": 2}),
 ])
 def test_trainer_runs_every_variant(tmp_path, variant, extra):
-    s = trainer.train(tiny(steps=3, eval_every=0, **{"sdp.variant": variant,
+    s = loop.train(tiny(steps=3, eval_every=0, **{"sdp.variant": variant,
                                                      "sdp.coverage": 0.5}, **extra),
                       str(tmp_path / variant))
     assert s["completed"] and s["variant"] == variant and s["coverage"] == 0.5
     assert s["regime"] == ("backward" if variant in ("bb-sdp", "nb-sdp") else "forward")
     assert s["spectral_gap"] > 0 and np.isfinite(s["final_val_loss"])
-    again = trainer.train(tiny(steps=3, eval_every=0, **{"sdp.variant": variant,
+    again = loop.train(tiny(steps=3, eval_every=0, **{"sdp.variant": variant,
                                                          "sdp.coverage": 0.5}, **extra),
                           str(tmp_path / variant))
     assert again == s  # a finished run is not redone and keeps its figures
@@ -256,4 +256,4 @@ def test_trainer_runs_every_variant(tmp_path, variant, extra):
 
 def test_sync_every_without_parameter_averaging_is_refused(tmp_path):
     with pytest.raises(ValueError, match="sync_every=3 only applies with"):
-        trainer.train(tiny(**{"sdp.sync_every": 3}), str(tmp_path / "x"))
+        loop.train(tiny(**{"sdp.sync_every": 3}), str(tmp_path / "x"))

@@ -335,6 +335,18 @@ def test_fsdp_equals_unsharded_step(mesh, variant, coverage, ref_variant):
     assert abs(float(outs[0][0]) - float(outs[1][0])) < 1e-4 and outs[0][1] == outs[1][1]
 
 
+def test_reference_averaging_equals_alltoall(mesh):
+    """``--config.sdp.method=reference`` for vision (one config schema): the full-size masked
+    psum gives the parameters and BatchNorm statistics the holder all_to_all gives (N-SDP
+    C = 1/2: channels and their statistics held by 2 of 4 workers)."""
+    batches = _batches(mesh, RESNET, n=2)
+    fast, s_fast, _ = _run(mesh, RESNET, "n-sdp", 0.5, batches)
+    ref, s_ref, _ = _run(mesh, RESNET, "n-sdp", 0.5, batches, step_kw=dict(method="reference"))
+    assert (fast.method, ref.method) == ("alltoall", "psum")
+    _close(jax.device_get(tasks.VisionEval(fast).full_model(s_fast)),
+           jax.device_get(tasks.VisionEval(ref).full_model(s_ref)), tol=1e-6)
+
+
 # The train state layout of vision checkpoints written before the one step (the deleted
 # VisionStepBuilder at commit a265ab2): SHA-256 over (path, shape, dtype, sharded over data)
 # of every leaf of the abstract state, W = 4, C = 1/2.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sdp_jax import vision_data as vd
-from sdp_jax import vision_trainer
+from sdp_jax.config import resolve
 from sdp_jax.config import vision_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -107,30 +107,30 @@ def test_cifar_reads_tfds_on_disk_format(tmp_path):
 def test_bad_vision_configs():
     c = vision_config("resnet18", "mnist")
     with pytest.raises(ValueError, match="unknown data.dataset='mnist'.*digits, cifar10"):
-        vision_trainer.resolve(c, 8)
+        resolve(c, 8)
     c = vision_config("resnet18", "cifar100")
     c.model.num_classes = 10
     with pytest.raises(ValueError, match="num_classes=10 but cifar100 has 100"):
-        vision_trainer.resolve(c, 8)
+        resolve(c, 8)
     c = vision_config("resnet18", "digits")
     c.sdp.variant, c.sdp.coverage = "b-sdp", 0.3
     with pytest.raises(ValueError, match="not realizable"):
-        vision_trainer.resolve(c, 8)
+        resolve(c, 8)
     c = vision_config("resnet18", "digits")   # each channel held by one of 2 workers
     c.sdp.variant, c.sdp.coverage = "n-sdp", 0.5
     with pytest.raises(ValueError, match="resnet18: the mask graph .* disconnected.*"
                                          "allow_disconnected=True"):
-        vision_trainer.resolve(c, 2)
+        resolve(c, 2)
     c.sdp.allow_disconnected = True
-    assert vision_trainer.resolve(c, 2).plan.spectral_gap() < 1e-9
+    assert resolve(c, 2).plan.spectral_gap() < 1e-9
     c = vision_config("swin_t", "cifar10")
     c.model.depth = 3
     with pytest.raises(ValueError, match=r"unknown model config keys \['depth'\]"):
-        vision_trainer.resolve(c, 8)
-    assert vision_trainer.resolve(vision_config("wrn18", "cifar100"), 8).model.num_classes == 100
+        resolve(c, 8)
+    assert resolve(vision_config("wrn18", "cifar100"), 8).model.num_classes == 100
     c = vision_config("swin_t", "digits")  # every model field is a config field
     c.model.embed_dim, c.model.num_heads = 12, (3, 3, 3, 3)
-    assert vision_trainer.resolve(c, 8).model.stage_width(3) == 96
+    assert resolve(c, 8).model.stage_width(3) == 96
 
 
 def _train(workdir, *extra):
