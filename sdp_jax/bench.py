@@ -148,25 +148,23 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     some stage (``uniform`` False)."""
     from sdp_jax import comm
     from sdp_jax import train_step as ts
-    import jax
-    import jax.numpy as jnp
-
-    from sdp_jax import tasks
     from sdp_jax.config import resolve
+
+    def variant_config(nonuniform: bool):
+        c = _variant_config(config, variant, coverage, workers, nonuniform)
+        with c.unlocked():
+            c.dtype, c.remat, c.fsdp = dtype, remat, fsdp
+        return c, resolve(c, workers)
 
     t0 = time.time()
     try:
-        spec = resolve(_variant_config(config, variant, coverage, workers), workers)
+        c, spec = variant_config(False)
         uniform = True
     except ValueError:
-        spec = resolve(_variant_config(config, variant, coverage, workers, True), workers)
+        c, spec = variant_config(True)
         uniform = False
-    builder = tasks.vision_step(spec.model, spec.plan, spec.optim, mesh, config.steps,
-                                dtype=dtype, remat=remat, fsdp=fsdp)
-    m, G = spec.model, workers * config.batch_per_worker
-    compiled = builder.compiled_train_step(
-        (jax.ShapeDtypeStruct((G, m.image_size, m.image_size, m.in_channels), jnp.float32),
-         jax.ShapeDtypeStruct((G,), jnp.int32)))
+    builder = spec.family.step(c, spec, mesh)   # the run's own step (the vision family's)
+    compiled = builder.compiled_train_step(spec.family.batch_shapes(c, spec))
     traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
     kinds = spec.plan.summary()["kinds"]
     held = ", ".join(f"{v['per_worker']}/{v['components']} {k}" for k, v in kinds.items()
@@ -198,7 +196,7 @@ def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, rema
       steps: timed steps per variant, after ``warmup`` untimed ones (which include the compile).
     Returns:
       per run, the list of step times in seconds. Each step is waited for before the next is
-      dispatched (one step in flight, see DESIGN.md on the CPU backend).
+      dispatched (one step in flight, see docs/design.md on the CPU backend).
     """
     import jax
     import jax.numpy as jnp
@@ -555,17 +553,17 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         config.workers = workers
         if "seq_len" in config:   # the bench may measure longer sequences than the model's
             config.model.max_seq_len = max(config.model.get("max_seq_len", 0), config.seq_len)
-    if not check_only:
-        _simulate_devices(workers)
+    if not check_only:   # (a check leaves the caller's JAX devices as they are)
+        _simulate_devices(workers)   # before the validation initializes a backend
     try:
         config_lib.canonical_dtype(config)
         for v in variants:   # one validation place for every field, before any compile
             _resolve(config, v, max(workers, 1))
+        if check_only:
+            return []
         mesh = _mesh(workers)
     except ValueError as e:
         err(str(e))
-    if check_only:
-        return []
 
     import jax
 
@@ -637,11 +635,11 @@ def _main_vision(fv, config, config_path, variants, workers, mesh):
     """``main`` for vision configs: memory, communication and FLOPs of each variant."""
     import jax
 
-    remat, dtype, fsdp = config.remat, config.dtype, config.get("fsdp", False)
+    remat, dtype, fsdp = config.remat, config.dtype, config.fsdp
     print(f"{config_path}: {config.model.name}, {config.batch_per_worker} images of "
           f"{config.model.image_size}x{config.model.image_size} per worker, {workers} x "
           f"{jax.devices()[0].platform}, {dtype}" + (", FSDP" if fsdp else "")
-          + f", remat {remat}", flush=True)
+          + f", remat {remat}, averaging {config.sdp.method}", flush=True)
     rows = []
     for v in variants:
         row = measure_vision(config, v, workers, 1.0 if v == "ddp" else config.sdp.coverage,

@@ -6,7 +6,7 @@ Each step directory holds three items:
   block appears once per holder), saved and restored sharded by orbax;
 * ``data``: the grain iterator state, one JSON file per process (grain's own orbax handler);
 * ``meta``: JSON with the trajectory-defining config, the mask recipes and a SHA-256 of every
-  mask matrix (DESIGN.md invariant 7), checked before anything is restored.
+  mask matrix (docs/design.md invariant 7), checked before anything is restored.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run that dies
 while saving leaves the previous checkpoint intact.

@@ -89,8 +89,9 @@ def parse(fv: flags.FlagValues, argv: list[str], prog: str, doc: str = "",
 
 
 # Fields every run config has (sdp_jax.config.base_config and vision_config).
-REQUIRED = ("model", "sdp", "optim", "workers", "num_cpu_devices", "batch_per_worker", "steps",
-            "dtype", "remat", "seed")
+# What tells a run config from another ConfigDict; sdp_jax.config.resolve names any other
+# missing field.
+REQUIRED = ("model", "data", "sdp", "num_cpu_devices")   # (read before the validation)
 
 
 def _check_config(config, path: str, prog: str) -> None:

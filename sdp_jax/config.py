@@ -40,7 +40,7 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
         grad_clip=1.0))
     c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
-    c.remat = "none"            # activation checkpointing per block: none | full | dots
+    c.remat = "none"            # activation checkpointing per block: none | full | dots (vision: none | full)
     c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
     c.workers = 0               # W data-parallel workers; 0 = every device
     c.num_cpu_devices = 8       # simulated devices when only a CPU is present
@@ -114,8 +114,8 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
 
     Sections: ``model`` (:class:`sdp_jax.models.vision.VisionConfig` fields; ``num_classes=0``
     takes the dataset's), ``data`` (:func:`sdp_jax.vision_data.default_vision_data_config`),
-    and the ``sdp``, ``optim`` and run-control fields of every run (:func:`base_config`;
-    AdamW with warm-up and cosine decay), with ``eval_limit`` (test images per evaluation; 0 =
+    and the ``sdp``, ``optim`` and run-control fields of every run (:func:`_run_fields`, with
+    vision defaults: AdamW 2e-3 with warm-up and cosine decay), with ``eval_limit`` (test images per evaluation; 0 =
     the whole test split) instead of ``eval_batches``, ``eval_bn_batches`` (see
     :attr:`sdp_jax.tasks.VisionEval.recalibrate`) and ``sdp.stage_blocks``.
     """
@@ -157,7 +157,7 @@ RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "l
 
 @dataclasses.dataclass
 class RunSpec:
-    """Everything a run config resolves to before compute (host-side; no device touched).
+    """Everything a run config resolves to before compute (host-side values; no arrays).
 
     Attributes:
       family: the model family's run hooks (:func:`sdp_jax.tasks.family_of`).
@@ -180,12 +180,31 @@ class RunSpec:
     pipe: Any
 
 
-def _integer(config, name: str, low: int) -> int:
-    v = config[name]
+def _integer(v, name: str, low: int, hint: str = "") -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise ValueError(f"config.{name}={v!r} must be "
-                         + ("a positive integer." if low == 1 else f"an integer >= {low}."))
-    return v
+                         + ("a positive integer" if low == 1 else f"an integer >= {low}")
+                         + (f" ({hint})." if hint else "."))
+
+
+def _check_schema(config, family) -> None:
+    """Refuse a config that lacks a field of its family's schema (outside ``model`` and
+    ``data``, which the family checks), naming the field and its default."""
+    template, maker = family.template(config)
+    missing = []
+    for key, value in template.items():
+        if key in ("model", "data"):
+            continue
+        if key not in config:
+            missing.append((key, value))
+        elif isinstance(value, ml_collections.ConfigDict):
+            missing += [(f"{key}.{sub}", v) for sub, v in value.items()
+                        if sub not in config[key]]
+    if missing:
+        name, default = missing[0]
+        raise ValueError(f"config.{name} is missing; build the run config on "
+                         f"sdp_jax.config.{maker}() (default {name}={default!r}) or add the "
+                         "field to your get_config().")
 
 
 def resolve(config, device_count: int) -> RunSpec:
@@ -193,33 +212,35 @@ def resolve(config, device_count: int) -> RunSpec:
     validation place of ``train.py``, ``python -m sdp_jax.bench`` and ``python -m
     sdp_jax.study``.
 
+    It initializes the JAX backend (``jax.process_count``, the specs' ``jax.eval_shape``): set
+    ``jax_num_cpu_devices`` and call ``jax.distributed.initialize`` before it.
+
     Args:
       config: the run ``ConfigDict`` (:func:`base_config`, :func:`vision_config`); a ``dtype``
         alias (``bf16``, ``fp32``) is replaced by its canonical name (:func:`canonical_dtype`).
       device_count: devices available (``jax.device_count()``).
 
     Raises:
-      ValueError: with the bad value and a fix, for any invalid field (run control, step
-        settings, workers, model, data, masks, warm-up longer than the run).
+      ValueError: with the bad value and a fix, for any invalid or missing field (run control,
+        step settings, workers, model, data, masks, warm-up longer than the run).
     """
     from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
     from sdp_jax import tasks  # pylint: disable=g-import-not-at-top
     from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
     canonical_dtype(config)
     family = tasks.family_of(config)
+    _check_schema(config, family)
     for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
                  "num_cpu_devices") + family.positive_fields:
-        _integer(config, name, 1)
+        _integer(config[name], name, 1)
     for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed") \
             + family.non_negative_fields:
-        _integer(config, name, 0)
-    wc = config.data.worker_count
-    if isinstance(wc, bool) or not isinstance(wc, int) or wc < 0:
-        raise ValueError(f"config.data.worker_count={wc!r} must be an integer >= 0 "
-                         "(0 = read data in the training process).")
+        _integer(config[name], name, 0)
+    _integer(config.data.worker_count, "data.worker_count", 0,
+             "0 = read data in the training process")
     model = family.model_config(config)
     optim = ts.OptimConfig.from_config(config.optim)
-    check_step_fields(config, family.remat)
+    _check_step_fields(config, family.remat)
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
     if pipe.stages > 1:
         pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
@@ -242,10 +263,9 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
     Raises:
       ValueError: not a positive integer, ``W * stages`` more than the devices, or not every
         device with several processes."""
+    zero = "0 = every device" + (" / pipeline.stages" if stages > 1 else "")
     workers = config.workers or max(device_count // stages, 1)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"config.workers={config.workers!r} must be a positive integer or 0 "
-                         "(= every device" + (" / pipeline.stages)." if stages > 1 else ")."))
+    _integer(workers, "workers", 1, zero)
     need = workers * stages
     if need > device_count:
         hint = (f", or simulate more CPU devices with --config.num_cpu_devices={need}"
@@ -253,18 +273,22 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
         what = (f"config.workers={workers}" if stages == 1 else
                 f"workers * pipeline.stages = {workers} * {stages}")
         raise ValueError(f"{what} needs {need} devices but only {device_count} devices are "
-                         "available; "
-                         "lower --config.workers (0 = every device)"
+                         f"available; lower --config.workers ({zero})"
                          + (" or --config.pipeline.stages" if stages > 1 else "") + f"{hint}.")
     if jax.process_count() > 1 and need != device_count:
-        raise ValueError(f"with several processes every device is a worker: set "
-                         f"--config.workers=0 (got {need} of {device_count} devices).")
+        if stages == 1:
+            raise ValueError(f"with several processes every device is a worker: set "
+                             f"--config.workers=0 (got {need} of {device_count} devices).")
+        raise ValueError(f"with several processes every device is a worker: workers x "
+                         f"pipeline.stages must be the {device_count} devices (got {workers} x "
+                         f"{stages} = {need}); set --config.workers=0 and a pipeline.stages "
+                         f"that divides {device_count}.")
     return workers
 
 
-def check_step_fields(config, remat: tuple | None = None) -> None:
+def _check_step_fields(config, remat: tuple | None = None) -> None:
     """Validate the step's settings of a run config (every model family): ``sdp.method``,
-    ``sdp.average``, ``sdp.sync_every``, ``fsdp`` (absent = False), ``remat`` (one of ``remat``,
+    ``sdp.average``, ``sdp.sync_every``, ``fsdp``, ``remat`` (one of ``remat``,
     default :data:`sdp_jax.step.REMAT`) and ``dtype``.
 
     Raises:
@@ -274,8 +298,7 @@ def check_step_fields(config, remat: tuple | None = None) -> None:
     from sdp_jax import spec as spec_lib  # pylint: disable=g-import-not-at-top
     from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
     from sdp_jax import tasks  # pylint: disable=g-import-not-at-top
-    sdp, remat = config.sdp, tuple(remat or step_lib.REMAT)
-    fsdp = config.get("fsdp", False)
+    sdp, remat, fsdp = config.sdp, tuple(remat or step_lib.REMAT), config.fsdp
     if not isinstance(fsdp, bool):
         raise ValueError(f"config.fsdp={fsdp!r} must be True or False.")
     if config.remat not in remat:
@@ -283,14 +306,10 @@ def check_step_fields(config, remat: tuple | None = None) -> None:
                          "(activation checkpointing of every block).")
     if config.dtype not in step_lib.DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
-    if sdp.get("method", "auto") not in tasks.METHODS:
-        raise ValueError(f"config.sdp.method={sdp.method!r}; use one of "
-                         f"{', '.join(tasks.METHODS)}.")
+    tasks.step_method(sdp.method, "config.sdp.method")
     if sdp.average not in step_lib.AVERAGING:
         raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
-    if isinstance(sdp.sync_every, bool) or not isinstance(sdp.sync_every, int) \
-            or sdp.sync_every < 1:
-        raise ValueError(f"config.sdp.sync_every={sdp.sync_every!r} must be a positive integer.")
+    _integer(sdp.sync_every, "sdp.sync_every", 1)
     if sdp.average == "gradients" and sdp.sync_every != 1:
         raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
                          "--config.sdp.average=parameters (gradients are averaged every step); "

@@ -1,6 +1,6 @@
 """Full and compact (pruned) parameters of an :class:`sdp_jax.spec.SDPSpec`.
 
-A worker's *local* parameters in the compact layout (forward masking, DESIGN.md invariant 4):
+A worker's *local* parameters in the compact layout (forward masking, docs/design.md invariant 4):
 
 * an always-kept leaf: the full leaf;
 * a stacked block leaf ``[L, ...]``: its ``k = C * L`` held blocks ``[k, ...]`` in depth order;

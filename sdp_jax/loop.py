@@ -30,7 +30,7 @@ import jax
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import config as config_lib
 from sdp_jax.sync import AXIS
-from sdp_jax.train_step import memory_stats
+from sdp_jax.train_step import fmt_bytes, memory_stats
 
 FINITE_KEYS = ("train_loss", "grad_norm", "val_loss", "test_loss")
 
@@ -41,15 +41,6 @@ def log(msg: str) -> None:
     """Print on process 0 only."""
     if jax.process_index() == 0:
         print(msg, flush=True)
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes as ``12.3 MiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 class Metrics:
@@ -224,11 +215,10 @@ def make_mesh(spec: config_lib.RunSpec):
     return jax.make_mesh((spec.workers,), (AXIS,), devices=devices)
 
 
-def make_step(config, spec: config_lib.RunSpec, mesh, unroll: bool = False):
+def make_step(config, spec: config_lib.RunSpec, mesh):
     """The :class:`sdp_jax.step.SDPStep` of a run config (``spec`` from
-    :func:`sdp_jax.config.resolve`, ``mesh`` from :func:`make_mesh`); ``unroll``: the block
-    scan unrolled (FLOP counting)."""
-    return spec.family.step(config, spec, mesh, unroll)
+    :func:`sdp_jax.config.resolve`, ``mesh`` from :func:`make_mesh`)."""
+    return spec.family.step(config, spec, mesh)
 
 
 def _meta(config, spec: config_lib.RunSpec) -> dict:
@@ -284,8 +274,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     check_workdir_is_dir(workdir)
     mesh = make_mesh(spec)
     devices = list(mesh.devices.flat)
-    line, train_iter, eval_data = family.data(config, spec)   # bad data fails before compile
-    log(line)
+    train_iter, eval_data = family.data(config, spec, log)   # bad data fails before compile
     meta = _meta(config, spec)
     manager, latest = open_checkpoints(config, workdir, meta, defaults=family.added_fields())
     builder = make_step(config, spec, mesh)
@@ -301,8 +290,8 @@ def train(config, workdir: str) -> dict[str, Any]:
         log(extra)
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
                      for k, v in mask_info["kinds"].items())
-    log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}"
-        + (f"; multiplicity {mult}" if mult else "") + "; params: total "
+    log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
+        "params: total "
         f"{family.param_count(spec):,}, stored per device {builder.per_device_param_count():,}")
 
     # Restore before compiling: an unreadable checkpoint is reported before any compute.
@@ -313,7 +302,9 @@ def train(config, workdir: str) -> dict[str, Any]:
     mem = memory_stats(compiled)
     log(f"compiled train step in {time.time() - t0:.1f}s: peak "
         f"{fmt_bytes(mem['peak_bytes_per_device'])} per device")
-    from_compiled = family.compiled(config, spec, compiled, log)
+    lines, from_compiled = family.compiled(config, spec, compiled)
+    for line in lines:
+        log(line)
     sharding = builder.batch_sharding()
 
     def put(x, shape):
@@ -326,8 +317,7 @@ def train(config, workdir: str) -> dict[str, Any]:
         sync_now = builder.is_sync_step(step)   # periodic parameter averaging
         if sync_now not in step_fns:
             step_fns[sync_now] = builder.train_step_fn(sync_now)
-        return step_fns[sync_now](state, jax.tree.map(put, tuple(batch) if isinstance(
-            shapes, tuple) else batch, shapes))
+        return step_fns[sync_now](state, jax.tree.map(put, batch, shapes))
 
     def summary(step, last_eval, last_rec, wall):
         return {
@@ -394,7 +384,7 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
         try:
             while step < stop and not interrupted:
                 state, m = one_step(state, next(train_iter), step + 1)
-                # Waiting for each step keeps one step in flight (CPU collectives, DESIGN.md).
+                # Waiting for each step keeps one step in flight (CPU collectives, docs/design.md).
                 rec = {k: float(v) for k, v in m.items()}
                 last_rec = rec
                 step += 1

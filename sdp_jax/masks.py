@@ -2,7 +2,7 @@
 
 A *mask matrix* is a static numpy ``bool`` array ``[W, G]``: row ``w`` says which of the ``G``
 maskable components (blocks for B-SDP) worker ``w`` holds. Every row holds exactly ``k = C * G``
-components, so that every device of an SPMD program runs the same shapes (DESIGN.md, invariant 4).
+components, so that every device of an SPMD program runs the same shapes (docs/design.md, invariant 4).
 *Uniform representation* (Singh et al., arXiv 2507.09029, Sec. 3) additionally asks that every
 component be held by the same number ``m = W * C`` of workers.
 
@@ -168,7 +168,7 @@ def random_mask(workers: int, components: int, k: int, seed: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class MaskRecipe:
-    """Everything that determines a mask matrix: (scheme, W, G, C, seed) (DESIGN.md, invariant 7).
+    """Everything that determines a mask matrix: (scheme, W, G, C, seed) (docs/design.md, invariant 7).
 
     Attributes:
       scheme: ``"cyclic"`` or ``"random"``.

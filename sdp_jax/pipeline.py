@@ -9,7 +9,7 @@ applies its blocks to what it received and sends the result to the next stage wi
 of the whole schedule: all forwards, then all backwards, as in GPipe), so the gradients crossing a
 boundary have the shape of the forward payload: r wide when compressed.
 
-Compression of a boundary (MAPL: Janson, Oyallon, Belilovsky, arXiv 2606.05484; DESIGN.md,
+Compression of a boundary (MAPL: Janson, Oyallon, Belilovsky, arXiv 2606.05484; docs/design.md,
 "MAPL-style projectors"): stage ``s`` sends, per token, ``c = (h - anchor_s(token)) A_s``
 (r = d / ratio wide, in the compute dtype) and the token id (the narrowest unsigned integer type that holds the
 vocabulary: one byte for byte-level text); stage ``s + 1`` rebuilds

@@ -9,7 +9,7 @@ A model, built-in or a user's own, declares which of its parameters SDP may swit
   *stacked* block axis (every leaf under ``path`` is ``[L, ...]``, as ``nnx.vmap``-built blocks
   give). Several rules declare several stacks (stage-balanced masks, e.g. a ResNet's stages).
   Used by the block variants (``ddp``, ``b-sdp``, ``bb-sdp``); a dropped block is its shortcut
-  (DESIGN.md invariant 5), so the model must add each block's output to a residual stream.
+  (docs/design.md invariant 5), so the model must add each block's output to a residual stream.
 * :class:`Neurons` ``(pattern, axis, kind, expand, stacked)``: the leaves matching ``pattern``
   carry components of ``kind`` (MLP neurons, attention key/value head groups, conv channels)
   along ``axis``; ``expand`` indices per component (a key/value head group takes its ``H / K``
@@ -745,7 +745,7 @@ class SDPSpec:
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint stores to recognise these masks: recipes and a SHA-256 of every
-        mask matrix (DESIGN.md invariant 7)."""
+        mask matrix (docs/design.md invariant 7)."""
         h = hashlib.sha256()
         for name, t in sorted(self.kinds.items()):
             h.update(name.encode())
@@ -785,7 +785,7 @@ def stage_balance(coverage: float, depths: list, workers: int, stage_blocks: tup
     """Blocks per worker in each of several block stacks (stage-balanced masks).
 
     Blocks of different stacks differ in shape, and an SPMD program needs every worker's compact
-    model to have the same shapes (DESIGN.md invariant 4), so each worker holds ``k_s`` blocks
+    model to have the same shapes (docs/design.md invariant 4), so each worker holds ``k_s`` blocks
     of stack ``s``: ``C * L`` in all (``L`` = all blocks; must be whole), split as the
     largest-remainder apportionment of ``C * L_s`` (ties to the earlier stack, in a vision
     model the one with the fewest parameters per block), with at least ``ceil(L_s / W)`` per

@@ -7,7 +7,7 @@ for a model that is not part of this package.
 * a loss function (float32 scalar: the mean loss of a worker's slice of the batch) for the
   worker's *local* parameters (nested dicts). Under forward masking (``ddp``, ``b-sdp``,
   ``n-sdp``) they are compact: ``k`` blocks, narrowed neuron leaves (:mod:`sdp_jax.layout`), so
-  the worker's subnetwork alone runs (DESIGN.md invariant 4); under backward masking (``bb-sdp``,
+  the worker's subnetwork alone runs (docs/design.md invariant 4); under backward masking (``bb-sdp``,
   ``nb-sdp``) they are the full model, and only the held components get gradients;
 * an ``optax.GradientTransformation`` without clipping (``grad_clip`` clips by the norm of the
   averaged gradient with every component counted once, invariant 6).

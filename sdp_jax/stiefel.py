@@ -2,7 +2,7 @@
 
 MAPL (Janson, Oyallon, Belilovsky, arXiv 2606.05484) compresses the residual stream crossing a
 pipeline-stage boundary through a learned orthogonal projector ``A`` in St(d, r) and trains it by
-spectral steepest descent on the manifold (DESIGN.md, "MAPL-style projectors"):
+spectral steepest descent on the manifold (docs/design.md, "MAPL-style projectors"):
 
     m  <- beta * m + g                      (momentum of the Euclidean gradient g)
     xi <- m - A sym(A^T m)                  (projection onto the tangent space at A)
@@ -129,7 +129,7 @@ def stiefel_sgd(learning_rate: float | Callable[[jax.Array], jax.Array], momentu
                 steps: int = 10) -> optax.GradientTransformation:
     """Spectral steepest descent on the Stiefel manifold, as an optax transform.
 
-    Per leaf ``A`` [..., d, r] (d >= r) with gradient ``g`` (MAPL; DESIGN.md):
+    Per leaf ``A`` [..., d, r] (d >= r) with gradient ``g`` (MAPL; docs/design.md):
     ``m <- momentum * m + g``; ``xi = m - A sym(A^T m)``; ``A_new = msign(A - lr * msign(xi))``.
     ``update`` returns ``A_new - A`` (so ``optax.apply_updates`` lands on ``A_new``), computed in
     float32 and cast to the parameter's dtype (store projectors in float32: a bfloat16 ``A`` is

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 
+# = sdp_jax.pipeline.METHODS (tests/test_pipeline.py), not imported so that --help stays fast
 METHODS = ("none", "fixed", "unconstrained", "mapl")
 
 

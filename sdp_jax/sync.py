@@ -1,6 +1,6 @@
 """Collectives for SDP averaging, used inside ``jax.shard_map`` over the mesh axis ``data``.
 
-Overlap averaging is a masked mean (DESIGN.md invariant 2; Singh et al., arXiv 2507.09029,
+Overlap averaging is a masked mean (docs/design.md invariant 2; Singh et al., arXiv 2507.09029,
 Sec. 3, Eq. for the SDP update): for every component ``g`` the averaged value is
 
     x_g <- sum_{w holds g} x_g^(w) / m_g,        m_g = number of workers holding g,
@@ -45,7 +45,7 @@ def to_varying(tree: Any, axis: str | tuple = AXIS) -> Any:
     Taking ``jax.grad`` with respect to a parameter that enters ``shard_map`` replicated (``P()``)
     returns the gradient already *summed* over the axis (the transpose of the implicit broadcast);
     casting the parameter to varying first gives each worker its own local gradient, which the
-    explicit averaging below then combines exactly once (DESIGN.md invariant 1).
+    explicit averaging below then combines exactly once (docs/design.md invariant 1).
     """
     if hasattr(lax, "pcast"):
         return jax.tree.map(lambda x: lax.pcast(x, axis, to="varying"), tree)
@@ -181,7 +181,7 @@ def layer_value(tree: Any, tables: Any, layer, axis_name: str = AXIS) -> Any:
 # their shard: the sum over holders. Dividing by the multiplicity gives the masked mean (invariant
 # 2). Per device and per row this moves ``(W - 1) / W`` of the row's bytes each way, so averaging
 # the ``C * G`` rows a worker holds costs ``C`` times the bytes of an all-reduce of all ``G`` rows
-# (DESIGN.md, "Techniques that fit SPMD").
+# (docs/design.md, "Holder-only collectives").
 
 
 class HolderTables:
@@ -453,7 +453,7 @@ def all_gather_invariant(x: jax.Array, axis: str = AXIS) -> jax.Array:
 
 def shards_sq_norm(shards: dict, axis: str = AXIS) -> jax.Array:
     """Squared L2 norm of shard-layout values: every element lives on exactly one device, so the
-    psum counts each component once (DESIGN.md invariant 6). float32 scalar, invariant."""
+    psum counts each component once (docs/design.md invariant 6). float32 scalar, invariant."""
     return sum_parts([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in shards.values()],
                      axis, True)
 
@@ -529,7 +529,7 @@ def fsdp_gather(shard: jax.Array, r: int, dtype, idx: jax.Array | None = None,
       scale: optional float32 array broadcastable to ``leaf`` (each row reshaped to the leaf's
         shape ``leaf``, ``r = prod(leaf)``) multiplying the cotangent after its cast to the
         master dtype, e.g. ``1 / m`` of every entry's component (the sum over workers is then
-        the masked mean over holders, DESIGN.md invariant 2).
+        the masked mean over holders, docs/design.md invariant 2).
     Returns:
       ``[c or n, r]`` in ``dtype``. Backward: the cotangent (cast to the master dtype, masked by
       ``keep``) goes back to the owners by the transposed collective (all_to_all + scatter-add,
@@ -545,7 +545,7 @@ def fsdp_gather(shard: jax.Array, r: int, dtype, idx: jax.Array | None = None,
 # ------------------------------------------------------------------------------------------
 
 def masked_average(tree: Any, masks: Any, axis: str = AXIS) -> Any:
-    """The reference masked mean over holders, full layout (DESIGN.md invariant 2).
+    """The reference masked mean over holders, full layout (docs/design.md invariant 2).
 
     Args:
       tree: this worker's full-size values (a pytree; entries it does not hold are ignored).
@@ -594,7 +594,7 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
     Call inside ``jax.shard_map`` over ``axis``, on each worker's own (local) values, e.g. the
     gradient of its loss. Values must be *varying* over ``axis``: a parameter that enters
     ``shard_map`` replicated (``P()``) has a gradient that is already summed over the workers
-    (DESIGN.md invariant 1); cast it with :func:`to_varying` before differentiating.
+    (docs/design.md invariant 1); cast it with :func:`to_varying` before differentiating.
 
     Args:
       tree: ``compact=True``: a worker's local tree in the compact layout of
@@ -746,7 +746,7 @@ def gather_full(tree: Any, spec, axis: str = AXIS) -> dict:
 
 def global_norm(tree: Any, spec, *, compact: bool = True, axis: str = AXIS) -> jax.Array:
     """Global L2 norm of an *averaged* tree (:func:`average`'s output) with every component
-    counted once, so it is the same on every worker (DESIGN.md invariant 6: a norm over a
+    counted once, so it is the same on every worker (docs/design.md invariant 6: a norm over a
     worker's own compact blocks differs between workers and makes holders drift apart).
 
     Args:

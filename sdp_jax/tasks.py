@@ -1,7 +1,11 @@
-"""Model families as the hooks of the one step (:class:`sdp_jax.step.SDPStep`).
+"""The model families: their hooks for the one step and for the one training loop.
 
-A family gives the step its loss over a worker's local parameters, the apply of one block (the
-block runner hook) and the full model's initial parameters; it knows nothing about SDP.
+For the step (:class:`sdp_jax.step.SDPStep`) a family gives its loss over a worker's local
+parameters, the apply of one block (the block runner hook) and the full model's initial
+parameters; it knows nothing about SDP. For the loop (:func:`sdp_jax.loop.train`) and the
+config validation (:func:`sdp_jax.config.resolve`), :class:`LanguageModelFamily` and
+:class:`VisionFamily` give the model and data fields, the spec, the data, the step, the
+evaluation and the summary fields (:func:`family_of` picks one from a config).
 
 :class:`LanguageModel`: next-token cross-entropy of a LLaMA (:mod:`sdp_jax.models.llama`) on
 int32 token batches ``[b, T + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``).
@@ -36,6 +40,19 @@ AXIS_ = sync.AXIS
 LOSS_CHUNKS = 8  # sequence pieces of the head and loss under activation checkpointing
 # config.sdp.method -> the step's averaging method
 METHODS = {"auto": "alltoall", "alltoall": "alltoall", "reference": "psum"}
+
+
+def step_method(method: str, name: str = "method") -> str:
+    """The :class:`sdp_jax.step.SDPStep` averaging method of a config's ``sdp.method``:
+    ``auto`` / ``alltoall`` -> ``alltoall`` (holder-only bytes), ``reference`` -> ``psum`` (the
+    full-size masked psum).
+
+    Raises:
+      ValueError: an unknown method (``name`` is how the message calls the field)."""
+    if method not in METHODS:
+        raise ValueError(f"{name}={method!r}; use one of {', '.join(METHODS)} "
+                         "(--config.sdp.method).")
+    return METHODS[method]
 
 
 class LanguageModel:
@@ -125,11 +142,8 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
         :class:`SDPStep` refuses.
     """
     from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}; use one of {', '.join(METHODS)} "
-                         "(--config.sdp.method).")
     task = LanguageModel(cfg)
-    kw = dict(block_fn=task.block, grad_clip=optim.grad_clip, method=METHODS[method],
+    kw = dict(block_fn=task.block, grad_clip=optim.grad_clip, method=step_method(method),
               averaging=averaging, sync_every=sync_every, fsdp=fsdp, remat=remat, dtype=dtype,
               schedule=ts.lr_schedule(optim, total_steps), total_steps=total_steps,
               unroll=unroll)
@@ -240,7 +254,7 @@ def _vision_build(cfg, stats, variant, workers, coverage, scheme, seed, allow_no
 
 
 def vision_record(spec: spec_lib.SDPSpec) -> dict:
-    """What a vision checkpoint stores to recognise its masks (DESIGN.md invariant 7): the
+    """What a vision checkpoint stores to recognise its masks (docs/design.md invariant 7): the
     block recipes and a SHA-256 over each stage's block mask ``[W, L_s]`` and each block's
     neuron masks ``[W, G]``, in the form vision checkpoints have always recorded (so runs
     written before the spec existed still resume)."""
@@ -334,9 +348,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
         :class:`SDPStep` refuses.
     """
     from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}; use one of {', '.join(METHODS)} "
-                         "(--config.sdp.method).")
+    method = step_method(method)
     if remat not in ("none", "full"):
         raise ValueError(f"remat={remat!r}; vision models take none or full (activation "
                          "checkpointing of every block).")
@@ -344,7 +356,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     step = step_lib.SDPStep(
         spec, task.loss, ts.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
         grad_clip=optim.grad_clip, averaging=averaging, sync_every=sync_every, dtype=dtype,
-        fsdp=fsdp, method=METHODS[method],
+        fsdp=fsdp, method=method,
         schedule=ts.lr_schedule(optim, total_steps), init_fn=task.init,
         total_steps=total_steps, has_aux=True, state_spec=task.stats_spec, stacked_slots=True)
     step.task = task
@@ -457,25 +469,32 @@ class VisionEval:
 
 class _Family:
     """The hooks a model family gives :func:`sdp_jax.config.resolve` and
-    :func:`sdp_jax.loop.train`; everything else about a run is written once in those two.
+    :func:`sdp_jax.loop.train`; everything else about a run is written once in those two. (A
+    new family is a subclass here and a case in :func:`family_of`.)
 
     Attributes and methods (``spec`` is the run's :class:`sdp_jax.config.RunSpec`):
-      name; rate_key: the throughput field of ``metrics.jsonl`` (``tokens_per_s``...);
+      rate_key: the throughput field of ``metrics.jsonl`` (``tokens_per_s``...);
       positive_fields / non_negative_fields: the family's own run-control fields;
       remat: the activation checkpointing modes it supports;
+      template(config): ``(the family's default config, the name of its function in
+        sdp_jax.config)``: the schema a config must have;
       model_config(config): the model's config, after checking the model and data fields;
       plan(config, model, workers, pipe): the run's :class:`sdp_jax.spec.SDPSpec`;
-      record(plan): what a checkpoint stores to recognise the masks (DESIGN.md invariant 7);
+      record(plan): what a checkpoint stores to recognise the masks (docs/design.md
+        invariant 7);
       added_fields(): config fields newer than some checkpoints, with the value older runs used;
-      data(config, spec): ``(log line, train iterator, evaluation data)`` of this process;
-      step(config, spec, mesh, unroll): the :class:`sdp_jax.step.SDPStep`;
+      data(config, spec, log): ``(train iterator, evaluation data)`` of this process (it logs
+        the data's description first);
+      step(config, spec, mesh): the :class:`sdp_jax.step.SDPStep`;
       batch_shapes(config, spec): the global batch as ``jax.ShapeDtypeStruct`` (a tuple for
-        several arrays, matching what the train iterator yields);
+        several arrays, as the train iterator yields them);
       items_per_step(config, spec): tokens or images per step; param_count(spec): the full
         model's parameters;
-      describe / compiled: extra log lines, and summary fields read from the compiled step;
+      describe(config, spec): extra log lines of the family's settings;
+      compiled(config, spec, compiled): ``(log lines, summary fields)`` read from the compiled
+        train step;
       evaluator(config, spec, builder, data, put, log): ``state -> {name: float}``, the full
-        model's evaluation (``put(host array, ShapeDtypeStruct)`` places a batch);
+        model's evaluation (``put(host array, ShapeDtypeStruct)`` places a batch on the mesh);
       postfix(record), summary(config, spec, step, last_eval, last_record), done_line(summary).
 
     Defaults: no run-control fields of its own, every remat mode, the spec's own mask record,
@@ -492,8 +511,8 @@ class _Family:
     def describe(self, config, spec) -> list[str]:
         return []
 
-    def compiled(self, config, spec, compiled, log) -> dict:
-        return {}
+    def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
+        return [], {}
 
 
 class LanguageModelFamily(_Family):
@@ -501,9 +520,12 @@ class LanguageModelFamily(_Family):
     model and data fields, the spec, the data, the step, the evaluation (``val_loss``
     nats/token and, for byte-level data, ``val_bpb`` bits/byte) and the summary fields."""
 
-    name = "language model"
     positive_fields = ("seq_len", "eval_batches")
     rate_key = "tokens_per_s"
+
+    def template(self, config):
+        from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+        return config_lib.base_config(), "base_config"
 
     def model_config(self, config) -> LlamaConfig:
         from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
@@ -531,22 +553,22 @@ class LanguageModelFamily(_Family):
         return {"fsdp": False, "dtype": "float32",
                 "pipeline": dict(pl.PipelineConfig().__dict__)}
 
-    def data(self, config, spec):
-        """``(log line, train iterator, validation batches)`` of this process."""
+    def data(self, config, spec, log):
+        """``(train iterator, validation batches)`` of this process."""
         from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
         kw = dict(seq_len=config.seq_len, global_batch=spec.global_batch,
                   vocab_size=spec.model.vocab_size, process_index=jax.process_index(),
                   process_count=jax.process_count())
-        line = data_lib.describe(config.data)   # a bad path fails here, before any compile
-        return (line, data_lib.make_train_iterator(config.data, seed=config.seed, **kw),
+        log(data_lib.describe(config.data))   # a bad path fails here, before any compile
+        return (data_lib.make_train_iterator(config.data, seed=config.seed, **kw),
                 data_lib.make_val_batches(config.data, num_batches=config.eval_batches, **kw))
 
-    def step(self, config, spec, mesh, unroll: bool = False) -> step_lib.SDPStep:
+    def step(self, config, spec, mesh) -> step_lib.SDPStep:
         return language_model_step(
             spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
             averaging=config.sdp.average, sync_every=config.sdp.sync_every,
             method=config.sdp.method, fsdp=config.fsdp, remat=config.remat, dtype=config.dtype,
-            unroll=unroll, pipe=spec.pipe)
+            pipe=spec.pipe)
 
     def batch_shapes(self, config, spec):
         return jax.ShapeDtypeStruct((spec.global_batch, config.seq_len + 1), jnp.int32)
@@ -573,18 +595,19 @@ class LanguageModelFamily(_Family):
                 + (f"; {pl.boundary_param_count(m, pipe):,} boundary parameters "
                    "(not in the total below)" if pipe.compressed else "")]
 
-    def compiled(self, config, spec, compiled, log) -> dict:
-        """The pipeline's settings and boundary bytes (logged; None without a pipeline)."""
+    def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
+        """The pipeline's settings and boundary bytes (None without a pipeline)."""
+        fields = {"pipeline": dict(spec.pipe.__dict__), "boundary_bytes_per_token": None,
+                  "boundary_bytes_per_step": None}
         if spec.pipe.stages == 1:
-            return {"pipeline": dict(spec.pipe.__dict__), "boundary_bytes_per_token": None,
-                    "boundary_bytes_per_step": None}
+            return [], fields
         b = boundary_bytes(config, spec, compiled)
-        from sdp_jax import loop  # pylint: disable=g-import-not-at-top
-        log(f"stage boundaries: {loop.fmt_bytes(b['per_boundary'])} per boundary per worker "
-            f"per step ({b['per_token']:.1f} bytes/token, forward and backward, from the "
-            "compiled program)")
-        return {"pipeline": dict(spec.pipe.__dict__), "boundary_bytes_per_token": b["per_token"],
-                "boundary_bytes_per_step": b["per_boundary"]}
+        fields.update(boundary_bytes_per_token=b["per_token"],
+                      boundary_bytes_per_step=b["per_boundary"])
+        from sdp_jax.train_step import fmt_bytes  # pylint: disable=g-import-not-at-top
+        return [f"stage boundaries: {fmt_bytes(b['per_boundary'])} per boundary per worker "
+                f"per step ({b['per_token']:.1f} bytes/token, forward and backward, from the "
+                "compiled program)"], fields
 
     def evaluator(self, config, spec, builder, val_batches, put, log):
         """``state -> {val_loss[, val_bpb]}``: the full model on the validation batches."""
@@ -634,10 +657,14 @@ class VisionFamily(_Family):
     full model's test accuracy and loss (BatchNorm statistics re-estimated when subnetworks
     trained them, :attr:`VisionEval.recalibrate`) and the summary fields."""
 
-    name = "vision"
     non_negative_fields = ("eval_limit", "eval_bn_batches")
     remat = ("none", "full")
     rate_key = "images_per_s"
+
+    def template(self, config):
+        from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+        return (config_lib.vision_config(config.model.name, config.data.get("dataset", "digits")),
+                "vision_config")
 
     def model_config(self, config) -> vm.VisionConfig:
         from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
@@ -656,7 +683,7 @@ class VisionFamily(_Family):
 
     def plan(self, config, model, workers, pipe) -> spec_lib.SDPSpec:
         s = config.sdp
-        stage_blocks = tuple(s.get("stage_blocks", ()) or ())
+        stage_blocks = tuple(s.stage_blocks or ())
         if stage_blocks and s.variant not in ("b-sdp", "bb-sdp"):
             raise ValueError(f"config.sdp.stage_blocks={stage_blocks} applies to block variants "
                              f"(b-sdp, bb-sdp), not {s.variant}; leave it empty.")
@@ -679,18 +706,17 @@ class VisionFamily(_Family):
             global_batch=spec.global_batch, seed=seed, process_index=jax.process_index(),
             process_count=jax.process_count())
 
-    def data(self, config, spec):
-        """``(log line, train iterator, test batches)`` of this process."""
+    def data(self, config, spec, log):
+        """``(train iterator, test batches)`` of this process."""
         from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
         m = spec.model
-        line = vision_data.describe(config.data)
-        return (line, self._iter(config, spec, config.seed), vision_data.make_eval_batches(
+        log(vision_data.describe(config.data))
+        return (self._iter(config, spec, config.seed), vision_data.make_eval_batches(
             config.data, image_size=m.image_size, channels=m.in_channels,
             global_batch=spec.global_batch, process_index=jax.process_index(),
             process_count=jax.process_count(), limit=config.eval_limit))
 
-    def step(self, config, spec, mesh, unroll: bool = False) -> step_lib.SDPStep:
-        del unroll   # the vision models' blocks are not a scan
+    def step(self, config, spec, mesh) -> step_lib.SDPStep:
         return vision_step(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
                            dtype=config.dtype, remat=config.remat, fsdp=config.fsdp,
                            averaging=config.sdp.average, sync_every=config.sdp.sync_every,
@@ -728,7 +754,7 @@ class VisionFamily(_Family):
             it, total = self._iter(config, spec, config.seed + 7919), None
             for _ in range(config.eval_bn_batches):
                 s = bn_fn(state["params"], state.get("stats", {}), put(next(it)[0], images))
-                jax.block_until_ready(s)  # one collective program in flight (DESIGN.md, CPU)
+                jax.block_until_ready(s)  # one collective program in flight (docs/design.md, CPU)
                 total = s if total is None else jax.tree.map(jnp.add, total, s)
             return jax.tree.map(lambda a: a / config.eval_bn_batches, total)
 

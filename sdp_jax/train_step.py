@@ -161,3 +161,12 @@ def flop_matched_steps(ddp_steps: int, coverage: float) -> int:
     """FLOP-matched budget (Singh et al., Sec. 5): an SDP run at coverage C takes ``1/C`` times
     the optimizer steps of the DDP budget, rounded up."""
     return int(math.ceil(ddp_steps / coverage - 1e-9))
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as ``12.3 MiB`` (binary units, one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -15,7 +15,7 @@ W = 4
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
                   max_seq_len=16)
 # A small clip threshold, so clipping is active: it must use the global norm of the sharded
-# gradient (DESIGN.md invariant 6) for FSDP to match the unsharded run. SGD, whose update is
+# gradient (docs/design.md invariant 6) for FSDP to match the unsharded run. SGD, whose update is
 # linear in the gradient (Adam turns rounding-level differences of near-zero entries into
 # full-size steps of either sign).
 OPT = ts.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.05, weight_decay=0.0)

@@ -335,12 +335,16 @@ def test_pipeline_config_errors(override, match):
         resolve(c, jax.device_count())
 
 
+def test_study_methods_are_the_pipelines():
+    assert study.METHODS == pl.METHODS
+
+
 def test_every_device_is_a_worker_with_several_processes(monkeypatch):
     """The multi-process check is the one of every run (sdp_jax.config.resolve_workers), so it
     also covers pipelines: with several processes, workers x stages must use every device (a
     pipelined config launched as 2 processes used to fail only after compiling)."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match="every device is a worker.*got 4 of 8 devices"):
+    with pytest.raises(ValueError, match=r"workers x pipeline.stages must be the 8 devices \(got 2 x 2 = 4\)"):
         resolve(tiny_pipe(), 8)
     with pytest.raises(ValueError, match="every device is a worker.*got 2 of 8 devices"):
         resolve(tiny(workers=2), 8)

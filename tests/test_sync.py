@@ -1,4 +1,4 @@
-"""Masked mean over holders against a numpy reference (DESIGN.md invariant 2)."""
+"""Masked mean over holders against a numpy reference (docs/design.md invariant 2)."""
 
 import jax
 import numpy as np

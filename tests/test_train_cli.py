@@ -241,7 +241,7 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     ("n-sdp", {}), ("bb-sdp", {}), ("nb-sdp", {}),
     ("b-sdp", {"sdp.average": "parameters", "sdp.sync_every": 2}),
 ])
-def test_trainer_runs_every_variant(tmp_path, variant, extra):
+def test_loop_runs_every_variant(tmp_path, variant, extra):
     s = loop.train(tiny(steps=3, eval_every=0, **{"sdp.variant": variant,
                                                      "sdp.coverage": 0.5}, **extra),
                       str(tmp_path / variant))
@@ -257,3 +257,20 @@ def test_trainer_runs_every_variant(tmp_path, variant, extra):
 def test_sync_every_without_parameter_averaging_is_refused(tmp_path):
     with pytest.raises(ValueError, match="sync_every=3 only applies with"):
         loop.train(tiny(**{"sdp.sync_every": 3}), str(tmp_path / "x"))
+
+
+def test_config_without_a_schema_field_is_refused():
+    """One schema (sdp_jax.config): a hand-written config that lacks a field is refused by the
+    validation, naming the field, its default and where the schema comes from, instead of
+    failing later with an AttributeError."""
+    from sdp_jax.config import resolve, vision_config
+    c = tiny()
+    del c.sdp["method"]
+    with pytest.raises(ValueError, match=r"config\.sdp\.method is missing; build the run config "
+                                         r"on sdp_jax\.config\.base_config\(\) \(default "
+                                         r"sdp\.method='auto'\)"):
+        resolve(c, 8)
+    v = vision_config("resnet18", "digits")
+    del v["fsdp"]
+    with pytest.raises(ValueError, match=r"config\.fsdp is missing; .*vision_config\(\)"):
+        resolve(v, 8)

@@ -1,4 +1,4 @@
-"""DDP and B-SDP train steps: invariants 1, 2, 4, 6 of DESIGN.md on a tiny LLaMA."""
+"""DDP and B-SDP train steps: invariants 1, 2, 4, 6 of docs/design.md on a tiny LLaMA."""
 
 import jax
 import jax.numpy as jnp

@@ -220,7 +220,7 @@ def test_plans_and_bad_coverages():
 
 
 # Mask records of vision checkpoints written before the spec existed (VisionPlan.record at
-# commit a265ab2): the spec's masks must let those runs resume (DESIGN.md invariant 7).
+# commit a265ab2): the spec's masks must let those runs resume (docs/design.md invariant 7).
 OLD_VISION_RECORDS = [
     ("resnet18", "b-sdp", 0.5, "cyclic", 0,
      "54fc3eee8e9f4c19768c47c8b339d7607e378793d9029fb779a4a8a472ad2b0e"),

@@ -146,13 +146,19 @@ def _train(workdir, *extra):
 
 
 def test_cli_vision_run_resumes(tmp_path):
-    """A B-SDP ResNet run with FSDP (ZeRO-3) stops, resumes, re-estimates BatchNorm statistics
-    for evaluation and refuses an unrealizable coverage before compute."""
+    """A B-SDP ResNet run with FSDP (ZeRO-3) stops, resumes (also from a checkpoint of a release
+    without ``sdp.method``, ``average``, ``sync_every``), re-estimates BatchNorm statistics for
+    evaluation and refuses an unrealizable coverage before compute."""
     wd = tmp_path / "run"
     r = _train(wd, "--config.stop_at_step=2", "--config.fsdp=True")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stopped at step 2 of 4" in r.stdout and "FSDP (ZeRO-3)" in r.stdout
     assert "re-estimates the full model's BatchNorm statistics" in r.stdout
+    meta_file = wd / "checkpoints" / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    for key in ("method", "average", "sync_every"):   # fields earlier releases did not record
+        del meta["config"]["sdp"][key]
+    meta_file.write_text(json.dumps(meta))
     r = _train(wd, "--config.fsdp=True")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout and "at step 2" in r.stdout

@@ -9,7 +9,7 @@ The ``L`` blocks are one :class:`Block` module whose parameters carry a leading 
 (built with ``nnx.vmap``). The forward pass scans over that axis, so a model whose block stack has
 been pruned to ``k`` of the ``L`` blocks (B-SDP, a compact subnetwork) runs the same code on the
 shorter stack: blocks are visited in the order they are stored, which the pruning keeps ascending
-(depth order, DESIGN.md invariant 5), and a dropped block contributes only its identity shortcut.
+(depth order, docs/design.md invariant 5), and a dropped block contributes only its identity shortcut.
 
 Parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``), shapes for ``d`` = d_model,
 ``H`` heads, ``K`` key/value heads, ``h`` = head dim, ``F`` = MLP hidden width, ``V`` = vocab:

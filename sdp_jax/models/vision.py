@@ -9,7 +9,7 @@ Images are NHWC float32 ``[B, 32, 32, C]``; logits float32 ``[B, classes]``.
 Maskable components (what each model declares through :func:`components`):
 
 * blocks (B-SDP): the residual blocks of every stage, ``{stage}/b{j}``. A dropped block is its
-  shortcut (DESIGN.md invariant 5): identity, or for the first block of a downsampling ResNet stage
+  shortcut (docs/design.md invariant 5): identity, or for the first block of a downsampling ResNet stage
   the 1x1 projection shortcut ``{stage}/proj`` (always-kept) followed by the block's ReLU.
   Swin patch-merging layers ``{stage}/merge`` are always-kept.
 * neurons (N-SDP): ResNet ``channels``: the inner channels of each basic block (the first conv's
