@@ -92,6 +92,8 @@ class CheckpointManager:
         saved = self.read_meta(step)
         diffs = _diff(_with_defaults(saved.get("config", {}), defaults or {}), meta["config"])
         diffs += _diff(saved.get("masks", {}), meta["masks"], "masks.")
+        if "workers" in saved and "workers" in meta:   # W, recorded since config.workers=0
+            diffs += _diff(saved["workers"], meta["workers"], "workers (resolved).")
         if diffs:
             shown = "\n  ".join(diffs[:20])
             raise ValueError(

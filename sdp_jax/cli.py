@@ -111,6 +111,13 @@ def _config_error(prog: str, e: Exception) -> NoReturn:
         error(prog, f"unknown config field {' '.join(str(key_error.args[0]).split())}; see "
               f"{prog} --help")
     msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+    cause = e.__cause__ or e.__context__
+    while cause is not None:   # the first cause that says more, e.g. the field a file set wrongly
+        line = (str(cause).strip().splitlines() or [""])[0].strip()
+        if line and line not in msg and not line.startswith("Traceback"):
+            msg = msg.rstrip(": ") + ": " + line
+            break
+        cause = cause.__cause__ or cause.__context__
     if msg.startswith("flag --"):   # absl could not parse a value
         msg += " (give a value of the field's type, e.g. True/False, 8, 0.5, bf16, \"(1,2)\")"
     error(prog, msg)

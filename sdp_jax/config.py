@@ -188,23 +188,40 @@ def _integer(v, name: str, low: int, hint: str = "") -> None:
 
 
 def _check_schema(config, family) -> None:
-    """Refuse a config that lacks a field of its family's schema (outside ``model`` and
-    ``data``, which the family checks), naming the field and its default."""
+    """Refuse a config whose fields differ from its family's schema: a ``model`` section of
+    another model (e.g. ``model.name`` switched by an override), a missing field, or an
+    unknown one (a typo in a hand-written ``get_config``), naming the field."""
+    from sdp_jax.models.vision import MODELS  # pylint: disable=g-import-not-at-top
     template, maker = family.template(config)
-    missing = []
+    name, mine = config.model.get("name", "llama"), set(template.model)
+    others = set(base_config().model).union(
+        *(vision_config(n, "digits").model for n in MODELS)) - mine
+    extra = sorted(set(config.model) - mine)
+    if extra and set(extra) <= others:   # (a typo is left to the model's own check)
+        raise ValueError(f"config.model.name={name!r} but the model section has fields of "
+                         f"another model ({', '.join(extra)}); to train {name} give a {name} "
+                         "config file (configs/) rather than overriding model.name.")
+    missing, unknown = [], []
     for key, value in template.items():
-        if key in ("model", "data"):
+        if key == "model":
             continue
         if key not in config:
             missing.append((key, value))
         elif isinstance(value, ml_collections.ConfigDict):
             missing += [(f"{key}.{sub}", v) for sub, v in value.items()
                         if sub not in config[key]]
+            unknown += [f"{key}.{sub}" for sub in config[key] if sub not in value]
+    unknown += [key for key in config if key not in template]
     if missing:
-        name, default = missing[0]
-        raise ValueError(f"config.{name} is missing; build the run config on "
-                         f"sdp_jax.config.{maker}() (default {name}={default!r}) or add the "
+        field, default = missing[0]
+        shown = "a section" if isinstance(default, ml_collections.ConfigDict) else repr(default)
+        raise ValueError(f"config.{field} is missing; build the run config on "
+                         f"sdp_jax.config.{maker}() (default {field}: {shown}) or add the "
                          "field to your get_config().")
+    if unknown:
+        raise ValueError(f"config.{unknown[0]} is not a field of a {family.kind} run config "
+                         f"(sdp_jax.config.{maker}()); correct or remove it in your "
+                         "get_config().")
 
 
 def resolve(config, device_count: int) -> RunSpec:
@@ -238,6 +255,12 @@ def resolve(config, device_count: int) -> RunSpec:
         _integer(config[name], name, 0)
     _integer(config.data.worker_count, "data.worker_count", 0,
              "0 = read data in the training process")
+    if config.seed >= 2**31:   # the data pipelines and initializers derive seeds from it
+        raise ValueError(f"config.seed={config.seed} must be below 2**31; pick a smaller seed.")
+    cov = config.sdp.coverage
+    if isinstance(cov, bool) or not isinstance(cov, (int, float)) or not 0 < cov <= 1:
+        raise ValueError(f"config.sdp.coverage={cov!r} must be a number in (0, 1] (the fraction "
+                         "of components each worker holds; 1 for ddp).")
     model = family.model_config(config)
     optim = ts.OptimConfig.from_config(config.optim)
     _check_step_fields(config, family.remat)

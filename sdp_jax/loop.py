@@ -143,9 +143,17 @@ def log_stopped(step: int, total: int, interrupted: list) -> None:
 # ---------------------------------------------------------------------------- the run
 
 def check_workdir_is_dir(workdir: str) -> None:
-    """Raise ValueError if ``workdir`` exists and is not a directory."""
+    """Raise ValueError if ``workdir`` (or its ``checkpoints``, ``summary.json``,
+    ``metrics.jsonl``) exists with the wrong kind (a file for a directory or the reverse)."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir {workdir!r} exists and is not a directory; choose another.")
+    for name, want_dir in (("checkpoints", True), ("summary.json", False),
+                           ("metrics.jsonl", False)):
+        path = os.path.join(workdir, name)
+        if os.path.exists(path) and os.path.isdir(path) != want_dir:
+            raise ValueError(f"{path!r} exists and is not a "
+                             + ("directory" if want_dir else "file")
+                             + " as a run writes it; use another --workdir.")
 
 
 def open_checkpoints(config, workdir: str, meta: dict, defaults: dict | None = None):
@@ -222,8 +230,10 @@ def make_step(config, spec: config_lib.RunSpec, mesh):
 
 
 def _meta(config, spec: config_lib.RunSpec) -> dict:
+    """What a checkpoint records to refuse another run: the trajectory config, the masks and
+    the resolved worker count (``config.workers=0`` is every device, which can change)."""
     return {"config": config_lib.trajectory_config(config),
-            "masks": spec.family.record(spec.plan)}
+            "masks": spec.family.record(spec.plan), "workers": spec.workers}
 
 
 def check_workdir(config, workdir: str, spec: config_lib.RunSpec | None = None) -> None:
@@ -277,6 +287,14 @@ def train(config, workdir: str) -> dict[str, Any]:
     train_iter, eval_data = family.data(config, spec, log)   # bad data fails before compile
     meta = _meta(config, spec)
     manager, latest = open_checkpoints(config, workdir, meta, defaults=family.added_fields())
+    path = os.path.join(workdir, "summary.json")
+    if latest is not None and latest >= spec.total_steps and os.path.exists(path):
+        manager.close()   # nothing to train: keep the run's own figures, compile nothing
+        with open(path) as f:
+            stored = json.load(f)
+        log(f"already complete: {stored['steps']} steps; {family.done_line(stored)} "
+            f"(from {path})")
+        return stored
     builder = make_step(config, spec, mesh)
     mask_info, sdp = spec.plan.summary(), config.sdp
     log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
@@ -338,13 +356,6 @@ def train(config, workdir: str) -> dict[str, Any]:
         config, workdir, family, one_step, evaluate, family.items_per_step(config, spec),
         state=state, start=start, total=total, manager=manager, meta=meta,
         train_iter=train_iter)
-    path = os.path.join(workdir, "summary.json")
-    if start >= total and os.path.exists(path):
-        with open(path) as f:  # nothing trained now: keep the run's own figures
-            stored = json.load(f)
-        log(f"already complete: {stored['steps']} steps; {family.done_line(stored)} "
-            f"(from {path})")
-        return stored
     prev_wall = previous_wall(path, start)  # a resumed run adds the earlier time
     done = step >= total
     if done and not last_eval:

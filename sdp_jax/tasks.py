@@ -473,6 +473,7 @@ class _Family:
     new family is a subclass here and a case in :func:`family_of`.)
 
     Attributes and methods (``spec`` is the run's :class:`sdp_jax.config.RunSpec`):
+      kind: ``language-model`` or ``vision`` (for messages);
       rate_key: the throughput field of ``metrics.jsonl`` (``tokens_per_s``...);
       positive_fields / non_negative_fields: the family's own run-control fields;
       remat: the activation checkpointing modes it supports;
@@ -520,6 +521,7 @@ class LanguageModelFamily(_Family):
     model and data fields, the spec, the data, the step, the evaluation (``val_loss``
     nats/token and, for byte-level data, ``val_bpb`` bits/byte) and the summary fields."""
 
+    kind = "language-model"
     positive_fields = ("seq_len", "eval_batches")
     rate_key = "tokens_per_s"
 
@@ -657,6 +659,7 @@ class VisionFamily(_Family):
     full model's test accuracy and loss (BatchNorm statistics re-estimated when subnetworks
     trained them, :attr:`VisionEval.recalibrate`) and the summary fields."""
 
+    kind = "vision"
     non_negative_fields = ("eval_limit", "eval_bn_batches")
     remat = ("none", "full")
     rate_key = "images_per_s"

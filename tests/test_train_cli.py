@@ -189,6 +189,13 @@ def test_cli_config_mistakes_are_one_line_errors(tmp_path):
     (tmp_path / "file").write_text("x")
     out = _cli(["--workdir", str(tmp_path / "file")])
     assert out.returncode == 2 and "is not a directory" in out.stderr
+    bad = tmp_path / "bad_config.py"   # a value of the wrong type set in a config file
+    bad.write_text(f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'configs')!r})\n"
+                   "import llama_tiny\n\ndef get_config():\n    c = llama_tiny.get_config()\n"
+                   "    c.seq_len = 32.0\n    return c\n")
+    out = _cli(["--workdir", str(tmp_path / "a"), "--config", str(bad)])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "Could not override field 'seq_len'" in out.stderr
 
 
 def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
@@ -223,14 +230,14 @@ def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
 
 
 def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
-    wd = tmp_path / "run"
-    loop.train(tiny(steps=4, checkpoint_every=2, eval_every=0), str(wd))
+    wd = tmp_path / "run"   # stopped at step 4 of 6 (a finished run is not restored again)
+    loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0, stop_at_step=4), str(wd))
     state_dir = wd / "checkpoints" / "4" / "state" / "d"
     victim = sorted(state_dir.iterdir())[0]
     with open(victim, "r+b") as f:
         f.truncate(100)
     with pytest.raises(ValueError) as e:
-        loop.train(tiny(steps=4, checkpoint_every=2, eval_every=0), str(wd))
+        loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
     msg = str(e.value)
     assert "checkpoint at step 4" in msg and "unreadable" in msg
     assert f"delete {wd / 'checkpoints' / '4'} to resume from step 2" in msg
@@ -268,9 +275,53 @@ def test_config_without_a_schema_field_is_refused():
     del c.sdp["method"]
     with pytest.raises(ValueError, match=r"config\.sdp\.method is missing; build the run config "
                                          r"on sdp_jax\.config\.base_config\(\) \(default "
-                                         r"sdp\.method='auto'\)"):
+                                         r"sdp\.method: 'auto'\)"):
         resolve(c, 8)
     v = vision_config("resnet18", "digits")
     del v["fsdp"]
     with pytest.raises(ValueError, match=r"config\.fsdp is missing; .*vision_config\(\)"):
         resolve(v, 8)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.sdp.__setattr__("coverge", 0.5), r"config\.sdp\.coverge is not a field of a "
+                                                  r"language-model run config"),
+    (lambda c: c.__setattr__("stepz", 3), r"config\.stepz is not a field"),
+    (lambda c: c.model.__setattr__("name", "resnet18"),
+     r"model\.name='resnet18' but the model section has fields of another model"),
+    (lambda c: c.__setattr__("seed", 2**32 - 1), r"config\.seed=4294967295 must be below 2\*\*31"),
+    (lambda c: c.sdp.__setattr__("coverage", float("nan")), r"coverage=nan must be a number"),
+])
+def test_hand_written_config_mistakes_are_refused(edit, match):
+    """What a typo or a switched model name in a get_config() file used to do silently (train
+    with the field ignored, or with another model's defaults) is refused by the validation."""
+    from sdp_jax.config import resolve
+    c = tiny()
+    edit(c)
+    with pytest.raises(ValueError, match=match):
+        resolve(c, 8)
+
+
+def test_workdir_entries_of_the_wrong_kind_and_a_changed_worker_count(tmp_path):
+    """A workdir whose checkpoints/ is a file is refused before compute; a checkpoint records
+    the resolved worker count (config.workers=0 is every device, which can change between
+    launches) and is refused under another one."""
+    wd = tmp_path / "run"
+    wd.mkdir()
+    (wd / "checkpoints").write_text("x")
+    with pytest.raises(ValueError, match="checkpoints' exists and is not a directory"):
+        loop.train(tiny(steps=2, eval_every=2), str(wd))
+    (wd / "checkpoints").unlink()
+    loop.train(tiny(steps=2, eval_every=2), str(wd))
+    from sdp_jax.config import resolve
+    c = tiny(steps=2, eval_every=2)
+    meta = loop._meta(c, resolve(c, 8))
+    assert meta["workers"] == 4
+    manager = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
+    try:
+        manager.check_compatible(2, meta)   # the same run resumes
+        with pytest.raises(ValueError, match=r"workers \(resolved\): checkpoint has 4, this "
+                                             r"run has 8"):
+            manager.check_compatible(2, {**meta, "workers": 8})
+    finally:
+        manager.close()
