@@ -20,6 +20,8 @@ sys.path.insert(0, _HERE)  # run from a checkout without installing
 
 from sdp_jax import cli  # noqa: E402
 
+cli.exit_on_signals()   # a signal from here on: one line and 128 + signal, never a traceback
+
 PROG = "python train.py"
 DEFAULT_CONFIG = os.path.join(_HERE, "configs", "llama_small.py")
 
@@ -35,20 +37,14 @@ def define_flags(fv: flags.FlagValues, argv=None) -> flags.FlagValues:
                       "Call jax.distributed.initialize(): auto = when launched as several "
                       "processes (JAX_COORDINATOR_ADDRESS, SLURM or Open MPI with >1 task, or a "
                       "TPU pod slice).", flag_values=fv)
+    flags.DEFINE_integer("init_timeout", 300,
+                         "Seconds every process waits for the others to register with the "
+                         "coordinator before giving up (with several processes).",
+                         flag_values=fv)
     return fv
 
 
 define_flags(flags.FLAGS)
-
-
-def _multi_process_env() -> bool:
-    env = os.environ
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        return True
-    for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        if int(env.get(key, "1") or 1) > 1:
-            return True
-    return "," in env.get("TPU_WORKER_HOSTNAMES", "")
 
 
 def _parse_flags(argv):
@@ -62,16 +58,13 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
     import jax
 
+    from sdp_jax import launch
+
     config = flags.FLAGS.config
-    mode = flags.FLAGS.distributed
-    if mode == "true" or (mode == "auto" and _multi_process_env()):
-        env = os.environ
-        kwargs = {}
-        if env.get("JAX_COORDINATOR_ADDRESS"):
-            kwargs = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-                          num_processes=int(env["JAX_NUM_PROCESSES"]),
-                          process_id=int(env["JAX_PROCESS_ID"]))
-        jax.distributed.initialize(**kwargs)
+    try:
+        launch.initialize(flags.FLAGS.distributed, flags.FLAGS.init_timeout)
+    except ValueError as e:
+        cli.error(PROG, str(e))
     n_cpu = config.num_cpu_devices
     if isinstance(n_cpu, bool) or not isinstance(n_cpu, int) or n_cpu < 1:
         cli.error(PROG, f"config.num_cpu_devices={n_cpu!r} must be a positive integer.")

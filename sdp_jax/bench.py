@@ -5,7 +5,7 @@
         --config.fsdp=True --config.remat=full --json out.json
     python -m sdp_jax.bench --config configs/llama_tiny.py --variants ddp,b-sdp \\
         --config.sdp.coverage=0.5 --measure_time
-    python -m sdp_jax.bench --paper --out bench_out
+    python -m sdp_jax.bench --paper --out runs/paper
     python -m sdp_jax.bench --config configs/resnet18_cifar.py --variants ddp,n-sdp \\
         --config.sdp.coverage=0.5
 
@@ -405,10 +405,18 @@ def run_paper(config, config_path: str, out_dir: str, workers: int = 8) -> list[
     return rows
 
 
-def out_folder(prog: str, path: str) -> None:
+PAPER_FILES = ("paper_table.md", "paper_chart.png", "paper_rows.json")
+
+
+def out_folder(prog: str, path: str, files: tuple = (), overwrite: bool = True) -> None:
     """Create the ``--out`` folder now, or exit with a one-line error (status 2) naming why it
-    cannot be."""
+    cannot be; without ``overwrite``, also when it already holds one of ``files`` (the
+    repository's own figures in ``docs/bench`` are not rewritten by accident)."""
     from sdp_jax import cli
+    there = [f for f in files if os.path.exists(os.path.join(path, f))]
+    if there and not overwrite:
+        cli.error(prog, f"--out {path!r} already holds {', '.join(there)}; give another --out "
+                  "(e.g. runs/paper), or add --overwrite to replace them")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -477,8 +485,11 @@ def flag_values(argv: list[str] | None = None):
     flags.DEFINE_integer("time_steps", 50, "timed steps per variant", flag_values=fv)
     flags.DEFINE_boolean("paper", False, "the paper's 1B comparison (DDP, FSDP+AC, B-SDP, "
                          "B-SDP+FSDP+AC)", flag_values=fv)
-    flags.DEFINE_string("out", "bench_out", "output folder of --paper", flag_values=fv)
+    flags.DEFINE_string("out", os.path.join("runs", "paper"), "output folder of --paper",
+                        flag_values=fv)
     flags.DEFINE_string("json", None, "write the rows to this JSON file", flag_values=fv)
+    flags.DEFINE_boolean("overwrite", False, "replace the files --out or --json name if they "
+                         "exist (refused otherwise)", flag_values=fv)
     return fv
 
 
@@ -508,6 +519,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             err(f"--json {fv.json!r}: its folder {folder} does not exist")
         if not os.access(folder, os.W_OK):
             err(f"--json {fv.json!r}: its folder {folder} is not writable")
+        if os.path.exists(fv.json) and not fv.overwrite:
+            err(f"--json {fv.json!r} exists; give another file name, or add --overwrite to "
+                "replace it")
     if fv.paper:
         fixed = [f"--{k}" for k in ("variants", "measure_time", "json", "flops", "time_steps")
                  if fv[k].present]
@@ -519,7 +533,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             paper_check(config)
         except ValueError as e:
             err(str(e))
-        out_folder(PROG, fv.out)  # before minutes of compiling
+        out_folder(PROG, fv.out, PAPER_FILES, fv.overwrite)  # before minutes of compiling
         try:
             import matplotlib  # noqa: F401
         except ImportError:

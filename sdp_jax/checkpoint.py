@@ -1,12 +1,18 @@
-"""Orbax checkpoints of a run: train state, grain iterator state and the run's recipe.
+"""Orbax checkpoints of a run: train state and the run's recipe.
 
-Each step directory holds three items:
+Each step directory holds two items:
 
 * ``state``: ``{params, opt_state, step}`` in the compact SDP layout (each worker's blocks; a
-  block appears once per holder), saved and restored sharded by orbax;
-* ``data``: the grain iterator state, one JSON file per process (grain's own orbax handler);
-* ``meta``: JSON with the trajectory-defining config, the mask recipes and a SHA-256 of every
-  mask matrix (docs/design.md invariant 7), checked before anything is restored.
+  block appears once per holder), saved and restored sharded by orbax onto whatever process
+  layout the resuming run has;
+* ``meta``: JSON with the trajectory-defining config, the mask recipes, a SHA-256 of every
+  mask matrix (docs/design.md invariant 7) and the resolved worker count, checked before
+  anything is restored.
+
+The data position is the step itself (:func:`sdp_jax.data.iterate`), so nothing per process is
+stored and a checkpoint resumes on another number of processes, devices or grain workers when
+the worker count ``W`` is the same (docs/design.md invariant 8). Checkpoints of earlier releases
+also hold a ``data`` item (grain's iterator state per process); it is not read.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run that dies
 while saving leaves the previous checkpoint intact.
@@ -17,7 +23,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import grain
 import orbax.checkpoint as ocp
 
 
@@ -54,18 +59,19 @@ class CheckpointManager:
         self._mngr = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
-    def _unreadable(self, step: int, what: str, err: Exception) -> ValueError:
+    def _damaged(self, step: int, what: str, err: Exception) -> ValueError:
+        """The error for a checkpoint whose files cannot be read (truncated, missing): it
+        names the step and how to fall back (moving it aside, nothing is deleted)."""
+        path = os.path.join(self.directory, str(step))
         older = [s for s in self._mngr.all_steps() if s < step]
-        fix = (f"delete {os.path.join(self.directory, str(step))} to resume from step "
-               f"{max(older)}" if older else
-               f"delete {os.path.join(self.directory, str(step))} to start afresh")
-        return ValueError(f"the checkpoint at step {step} in {self.directory} is unreadable "
+        fix = (f"move {path} aside (e.g. to {path}.damaged) to resume from step {max(older)}"
+               if older else f"move {path} aside to start afresh")
+        return ValueError(f"the checkpoint at step {step} in {self.directory} is damaged "
                           f"({what}: {type(err).__name__}: {str(err)[:300]}); {fix}, or use "
                           "a new --workdir.")
 
@@ -75,7 +81,7 @@ class CheckpointManager:
             return self._mngr.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax/json/OS errors of a damaged checkpoint
-            raise self._unreadable(step, "meta", e) from e
+            raise self._damaged(step, "meta", e) from e
 
     def check_compatible(self, step: int, meta: dict, defaults: dict | None = None) -> None:
         """Refuse a checkpoint written by a different run config.
@@ -90,37 +96,76 @@ class CheckpointManager:
             the original values).
         """
         saved = self.read_meta(step)
-        diffs = _diff(_with_defaults(saved.get("config", {}), defaults or {}), meta["config"])
-        diffs += _diff(saved.get("masks", {}), meta["masks"], "masks.")
-        if "workers" in saved and "workers" in meta:   # W, recorded since config.workers=0
-            diffs += _diff(saved["workers"], meta["workers"], "workers (resolved).")
+        diffs = _diff(saved.get("masks", {}), meta["masks"], "masks.")
+        saved_config = _with_defaults(saved.get("config", {}), defaults or {})
+        config = meta["config"]
+        if "workers" in meta and ("workers" in saved or (
+                config.get("workers") == 0 and saved_config.get("workers"))):
+            # The resolved W decides the trajectory, not how it was asked for (0 = every
+            # device): 1 process x 4 devices and 2 x 2 with workers=0 are the same run. (A
+            # checkpoint from before W was recorded compares its explicit workers with W.)
+            saved_w = saved.get("workers", saved_config.get("workers"))
+            saved_config = {k: v for k, v in saved_config.items() if k != "workers"}
+            config = {k: v for k, v in config.items() if k != "workers"}
+            if saved_w != meta["workers"]:
+                diffs.append(f"workers: the checkpoint was trained by W = {saved_w} workers, "
+                             f"this run has W = {meta['workers']} (a different W is a "
+                             f"different trajectory; resume with --config.workers={saved_w}, "
+                             f"with several processes on exactly {saved_w} devices)")
+        diffs = _diff(saved_config, config) + diffs
         if diffs:
             shown = "\n  ".join(diffs[:20])
             raise ValueError(
-                f"the checkpoint at step {step} in {self.directory} was written by a different "
-                f"run config, so it is not loaded:\n  {shown}\nUse a new --workdir for this "
+                f"the checkpoint at step {step} in {self.directory} is incompatible with this "
+                f"run (written by a different run config), so it is not loaded:\n  {shown}\nUse a new --workdir for this "
                 "config, or rerun with the checkpoint's values to resume it.")
 
-    def save(self, step: int, state: Any, data_iter: Any, meta: dict) -> None:
-        """Save ``state`` (pytree of sharded arrays), the iterator and ``meta`` at ``step``."""
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Save ``state`` (pytree of sharded arrays) and ``meta`` at ``step`` (asynchronously;
+        :meth:`close` waits)."""
         self._mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(data_iter),
-            meta=ocp.args.JsonSave(meta)))
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
-    def restore(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
-        """Restore the state into ``abstract_state``'s shapes and shardings and the iterator in
-        place. Returns the state.
+    def _layout_mismatch(self, step: int, abstract_state: Any) -> list[str]:
+        """Leaves whose stored shape differs from ``abstract_state``'s (or that only one of
+        them has): a readable checkpoint of another parameter layout."""
+        import jax  # pylint: disable=g-import-not-at-top
+        try:
+            stored = self._mngr.item_metadata(step)["state"]
+        except Exception:  # noqa: BLE001 (no readable metadata: not a layout question)
+            return []
+        if stored is None:
+            return []
+        want = {jax.tree_util.keystr(p): tuple(x.shape)
+                for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+        have = {jax.tree_util.keystr(p): tuple(getattr(x, "shape", ()) or ())
+                for p, x in jax.tree_util.tree_flatten_with_path(
+                    dict(stored) if hasattr(stored, "keys") else stored)[0]}
+        out = [f"{k}: checkpoint {have.get(k, '<absent>')}, this run {want.get(k, '<absent>')}"
+               for k in sorted(set(want) | set(have)) if have.get(k) != want.get(k)]
+        return out
+
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        """Restore the state into ``abstract_state``'s shapes and shardings (any process
+        layout). Returns the state.
 
         Raises:
-          ValueError: the checkpoint is damaged (names the step and how to fall back).
+          ValueError: the checkpoint holds another parameter layout (incompatible: names the
+            leaves) or cannot be read (damaged: names the step and how to fall back).
         """
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(data_iter)))
-        except Exception as e:  # truncated tensors, missing items, bad iterator JSON
-            raise self._unreadable(step, "state or data iterator", e) from e
+                state=ocp.args.StandardRestore(abstract_state)))
+        except Exception as e:  # truncated tensors, missing items, another tree
+            mismatch = self._layout_mismatch(step, abstract_state)
+            if mismatch:
+                shown = "\n  ".join(mismatch[:10])
+                raise ValueError(
+                    f"the checkpoint at step {step} in {self.directory} is incompatible with "
+                    f"this run: it holds another parameter layout:\n  {shown}\nUse a new "
+                    "--workdir for this run, or the code and config that wrote it to resume "
+                    "it.") from e
+            raise self._damaged(step, "state", e) from e
         return out["state"]
 
     def close(self) -> None:

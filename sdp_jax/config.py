@@ -88,7 +88,8 @@ def base_config() -> ml_collections.ConfigDict:
 def paper_scale_config(*, d_model: int, n_layers: int, n_heads: int, d_ff: int,
                        tie_embeddings: bool, coverage: float) -> ml_collections.ConfigDict:
     """Shared settings of the paper-scale configs (``llama_134m``, ``llama_500m``, ``llama_1b``):
-    vocab 32000 (the LLaMA tokenizer's), llm.c token shards, 8 workers, B-SDP, 1024-token
+    vocab 32000 (the LLaMA tokenizer's), llm.c token shards, every device a worker (8 on a
+    CPU: ``num_cpu_devices``), B-SDP, 1024-token
     sequences, 8 per worker, AdamW peak 6e-4 with 500 warm-up steps. ``W * coverage`` need not
     be whole (the paper's 1B setting): near-uniform masks are allowed."""
     c = base_config()
@@ -98,7 +99,7 @@ def paper_scale_config(*, d_model: int, n_layers: int, n_heads: int, d_ff: int,
     c.sdp.variant = "b-sdp"
     c.sdp.coverage = coverage
     c.sdp.allow_nonuniform = True
-    c.workers = 8
+    c.workers = 0               # every device (several processes need every device a worker)
     c.seq_len = 1024
     c.batch_per_worker = 8
     c.steps = 10000

@@ -11,8 +11,9 @@ Sources (``data_cfg.source``):
     optionally ``val_files``); bytes as tokens.
 ``llmc``
     Pre-tokenized llm.c shards (the format FineWeb is commonly distributed in): a
-    header of 256 little-endian int32 (``[0]`` magic 20240520, ``[1]`` version 1,
-    ``[2]`` token count), then ``count`` little-endian uint16 tokens. Shards are
+    header of 256 little-endian int32 (``[0]`` magic, ``[1]`` version, ``[2]`` token
+    count), then ``count`` little-endian tokens: uint16 for magic 20240520 version 1,
+    uint32 for magic 20240801 version 7 (vocabularies past 65,535). Shards are
     memory-mapped and never read whole.
 ``tfds``
     A TensorFlow Datasets text dataset read through ``tfds.data_source`` (random
@@ -74,6 +75,9 @@ SOURCES = ("stdlib", "text", "llmc", "tfds")
 
 LLMC_MAGIC = 20240520
 LLMC_VERSION = 1
+LLMC_FORMATS = {(20240520, 1): "<u2", (20240801, 7): "<u4"}
+"""llm.c shard formats, ``(magic, version) -> token dtype``: GPT-2-style uint16 shards and the
+uint32 shards llm.c writes for vocabularies past 65,535 (LLaMA 3)."""
 LLMC_HEADER_INTS = 256
 LLMC_HEADER_BYTES = LLMC_HEADER_INTS * 4
 
@@ -268,45 +272,57 @@ def _read_files(files: Sequence[pathlib.Path]) -> np.ndarray:
 # ----------------------------------------------------------------------------
 
 
-def write_llmc_shard(path: os.PathLike | str, tokens: Any) -> None:
-    """Writes tokens as an llm.c shard (version 1, uint16 tokens).
+def write_llmc_shard(path: os.PathLike | str, tokens: Any, version: int | None = None) -> None:
+    """Writes tokens as an llm.c shard.
 
     Args:
       path: output file (overwritten).
-      tokens: 1-D integer array-like of token ids, each in [0, 65535].
+      tokens: 1-D integer array-like of token ids, each in [0, 2**32 - 1].
+      version: 1 (uint16 tokens, magic 20240520) or 7 (uint32 tokens, magic 20240801);
+        default: 1 when every id fits in uint16, else 7.
 
     Raises:
-      ValueError: tokens not 1-D, or a token outside [0, 65535] (uint16).
+      ValueError: tokens not 1-D, an unknown version, or a token outside the version's range.
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
+    top = int(tokens.max()) if tokens.size else 0
+    if version is None:
+        version = 1 if top <= 65535 else 7
+    formats = {v: (m, d) for (m, v), d in LLMC_FORMATS.items()}
+    if version not in formats:
+        raise ValueError(f"version={version!r}: llm.c shards are version 1 (uint16 tokens) "
+                         "or 7 (uint32 tokens)")
+    magic, dtype = formats[version]
+    limit = np.iinfo(np.dtype(dtype)).max
+    if tokens.size and (tokens.min() < 0 or top > limit):
         raise ValueError(
-            f"llm.c version-1 shards hold uint16 tokens; got values in "
-            f"[{tokens.min()}, {tokens.max()}], outside [0, 65535]"
+            f"llm.c version-{version} shards hold {np.dtype(dtype).name} tokens; got values "
+            f"in [{tokens.min()}, {top}], outside [0, {limit}]"
+            + ("; use version=7 (uint32)" if version == 1 else "")
         )
     header = np.zeros(LLMC_HEADER_INTS, dtype="<i4")
-    header[0] = LLMC_MAGIC
-    header[1] = LLMC_VERSION
+    header[0] = magic
+    header[1] = version
     header[2] = tokens.size
     with open(path, "wb") as f:
         f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
+        f.write(tokens.astype(dtype).tobytes())
 
 
 def read_llmc_shard(path: os.PathLike | str) -> np.ndarray:
     """Memory-maps the tokens of an llm.c shard (read-only, nothing is loaded).
 
     Returns:
-      A read-only ``np.memmap`` of dtype little-endian uint16 and shape
-      ``[count]``, where ``count`` is the header's token count.
+      A read-only ``np.memmap`` of shape ``[count]`` (the header's token count), of dtype
+      little-endian uint16 (magic 20240520, version 1) or uint32 (magic 20240801, version 7).
 
     Raises:
       ValueError: naming the path, the expected and found values and a hint, when
-        the file is shorter than the 1024-byte header, its magic is not 20240520,
-        its version is not 1, or its size is not ``1024 + 2 * count`` bytes
-        (truncated or trailing bytes).
+        the file is shorter than the 1024-byte header, its magic is neither llm.c magic,
+        its version is not the magic's, or its size is not ``1024 + itemsize * count``
+        bytes (truncated or trailing bytes).
     """
     path = os.fspath(path)
     hint = (
@@ -322,27 +338,29 @@ def read_llmc_shard(path: os.PathLike | str) -> np.ndarray:
         )
     header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
     magic, version, count = int(header[0]), int(header[1]), int(header[2])
-    if magic != LLMC_MAGIC:
+    versions = {m: v for m, v in LLMC_FORMATS}
+    if magic not in versions:
         raise ValueError(
-            f"llm.c shard {path}: bad magic number, expected {LLMC_MAGIC}, found "
-            f"{magic}; this is not an llm.c token shard; {hint}"
+            f"llm.c shard {path}: bad magic number, expected {LLMC_MAGIC} (uint16 tokens) or "
+            f"20240801 (uint32 tokens), found {magic}; this is not an llm.c token shard; {hint}"
         )
-    if version != LLMC_VERSION:
+    if version != versions[magic]:
         raise ValueError(
-            f"llm.c shard {path}: unsupported version, expected {LLMC_VERSION} "
-            f"(uint16 tokens), found {version}; other versions (llm.c uses 2 for "
-            f"uint32 tokens) are not supported: re-tokenize to a vocabulary of at "
-            f"most 65536 and write version-1 shards with write_llmc_shard"
+            f"llm.c shard {path}: unsupported version, expected {versions[magic]} for magic "
+            f"{magic}, found {version}; llm.c writes version 1 (magic 20240520, uint16 tokens) "
+            "and version 7 (magic 20240801, uint32 tokens); rewrite the shard with "
+            "write_llmc_shard"
         )
-    expected = LLMC_HEADER_BYTES + 2 * count
+    dtype = np.dtype(LLMC_FORMATS[magic, version])
+    expected = LLMC_HEADER_BYTES + dtype.itemsize * count
     if count < 0 or size != expected:
         what = "truncated" if size < expected else "trailing bytes after the tokens"
         raise ValueError(
             f"llm.c shard {path}: file size mismatch ({what}): header says {count} "
             f"tokens, so expected {expected} bytes "
-            f"({LLMC_HEADER_BYTES} + 2 * {count}), found {size} bytes; {hint}"
+            f"({LLMC_HEADER_BYTES} + {dtype.itemsize} * {count}), found {size} bytes; {hint}"
         )
-    return np.memmap(path, dtype="<u2", mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
+    return np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
 
 
 # ----------------------------------------------------------------------------
@@ -493,7 +511,8 @@ def _check_vocab_at_load(arrays: Sequence[np.ndarray], vocab_size: int) -> None:
                     f"byte token id {top} >= model vocab_size {vocab_size}; byte-level "
                     f"sources need --config.model.vocab_size={VOCAB_BYTES} (or more)"
                 )
-        elif isinstance(arr, np.memmap) and arr.size and vocab_size < 65536:
+        elif (isinstance(arr, np.memmap) and arr.size
+              and vocab_size <= np.iinfo(arr.dtype).max):
             # llm.c shards: scanned once before training, so a bad token stops the run before
             # any compute rather than at the batch that holds it.
             path = str(arr.filename)
@@ -524,7 +543,8 @@ def load_tokens(data_cfg: Any, split: str, vocab_size: int) -> np.ndarray:
 
     Returns:
       1-D read-only array: uint8 for byte sources (cached, shared between calls),
-      uint16 for ``llmc`` (a memmap when the split is one shard; several shards
+      uint16 or uint32 for ``llmc`` (the shards' token type; a memmap when the split is
+      one shard; several shards
       are concatenated into memory here, which :func:`make_train_iterator` avoids
       by windowing the memmaps directly).
 
@@ -656,18 +676,99 @@ class TokenWindowSource(grain.sources.RandomAccessDataSource):
 # ----------------------------------------------------------------------------
 
 
-def _per_process_batch(global_batch: int, process_index: int, process_count: int) -> int:
-    if process_count < 1 or not 0 <= process_index < process_count:
+def process_rows(global_batch: int, process_index: int = 0, process_count: int = 1,
+                 rows: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The rows ``(first, count)`` of every global batch that one process loads.
+
+    ``rows`` (from :func:`sharding_rows`) wins; otherwise process ``p`` of ``P`` loads the
+    ``p``-th contiguous ``global_batch // P`` rows.
+
+    Raises:
+      ValueError: bad process arguments, a ``global_batch`` not a positive multiple of
+        ``process_count``, or ``rows`` that do not tile the global batch (``count`` must divide
+        ``global_batch`` and ``first``)."""
+    if rows is None:
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(
+                f"need 0 <= process_index < process_count, got "
+                f"process_index={process_index}, process_count={process_count}"
+            )
+        if global_batch < 1 or global_batch % process_count:
+            raise ValueError(
+                f"global_batch ({global_batch}) must be a positive multiple of "
+                f"process_count ({process_count})"
+            )
+        per = global_batch // process_count
+        return process_index * per, per
+    first, count = (int(r) for r in rows)
+    if count < 1 or global_batch % count or first % count or first + count > global_batch:
         raise ValueError(
-            f"need 0 <= process_index < process_count, got "
-            f"process_index={process_index}, process_count={process_count}"
+            f"rows {(first, count)} do not tile a global batch of {global_batch}: a process "
+            "loads `count` consecutive rows starting at a multiple of `count`, and `count` "
+            "divides the global batch; give every process the same number of workers"
         )
-    if global_batch < 1 or global_batch % process_count:
+    return first, count
+
+
+def sharding_rows(sharding: Any, global_batch: int) -> tuple[int, int]:
+    """The rows ``(first, count)`` of a ``[global_batch, ...]`` array that this process's
+    devices hold under ``sharding`` (a ``jax.sharding.Sharding`` over dimension 0), as
+    :func:`process_rows` takes them: with a pipeline a process may hold every stage of one
+    worker or one stage of every worker, so its rows are not always ``1 / process_count``.
+
+    Raises:
+      ValueError: the process's rows are not one contiguous range (a mesh whose devices
+        interleave processes along ``data``)."""
+    spans = sorted({(idx[0].start or 0, global_batch if idx[0].stop is None else idx[0].stop)
+                    for idx in sharding.addressable_devices_indices_map(
+                        (global_batch,)).values()})
+    first, stop = spans[0][0], spans[-1][1]
+    covered = sum(b - a for a, b in spans)
+    if covered != stop - first or any(b != c for (_, b), (c, _) in zip(spans, spans[1:])):
         raise ValueError(
-            f"global_batch ({global_batch}) must be a positive multiple of "
-            f"process_count ({process_count})"
+            f"this process's devices hold rows {spans} of the global batch, not one contiguous "
+            "range; order the devices so that each process's devices are adjacent on the "
+            "'data' mesh axis"
         )
-    return global_batch // process_count
+    return first, stop - first
+
+
+def iterate(ds: grain.MapDataset, start: int = 0, worker_count: int = 0,
+            read_options: grain.ReadOptions | None = None) -> grain.DatasetIterator:
+    """An iterator over the endless batch dataset ``ds`` from batch ``start`` (the optimizer
+    step a run resumes at: batch ``s`` is step ``s + 1``'s, whatever the process layout), with
+    ``grain.ReadOptions`` prefetching and, when ``worker_count > 0``, grain's ``mp_prefetch``
+    over that many worker processes (the same batches in the same order)."""
+    it_ds = ds[int(start):].to_iter_dataset(
+        read_options or grain.ReadOptions(num_threads=8, prefetch_buffer_size=16))
+    if worker_count > 0:
+        _ensure_absl_flags_parsed()
+        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(worker_count)))
+    return iter(it_ds)
+
+
+def layout_free_batches(ds: grain.MapDataset, *, examples: int, global_batch: int,
+                        rows: tuple[int, int], drop_epoch_remainder: bool,
+                        batch_fn=None) -> grain.MapDataset:
+    """Batches of one process's ``rows`` of every global batch, the same global batches on
+    every process layout (docs/design.md invariant 8).
+
+    ``ds`` is the shuffled example stream (``examples`` per epoch, indices past an epoch
+    continue into the next one, as grain's ``shuffle`` and ``repeat`` give them). Global batch
+    ``k`` is the stream's examples ``[k G, (k + 1) G)``; this process gets its rows
+    ``[first, first + count)`` of it. With ``drop_epoch_remainder`` every epoch holds
+    ``examples // G`` whole global batches (the rest of the epoch is skipped), otherwise
+    batches run on across epochs. With one process this is ``ds.batch(G)``.
+
+    Returns:
+      an endless ``grain.MapDataset`` of this process's batches."""
+    first, count = rows
+    chunks = global_batch // count
+    ds = ds.batch(count, drop_remainder=True, batch_fn=batch_fn)
+    if drop_epoch_remainder:
+        ds = ds[: (examples // global_batch) * chunks]
+    ds = ds[first // count::chunks]
+    return ds.repeat() if drop_epoch_remainder else ds
 
 
 def _ensure_absl_flags_parsed() -> None:
@@ -678,7 +779,7 @@ def _ensure_absl_flags_parsed() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
-def make_train_iterator(
+def train_dataset(
     data_cfg: Any,
     *,
     seq_len: int,
@@ -687,70 +788,61 @@ def make_train_iterator(
     vocab_size: int,
     process_index: int = 0,
     process_count: int = 1,
-) -> grain.DatasetIterator:
-    """Builds the endless, shuffled training iterator of this process.
+    rows: tuple[int, int] | None = None,
+) -> grain.MapDataset:
+    """The endless, shuffled training batches of this process, as a ``grain.MapDataset``.
 
-    The train windows (see :class:`TokenWindowSource`) are truncated to a multiple
-    of ``process_count`` and dealt out round-robin: process ``p`` owns windows
-    ``p, p + process_count, ...`` (disjoint across processes, equal counts).
-    Each process shuffles its windows with ``seed`` (a fresh permutation every
-    epoch), batches them dropping each epoch's remainder, and repeats forever:
-    ``grain.MapDataset.source(...)[...].shuffle(seed).batch(...).repeat()
-    .to_iter_dataset()``, with ``mp_prefetch`` over ``data_cfg.worker_count``
-    worker processes when that is > 0.
-
-    The iterator's ``get_state()`` is a plain dict of ints/lists (JSON-ready:
-    ``json.loads(json.dumps(state))`` can be passed to ``set_state``), and a
-    fresh iterator built with the same arguments and given that state yields
-    exactly the batches the saved one would have.
+    All train windows (see :class:`TokenWindowSource`) are shuffled with ``seed`` (a fresh
+    permutation every epoch); global batch ``k`` is windows ``[k G, (k + 1) G)`` of that order
+    (each epoch's last partial global batch is dropped), and this process gets its ``rows`` of
+    it (:func:`process_rows`; :func:`layout_free_batches`). The global batch of a step is
+    therefore the same for any number of processes, devices or grain workers, so a run
+    resumes on another process layout on the same trajectory (docs/design.md invariant 8).
+    The data position of a run is its step: :func:`iterate` starts at any batch.
 
     Args:
       data_cfg: the data ConfigDict.
       seq_len: tokens per model input; windows hold ``seq_len + 1`` tokens.
-      global_batch: windows per step over all processes; divisible by
-        ``process_count``.
+      global_batch: windows per step over all processes (``G``).
       seed: shuffle seed (int).
       vocab_size: model vocabulary size (token ids must be below it).
       process_index, process_count: this process and the number of processes
-        (``jax.process_index()``, ``jax.process_count()``).
+        (``jax.process_index()``, ``jax.process_count()``); ignored when ``rows`` is given.
+      rows: ``(first, count)`` rows of every global batch (:func:`sharding_rows`).
 
     Returns:
-      A ``grain.DatasetIterator`` yielding ``np.int32`` arrays of shape
-      ``[global_batch // process_count, seq_len + 1]``.
+      an endless ``grain.MapDataset`` of ``np.int32`` arrays ``[count, seq_len + 1]``.
 
     Raises:
-      ValueError: bad batch / process arguments, a split with fewer windows per
-        process than one batch (names the sizes and what to change), plus the
-        errors of :func:`load_tokens`; token ids >= ``vocab_size`` in llm.c
-        shards raise ``ValueError`` from ``next()``.
+      ValueError: bad batch / process arguments, a train split with fewer windows than one
+        global batch (names the sizes and what to change), plus the errors of
+        :func:`load_tokens`; token ids >= ``vocab_size`` in llm.c shards raise
+        ``ValueError`` when read.
       ImportError: ``source='tfds'`` without tensorflow-datasets.
     """
-    per_process = _per_process_batch(global_batch, process_index, process_count)
+    rows = process_rows(global_batch, process_index, process_count, rows)
     shards = _split_shards(data_cfg, "train", vocab_size)
     source = TokenWindowSource(shards, seq_len, vocab_size)
     n_windows = len(source)
-    per_proc_windows = n_windows // process_count
-    if per_proc_windows < per_process:
+    if n_windows < global_batch:
         n_tokens = sum(len(a) for a in shards)
         raise ValueError(
             f"train split too small for one batch: {n_tokens} tokens give "
-            f"{n_windows} windows of seq_len+1={seq_len + 1} tokens "
-            f"({per_proc_windows} per process over {process_count} process(es)), "
-            f"but one batch needs global_batch // process_count = {per_process} "
-            f"windows per process; use more training data, a smaller global batch "
+            f"{n_windows} windows of seq_len+1={seq_len + 1} tokens, but one global_batch "
+            f"needs {global_batch} windows; use more training data, a smaller global batch "
             f"or a shorter seq_len"
         )
-    ds = grain.MapDataset.source(source)
-    ds = ds[: per_proc_windows * process_count][process_index::process_count]
-    ds = ds.shuffle(seed=int(seed))
-    ds = ds.batch(per_process, drop_remainder=True)
-    ds = ds.repeat()
-    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=8, prefetch_buffer_size=16))
-    workers = int(_cfg_get(data_cfg, "worker_count"))
-    if workers > 0:
-        _ensure_absl_flags_parsed()
-        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-    return iter(it_ds)
+    ds = grain.MapDataset.source(source).shuffle(seed=int(seed))
+    return layout_free_batches(ds, examples=n_windows, global_batch=global_batch, rows=rows,
+                               drop_epoch_remainder=True)
+
+
+def make_train_iterator(data_cfg: Any, *, start: int = 0, **kwargs) -> grain.DatasetIterator:
+    """The iterator of :func:`train_dataset` (same keyword arguments) from batch ``start``,
+    with ``data_cfg.worker_count`` grain worker processes (:func:`iterate`); it yields
+    ``np.int32`` arrays ``[count, seq_len + 1]``. Raises what :func:`train_dataset` raises."""
+    return iterate(train_dataset(data_cfg, **kwargs), start,
+                   int(_cfg_get(data_cfg, "worker_count")))
 
 
 def make_val_batches(
@@ -762,12 +854,14 @@ def make_val_batches(
     vocab_size: int,
     process_index: int = 0,
     process_count: int = 1,
+    rows: tuple[int, int] | None = None,
 ) -> list[np.ndarray]:
     """Returns the first validation batches of this process (no shuffling).
 
     Global batch ``b`` is val windows ``[b * global_batch, (b + 1) * global_batch)``;
-    process ``p`` gets the ``p``-th contiguous ``global_batch // process_count``
-    of them, so the processes' batches together are the single-process batch.
+    a process gets its ``rows`` of it (:func:`process_rows`: by default process ``p``
+    gets the ``p``-th contiguous ``global_batch // process_count``), so the processes'
+    batches together are the single-process batch.
 
     Args:
       data_cfg: the data ConfigDict.
@@ -776,18 +870,18 @@ def make_val_batches(
       num_batches: batches wanted; fewer are returned if the split holds fewer
         full global batches.
       vocab_size: model vocabulary size.
-      process_index, process_count: as for :func:`make_train_iterator`.
+      process_index, process_count, rows: as for :func:`train_dataset`.
 
     Returns:
       ``min(num_batches, windows // global_batch)`` arrays, each ``np.int32``
-      ``[global_batch // process_count, seq_len + 1]``; identical on every call.
+      ``[count, seq_len + 1]``; identical on every call.
 
     Raises:
       ValueError: ``num_batches < 1``, bad batch / process arguments, a val split
         without one full global batch (names the sizes and fixes), a token id
         >= ``vocab_size``, plus the errors of :func:`load_tokens`.
     """
-    per_process = _per_process_batch(global_batch, process_index, process_count)
+    first, per_process = process_rows(global_batch, process_index, process_count, rows)
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
     shards = _split_shards(data_cfg, "val", vocab_size)
@@ -804,8 +898,8 @@ def make_val_batches(
         )
     batches = []
     for b in range(min(num_batches, fit)):
-        first = b * global_batch + process_index * per_process
-        batches.append(np.stack([source[i] for i in range(first, first + per_process)]))
+        lo = b * global_batch + first
+        batches.append(np.stack([source[i] for i in range(lo, lo + per_process)]))
     return batches
 
 

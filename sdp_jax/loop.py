@@ -6,7 +6,8 @@ data, the :class:`sdp_jax.step.SDPStep`, the evaluation and the family's log and
 fields), and then, written once for every family:
 
 * refuses, before any compute, a ``workdir`` whose latest checkpoint another config wrote;
-* restores the latest checkpoint (the train state and the grain iterator state) or initializes;
+* restores the latest checkpoint (the train state; the data position is the step) or
+  initializes;
 * trains with a tqdm progress bar, appending one JSON record per logged step to
   ``metrics.jsonl`` (truncated to the restored step on resume);
 * saves orbax checkpoints every ``checkpoint_every`` steps, at ``stop_at_step``, at the end and
@@ -26,9 +27,14 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from sdp_jax import checkpoint as ckpt_lib
+from sdp_jax import cli
 from sdp_jax import config as config_lib
+from sdp_jax import data as data_lib
+from sdp_jax import step as step_lib
 from sdp_jax.sync import AXIS
 from sdp_jax.train_step import fmt_bytes, memory_stats
 
@@ -41,6 +47,15 @@ def log(msg: str) -> None:
     """Print on process 0 only."""
     if jax.process_index() == 0:
         print(msg, flush=True)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a reader (or a
+    run killed meanwhile) sees the old file or the new one, never a truncated one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 class Metrics:
@@ -61,8 +76,7 @@ class Metrics:
                         continue
                     if rec.get("step", 0) <= resume_step:
                         kept.append(line if line.endswith("\n") else line + "\n")
-        with open(path, "w") as f:
-            f.writelines(kept)
+        write_atomically(path, "".join(kept))
 
     def write(self, rec: dict):
         if self.on:
@@ -80,21 +94,43 @@ class StopOnSignal:
 
     def _handler(self, signum, frame):
         if self.flag:
-            raise KeyboardInterrupt
+            cli.exit_on_signal(signum, "a second signal: aborted without saving the current "
+                               "step (the last checkpoint is kept)", after_bar=True)
         self.flag.append(signal.Signals(signum).name)
-        log(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-            "(send again to abort without saving)")
+        if jax.process_index() == 0:   # os.write: a print here could land inside another
+            os.write(1, f"\n{signal.Signals(signum).name}: stopping after this step and saving "
+                        "a checkpoint (send again to abort without saving)\n".encode())
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.old[sig] = signal.signal(sig, self._handler)
+            self.old = cli.handle_signals(self._handler)
         return self
 
     def __exit__(self, *exc):
         for sig, old in self.old.items():
             signal.signal(sig, old)
         return False
+
+
+def agreed_stop(received: list) -> list:
+    """The stop signal every process agrees on: ``[name]`` when any process has received a
+    signal (``received``, filled by :class:`StopOnSignal`), else ``[]``; the same answer on
+    every process.
+
+    With several processes each one reports the signal it has received so far in one small
+    all-gather per step, and all adopt the first reported name, so they stop after the same
+    step, save the same checkpoint and exit with the same status (docs/design.md invariant 9).
+    With one process there is no collective."""
+    mine = list(received[:1])   # a snapshot: a signal arriving now is agreed on next step
+    if jax.process_count() == 1:
+        return mine
+    code = int(getattr(signal, mine[0])) if mine else 0
+    got = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
+    sent = [int(g) for g in got if g]
+    if sent and not mine:
+        log(f"\n{signal.Signals(sent[0]).name} reached another process: every process stops "
+            "after this step and saves a checkpoint")
+    return [signal.Signals(sent[0]).name] if sent else []
 
 
 def progress(total: int, initial: int):
@@ -120,6 +156,31 @@ def check_finite(rec: dict, step: int, manager) -> None:
             f"non-finite {what} at step {step}: stopped without saving this state; {kept}. "
             "Lower --config.optim.lr (or keep --config.optim.grad_clip > 0) and start in a new "
             "--workdir: a changed optimizer is another trajectory.")
+
+
+@jax.jit
+def _all_finite(state) -> jax.Array:
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state)
+             if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def check_state_finite(state, step: int, manager) -> None:
+    """Refuse to checkpoint a state with a non-finite parameter or optimizer value (an update
+    can overflow after a finite loss and gradient norm, e.g. a huge SGD learning rate).
+
+    Raises:
+      FloatingPointError: naming the step and the last checkpoint (which is kept)."""
+    if bool(_all_finite(state)):
+        return
+    last = manager.latest_step()
+    kept = (f"the last checkpoint (step {last}) is kept" if last is not None
+            else "no checkpoint was written")
+    raise FloatingPointError(
+        f"non-finite parameters or optimizer state after step {step} (the update overflowed): "
+        f"stopped without saving this state; {kept}. Lower --config.optim.lr (or keep "
+        "--config.optim.grad_clip > 0) and start in a new --workdir.")
 
 
 def previous_wall(summary_path: str, start: int) -> float:
@@ -180,8 +241,8 @@ def open_checkpoints(config, workdir: str, meta: dict, defaults: dict | None = N
     return manager, latest
 
 
-def restore_or_init(manager, latest, builder, train_iter, seed: int):
-    """The latest checkpoint's state (and data iterator position), or a fresh one.
+def restore_or_init(manager, latest, builder, seed: int):
+    """The latest checkpoint's state, or a fresh one.
 
     A checkpoint in an earlier layout of the same run (``builder.legacy``: pairs of functions
     ``(current abstract state -> that layout's, restored state -> current)``) is read in that
@@ -194,11 +255,11 @@ def restore_or_init(manager, latest, builder, train_iter, seed: int):
     try:
         abstract = builder.abstract_state()
         try:
-            state = manager.restore(latest, abstract, train_iter)
+            state = manager.restore(latest, abstract)
         except ValueError:
             for to_old, from_old in getattr(builder, "legacy", ()):
                 try:
-                    state = from_old(manager.restore(latest, to_old(abstract), train_iter))
+                    state = from_old(manager.restore(latest, to_old(abstract)))
                     break
                 except ValueError:
                     continue
@@ -215,12 +276,23 @@ def restore_or_init(manager, latest, builder, train_iter, seed: int):
 
 def make_mesh(spec: config_lib.RunSpec):
     """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of
-    ``W x P`` when pipelined (:func:`sdp_jax.pipeline.make_mesh`)."""
+    ``W x P`` when pipelined (:func:`sdp_jax.pipeline.make_mesh`). With several processes the
+    devices are taken in process order, so that each process's devices are adjacent on
+    ``data`` and it loads one contiguous range of rows (``jax.make_mesh`` may reorder them for
+    a TPU's topology)."""
+    from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+
     from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
     devices = jax.devices()[:spec.workers * spec.pipe.stages]
     if spec.pipe.stages > 1:
-        return pl.make_mesh(spec.workers, spec.pipe.stages, devices)
-    return jax.make_mesh((spec.workers,), (AXIS,), devices=devices)
+        mesh = pl.make_mesh(spec.workers, spec.pipe.stages, devices)
+    else:
+        mesh = jax.make_mesh((spec.workers,), (AXIS,), devices=devices)
+    if jax.process_count() > 1:
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        mesh = Mesh(np.asarray(ordered, dtype=object).reshape(mesh.devices.shape),
+                    mesh.axis_names, axis_types=mesh.axis_types)
+    return mesh
 
 
 def make_step(config, spec: config_lib.RunSpec, mesh):
@@ -284,7 +356,8 @@ def train(config, workdir: str) -> dict[str, Any]:
     check_workdir_is_dir(workdir)
     mesh = make_mesh(spec)
     devices = list(mesh.devices.flat)
-    train_iter, eval_data = family.data(config, spec, log)   # bad data fails before compile
+    rows = data_lib.sharding_rows(step_lib.batch_sharding(mesh), spec.global_batch)
+    train_at, eval_data = family.data(config, spec, rows, log)   # bad data fails before compile
     meta = _meta(config, spec)
     manager, latest = open_checkpoints(config, workdir, meta, defaults=family.added_fields())
     path = os.path.join(workdir, "summary.json")
@@ -313,7 +386,9 @@ def train(config, workdir: str) -> dict[str, Any]:
         f"{family.param_count(spec):,}, stored per device {builder.per_device_param_count():,}")
 
     # Restore before compiling: an unreadable checkpoint is reported before any compute.
-    state, start = restore_or_init(manager, latest, builder, train_iter, config.seed)
+    state, start = restore_or_init(manager, latest, builder, config.seed)
+    prev_wall = previous_wall(path, start)  # a resumed run adds the earlier time
+    train_iter = train_at(start)   # the data position is the step (any process layout)
     t0 = time.time()
     shapes = family.batch_shapes(config, spec)
     compiled = builder.compiled_train_step(shapes)
@@ -356,15 +431,15 @@ def train(config, workdir: str) -> dict[str, Any]:
         config, workdir, family, one_step, evaluate, family.items_per_step(config, spec),
         state=state, start=start, total=total, manager=manager, meta=meta,
         train_iter=train_iter)
-    prev_wall = previous_wall(path, start)  # a resumed run adds the earlier time
+    if jax.process_count() > 1:   # every process waits for the others' last writes
+        multihost_utils.sync_global_devices("sdp_jax.loop.train: end")
     done = step >= total
     if done and not last_eval:
         last_eval = evaluate(state)
     out = summary(step, last_eval, last_rec, prev_wall + time.time() - t_start)
     out["interrupted_by"] = interrupted[0] if interrupted and not done else None
     if jax.process_index() == 0:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
+        write_atomically(path, json.dumps(out, indent=2))
     if done:
         log(f"done: {out['steps']} steps in {out['wall_s']:.0f}s; {family.done_line(out)}; "
             f"summary in {path}")
@@ -390,8 +465,9 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
     last_rec: dict = {}
     bar = progress(total, start)
     t_window, n_window, step = time.time(), 0, start
-    interrupted: list = []
-    with StopOnSignal(interrupted):
+    received: list = []      # this process's signals
+    interrupted: list = []   # the signal every process agreed to stop on
+    with StopOnSignal(received):
         try:
             while step < stop and not interrupted:
                 state, m = one_step(state, next(train_iter), step + 1)
@@ -401,6 +477,8 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                 step += 1
                 n_window += 1
                 check_finite(rec, step, manager)
+                # Every process stops at the same step (docs/design.md invariant 9).
+                interrupted = agreed_stop(received)
                 is_eval = step == total or (config.eval_every > 0
                                             and step % config.eval_every == 0)
                 if step % config.log_every == 0 or is_eval or step == stop or interrupted:
@@ -417,7 +495,8 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                 bar.update(1)
                 every = config.checkpoint_every
                 if (every and step % every == 0) or step == stop or interrupted:
-                    manager.save(step, state, train_iter, meta)
+                    check_state_finite(state, step, manager)   # no checkpoint holds NaN
+                    manager.save(step, state, meta)
         finally:
             bar.close()
             manager.close()  # waits for the last save

@@ -86,6 +86,27 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
           "bf16": jnp.bfloat16}
 METHODS = ("alltoall", "psum")
 _GATHERED = "fsdp_gathered"  # checkpoint_name of FSDP-gathered parameters (never saved)
+# Outputs that only move or re-type data: not saved for the backward pass under FSDP without
+# activation checkpointing, so that no copy of a gathered parameter (the all_gather's output,
+# its reshape or its cast) is kept as a residual: the backward pass gathers again, as FSDP
+# does. (jax's save_anything_except_these_names(_GATHERED) let the value under the name be
+# saved instead: the whole gathered block stayed alive.) Cheap to recompute from what is kept.
+_MOVES = frozenset({"all_gather", "all_to_all", "reshape", "convert_element_type", "squeeze",
+                    "expand_dims", "broadcast_in_dim", "dynamic_slice", "slice", "transpose",
+                    "concatenate", "gather", "copy", "name"})
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """The global batch's sharding on a run's mesh: rows split over ``data`` (replicated over
+    ``stage``). The loop also derives from it the rows each process loads
+    (:func:`sdp_jax.data.sharding_rows`)."""
+    return NamedSharding(mesh, P(AXIS))
+
+
+def _save_all_but_gathered(prim, *_, **__) -> bool:
+    """Remat policy of FSDP with ``remat='none'``: every value is saveable except data
+    movement (:data:`_MOVES`), so activations are kept and gathered parameters never are."""
+    return prim.name not in _MOVES
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
 
@@ -442,7 +463,7 @@ class SDPStep:
         return abstract_state(self, stored)
 
     def batch_sharding(self):
-        return NamedSharding(self.mesh, P(AXIS))
+        return batch_sharding(self.mesh)
 
     def per_device_param_count(self) -> int:
         """Parameter elements stored per device (compact where the layout is compact; a 1/W
@@ -613,7 +634,7 @@ class SDPStep:
         elif self.remat == "dots":
             policy = cp.dots_with_no_batch_dims_saveable
         elif self.fsdp:
-            policy = cp.save_anything_except_these_names(_GATHERED)
+            policy = _save_all_but_gathered
         else:
             return body
         return jax.checkpoint(body, policy=policy, prevent_cse=False)

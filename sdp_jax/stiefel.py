@@ -66,10 +66,13 @@ def polar_express(x: jax.Array, steps: int = 10, eps: float = 1e-7) -> jax.Array
         last, quadratically convergent, polynomial). With 10 steps singular values down to about
         1e-3 of the largest are mapped to 1 within float32 accuracy; smaller ones need more
         (each extra step multiplies a tiny singular value by 1.875).
-      eps: added to the Frobenius norm of the normalization ``x / (1.01 ||x||_F + eps)``.
+      eps: added to the Frobenius norm of the normalization ``y / (1.01 ||y||_F + eps)``, where
+        ``y = x / max|x|`` (so the result does not depend on the scale of ``x``: inputs from
+        1e-20 to 1e6 in scale give the same factor; ``||y||_F >= 1`` unless ``x`` is 0).
 
     Returns:
-      float32 [..., d, r] with orthonormal columns (rows if d < r) where ``x`` has full rank.
+      float32 [..., d, r] with orthonormal columns (rows if d < r) where ``x`` has full rank;
+      zeros where ``x`` is zero.
 
     Raises:
       ValueError: ``x`` has fewer than 2 dimensions or ``steps`` < 1.
@@ -83,6 +86,8 @@ def polar_express(x: jax.Array, steps: int = 10, eps: float = 1e-7) -> jax.Array
     tall = x.shape[-2] >= x.shape[-1]
     if not tall:
         x = jnp.swapaxes(x, -1, -2)
+    top = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)   # scale first: no under/overflow
+    x = x / jnp.where(top > 0, top, 1.0)
     x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) * _SAFETY + eps)
     for i in range(steps):
         a, b, c = POLAR_EXPRESS_COEFFS[min(i, len(POLAR_EXPRESS_COEFFS) - 1)]

@@ -484,8 +484,10 @@ class _Family:
       record(plan): what a checkpoint stores to recognise the masks (docs/design.md
         invariant 7);
       added_fields(): config fields newer than some checkpoints, with the value older runs used;
-      data(config, spec, log): ``(train iterator, evaluation data)`` of this process (it logs
-        the data's description first);
+      data(config, spec, rows, log): ``(train, evaluation data)`` of this process: ``train(s)``
+        is the training iterator from step ``s + 1`` on, ``rows`` the ``(first, count)`` rows
+        of every global batch the process loads (:func:`sdp_jax.data.sharding_rows`); it logs
+        the data's description first and raises for bad data before returning;
       step(config, spec, mesh): the :class:`sdp_jax.step.SDPStep`;
       batch_shapes(config, spec): the global batch as ``jax.ShapeDtypeStruct`` (a tuple for
         several arrays, as the train iterator yields them);
@@ -555,14 +557,15 @@ class LanguageModelFamily(_Family):
         return {"fsdp": False, "dtype": "float32",
                 "pipeline": dict(pl.PipelineConfig().__dict__)}
 
-    def data(self, config, spec, log):
-        """``(train iterator, validation batches)`` of this process."""
+    def data(self, config, spec, rows, log):
+        """``(start -> train iterator, validation batches)`` of this process's ``rows``."""
         from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
         kw = dict(seq_len=config.seq_len, global_batch=spec.global_batch,
-                  vocab_size=spec.model.vocab_size, process_index=jax.process_index(),
-                  process_count=jax.process_count())
+                  vocab_size=spec.model.vocab_size, rows=rows)
         log(data_lib.describe(config.data))   # a bad path fails here, before any compile
-        return (data_lib.make_train_iterator(config.data, seed=config.seed, **kw),
+        data_lib.train_dataset(config.data, seed=config.seed, **kw)   # bad sizes fail here
+        return (lambda start: data_lib.make_train_iterator(config.data, start=start,
+                                                           seed=config.seed, **kw),
                 data_lib.make_val_batches(config.data, num_batches=config.eval_batches, **kw))
 
     def step(self, config, spec, mesh) -> step_lib.SDPStep:
@@ -701,23 +704,27 @@ class VisionFamily(_Family):
         return {"sdp": {"average": "gradients", "sync_every": 1, "method": "auto"},
                 "fsdp": False}
 
-    def _iter(self, config, spec, seed):
+    def _train(self, config, spec, seed, rows):
+        """``start -> iterator`` over this process's ``rows`` of the training batches."""
         from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
         m = spec.model
-        return vision_data.make_train_iterator(
-            config.data, image_size=m.image_size, channels=m.in_channels,
-            global_batch=spec.global_batch, seed=seed, process_index=jax.process_index(),
-            process_count=jax.process_count())
+        kw = dict(image_size=m.image_size, channels=m.in_channels,
+                  global_batch=spec.global_batch, seed=seed, rows=rows)
+        vision_data.train_dataset(config.data, **kw)   # bad sizes fail here
+        return lambda start: vision_data.make_train_iterator(config.data, start=start, **kw)
 
-    def data(self, config, spec, log):
-        """``(train iterator, test batches)`` of this process."""
+    def data(self, config, spec, rows, log):
+        """``(start -> train iterator, (test batches, BatchNorm batches))`` of this process's
+        ``rows``; the BatchNorm batches (``start -> iterator``, another seed) re-estimate the
+        full model's statistics."""
         from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
         m = spec.model
         log(vision_data.describe(config.data))
-        return (self._iter(config, spec, config.seed), vision_data.make_eval_batches(
+        test = vision_data.make_eval_batches(
             config.data, image_size=m.image_size, channels=m.in_channels,
-            global_batch=spec.global_batch, process_index=jax.process_index(),
-            process_count=jax.process_count(), limit=config.eval_limit))
+            global_batch=spec.global_batch, rows=rows, limit=config.eval_limit)
+        return (self._train(config, spec, config.seed, rows),
+                (test, self._train(config, spec, config.seed + 7919, rows)))
 
     def step(self, config, spec, mesh) -> step_lib.SDPStep:
         return vision_step(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
@@ -736,8 +743,9 @@ class VisionFamily(_Family):
     def param_count(self, spec) -> int:
         return vm.param_count(spec.model)
 
-    def evaluator(self, config, spec, builder, test_batches, put, log):
+    def evaluator(self, config, spec, builder, eval_data, put, log):
         """``state -> {test_loss, test_acc}``: the full model on the test batches."""
+        test_batches, bn_batches = eval_data
         evaluation = VisionEval(builder)
         eval_fn = evaluation.eval_step_fn()
         images, labels = self.batch_shapes(config, spec)
@@ -754,7 +762,7 @@ class VisionFamily(_Family):
             bn_fn = evaluation.bn_stats_fn()
 
         def bn_stats(state):
-            it, total = self._iter(config, spec, config.seed + 7919), None
+            it, total = bn_batches(0), None
             for _ in range(config.eval_bn_batches):
                 s = bn_fn(state["params"], state.get("stats", {}), put(next(it)[0], images))
                 jax.block_until_ready(s)  # one collective program in flight (docs/design.md, CPU)

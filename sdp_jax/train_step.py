@@ -48,7 +48,11 @@ class OptimConfig:
                     or not ok(v):
                 raise ValueError(f"optim.{name}={v!r} must be {rule} "
                                  f"(--config.optim.{name}=...).")
-        check("lr", lambda v: v > 0, "a finite number > 0")
+        check("lr", lambda v: 0 < v < 3.4e38, "a finite number > 0 (in float32)")
+        if self.name == "adamw" and self.lr > 1:
+            raise ValueError(f"optim.lr={self.lr!r} is not a usable AdamW learning rate: AdamW "
+                             "moves every weight by about lr per step (LLaMA-style runs use "
+                             "1e-4 .. 1e-2); set --config.optim.lr <= 1.")
         check("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
         check("warmup_steps", lambda v: v >= 0 and float(v).is_integer(), "an integer >= 0")
         check("weight_decay", lambda v: v >= 0, ">= 0")

@@ -18,7 +18,7 @@ standard CIFAR augmentation (He et al. 2016, Sec. 4.2): zero-pad 4 pixels, rando
 random horizontal flip (for digits: random shifts of up to 2 pixels and no flip, since digits are
 not mirror-symmetric), then per-channel normalization:
 ``grain.MapDataset.source(...).shuffle(seed).repeat().random_map(augment).map(normalize).batch()``.
-Its iterator state is checkpointed with the run (resumable).
+A run's data position is its step (the same global batches on any process layout).
 """
 
 from __future__ import annotations
@@ -168,60 +168,74 @@ def _collate(items):
             np.asarray([y for _, y in items], np.int32))
 
 
-def make_train_iterator(data_cfg: Any, *, image_size: int, channels: int, global_batch: int,
-                        seed: int, process_index: int = 0, process_count: int = 1):
-    """The endless, shuffled, augmented training iterator of this process.
+def train_dataset(data_cfg: Any, *, image_size: int, channels: int, global_batch: int,
+                  seed: int, process_index: int = 0, process_count: int = 1,
+                  rows: tuple[int, int] | None = None):
+    """The endless, shuffled, augmented training batches of this process (a
+    ``grain.MapDataset``).
+
+    The stream of training images (reshuffled every epoch, augmented with a seed per example)
+    is cut into global batches of ``global_batch`` (running on across epochs), and this
+    process gets its ``rows`` of each (:func:`sdp_jax.data.process_rows`,
+    :func:`sdp_jax.data.layout_free_batches`): the same global batches on any process layout.
 
     Returns:
-      a ``grain.DatasetIterator`` yielding (images float32 [b, H, W, C] normalized, labels int32
-      [b]) with ``b = global_batch // process_count``; its state is JSON and checkpointable.
+      a ``grain.MapDataset`` of (images float32 [b, H, W, C] normalized, labels int32 [b])
+      with ``b`` the process's row count (``global_batch // process_count`` by default).
 
     Raises:
-      ValueError: see :func:`open_split`; a split with fewer images per process than a batch.
+      ValueError: see :func:`open_split`; a split with fewer images than a global batch.
     """
-    from sdp_jax.data import _ensure_absl_flags_parsed, _per_process_batch
+    from sdp_jax.data import layout_free_batches, process_rows
 
-    per = _per_process_batch(global_batch, process_index, process_count)
+    rows = process_rows(global_batch, process_index, process_count, rows)
     src = open_split(data_cfg, "train", image_size, channels)
-    n = len(src) // process_count
-    if n < per:
-        raise ValueError(f"the train split has {len(src)} images ({n} per process), fewer than "
-                         f"one batch of {per} per process; lower --config.batch_per_worker.")
+    if len(src) < global_batch:
+        raise ValueError(f"the train split has {len(src)} images, fewer than one global batch "
+                         f"of {global_batch}; lower --config.batch_per_worker.")
     mean, std = normalization(data_cfg, image_size, channels)
-    ds = grain.MapDataset.source(src)[: n * process_count][process_index::process_count]
-    ds = ds.shuffle(seed=int(seed)).repeat()
+    ds = grain.MapDataset.source(src).shuffle(seed=int(seed)).repeat()
     if data_cfg.augment:
         digits = data_cfg.dataset == "digits"
         pad = 2 if digits else 4
         ds = ds.random_map(functools.partial(_augment, pad=pad, flip=not digits),
                            seed=int(seed) + 1)
     ds = ds.map(functools.partial(_normalize, mean=mean, std=std))
-    ds = ds.batch(per, drop_remainder=True, batch_fn=_collate)
-    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=4))
-    if int(data_cfg.worker_count) > 0:
-        _ensure_absl_flags_parsed()
-        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(data_cfg.worker_count)))
-    return iter(it)
+    return layout_free_batches(ds, examples=len(src), global_batch=global_batch, rows=rows,
+                               drop_epoch_remainder=False, batch_fn=_collate)
+
+
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)
+
+
+def make_train_iterator(data_cfg: Any, *, start: int = 0, **kwargs):
+    """The iterator of :func:`train_dataset` (same keyword arguments) from batch ``start``
+    (:func:`sdp_jax.data.iterate`, with ``data_cfg.worker_count`` grain worker processes)."""
+    from sdp_jax.data import iterate
+
+    return iterate(train_dataset(data_cfg, **kwargs), start, int(data_cfg.worker_count),
+                   READ_OPTIONS)
 
 
 def make_eval_batches(data_cfg: Any, *, image_size: int, channels: int, global_batch: int,
-                      process_index: int = 0, process_count: int = 1, limit: int = 0) -> list:
+                      process_index: int = 0, process_count: int = 1, limit: int = 0,
+                      rows: tuple[int, int] | None = None) -> list:
     """The whole test split (or its first ``limit`` images) as this process's batches.
 
     Returns:
       list of (images float32 [b, H, W, C], labels int32 [b], valid bool [b]); the last batch is
       padded (``valid`` False) so that every example is counted exactly once.
     """
-    from sdp_jax.data import _per_process_batch
+    from sdp_jax.data import process_rows
 
-    per = _per_process_batch(global_batch, process_index, process_count)
+    first, per = process_rows(global_batch, process_index, process_count, rows)
     src = open_split(data_cfg, "test", image_size, channels)
     mean, std = normalization(data_cfg, image_size, channels)
     n = len(src) if limit <= 0 else min(limit, len(src))
     steps = -(-n // global_batch)
     out = []
     for s in range(steps):
-        idx = [s * global_batch + process_index * per + i for i in range(per)]
+        idx = [s * global_batch + first + i for i in range(per)]
         recs = [_normalize(src[i], mean, std) if i < n else None for i in idx]
         blank = np.zeros((image_size, image_size, channels), np.float32)
         x = np.stack([r[0] if r else blank for r in recs])

@@ -130,3 +130,20 @@ def test_bench_bad_input(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--paper", "--config.fsdp=True"])
     assert "drop --config.fsdp" in capsys.readouterr().err
+
+
+def test_bench_outputs_never_overwrite_by_default(tmp_path, capsys, monkeypatch):
+    """`python -m sdp_jax.bench --paper --out docs/bench`, as the README showed it, rewrote
+    the files tracked in the repository."""
+    docs = os.path.join(ROOT, "docs", "bench")
+    with pytest.raises(SystemExit):
+        bench.main(["--paper", "--out", docs], check_only=True)
+    assert "already holds paper_table.md" in capsys.readouterr().err
+    assert bench.main(["--paper", "--out", docs, "--overwrite"], check_only=True) == []
+    (tmp_path / "rows.json").write_text("[]")
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--json", str(tmp_path / "rows.json")], check_only=True)
+    assert "exists; give another file name, or add --overwrite" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)   # the default --out is runs/paper, under the working folder
+    assert bench.main(["--paper"], check_only=True) == []
+    assert (tmp_path / "runs" / "paper").is_dir()

@@ -1,7 +1,6 @@
 """Tests for sdp_jax.data (CPU only, small files under tmp_path, no downloads)."""
 
 import importlib.util
-import json
 import pathlib
 import sys
 import zlib
@@ -208,6 +207,28 @@ def test_llmc_bad_files(tmp_path, kind, patterns):
         assert p in msg, (p, msg)
 
 
+def test_llmc_uint32_shards(tmp_path):
+    """llm.c's version-7 shards (magic 20240801, uint32 tokens, for vocabularies past 65,535)
+    were called 'not an llm.c token shard'."""
+    rng = np.random.default_rng(2)
+    shards = [rng.integers(0, 128_256, size=700) for _ in range(3)]
+    for i, s in enumerate(shards):
+        data.write_llmc_shard(tmp_path / f"train_{i}.bin", s)
+    header = np.fromfile(tmp_path / "train_0.bin", dtype="<i4", count=3)
+    assert header.tolist() == [20240801, 7, 700]   # llm.c's own header for uint32 tokens
+    got = data.read_llmc_shard(tmp_path / "train_0.bin")
+    assert got.dtype == np.dtype("<u4") and got.max() > 65535
+    np.testing.assert_array_equal(got, shards[0])
+    cfg = _cfg(source="llmc", train_files=str(tmp_path / "train_*.bin"))
+    batch = next(data.make_train_iterator(cfg, seq_len=64, global_batch=4, seed=0,
+                                          vocab_size=128_256))
+    assert batch.dtype == np.int32 and batch.max() > 65535
+    with pytest.raises(ValueError, match=r"token id 1\d{5} in .*train_0\.bin"):
+        data.make_train_iterator(cfg, seq_len=64, global_batch=2, seed=0, vocab_size=65_536)
+    with pytest.raises(ValueError, match="use version=7"):
+        data.write_llmc_shard(tmp_path / "x.bin", [70_000], version=1)
+
+
 def test_llmc_source_splits_and_vocab_check(tmp_path):
     rng = np.random.default_rng(1)
     shards = [rng.integers(0, 500, size=600).astype(np.uint16) for _ in range(3)]
@@ -313,19 +334,48 @@ def test_two_processes_get_disjoint_windows(tmp_path):
     assert not rows[0] & rows[1]
 
 
-def test_iterator_state_resume_and_json(tmp_path):
+def test_start_resumes_at_any_step(tmp_path):
+    """The data position of a run is its step: an iterator started at batch 50 yields what
+    the uninterrupted one yields after 50 batches (across an epoch boundary)."""
     cfg = _text_cfg(tmp_path)
     kw = dict(seq_len=32, global_batch=8, seed=7, vocab_size=256)
     it = data.make_train_iterator(cfg, **kw)
     for _ in range(50):  # crosses an epoch boundary (46 batches per epoch)
         next(it)
-    state = it.get_state()
-    text = json.dumps(state)
     expected = [next(it) for _ in range(5)]
-    fresh = data.make_train_iterator(cfg, **kw)
-    fresh.set_state(json.loads(text))
+    fresh = data.make_train_iterator(cfg, start=50, **kw)
     for want in expected:
         np.testing.assert_array_equal(next(fresh), want)
+
+
+@pytest.mark.parametrize("processes", [2, 4, 8])
+def test_global_batches_do_not_depend_on_the_process_layout(tmp_path, processes):
+    """docs/design.md invariant 8: the processes' batches of a step, concatenated, are the
+    1-process batch of that step, across epochs and from any start step."""
+    cfg = _text_cfg(tmp_path)
+    kw = dict(seq_len=32, global_batch=8, seed=7, vocab_size=256)
+    one = data.make_train_iterator(cfg, start=40, **kw)
+    parts = [data.make_train_iterator(cfg, start=40, process_index=p, process_count=processes,
+                                      **kw) for p in range(processes)]
+    for _ in range(12):   # steps 41..52: 46 global batches per epoch
+        np.testing.assert_array_equal(np.concatenate([next(p) for p in parts]), next(one))
+
+
+def test_rows_from_a_sharding(tmp_path):
+    """A process loads the rows its devices hold (all of them when it holds every worker's
+    stage 0 of a pipeline); rows that do not tile the batch are refused."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    assert data.sharding_rows(NamedSharding(mesh, P("data")), 8) == (0, 8)
+    assert data.sharding_rows(NamedSharding(mesh, P()), 8) == (0, 8)
+    cfg = _text_cfg(tmp_path)
+    kw = dict(seq_len=32, global_batch=8, seed=7, vocab_size=256)
+    whole = next(data.make_train_iterator(cfg, **kw))
+    np.testing.assert_array_equal(next(data.make_train_iterator(cfg, rows=(4, 2), **kw)),
+                                  whole[4:6])
+    with pytest.raises(ValueError, match=r"rows \(2, 4\) do not tile a global batch of 8"):
+        data.make_train_iterator(cfg, rows=(2, 4), **kw)
 
 
 def test_train_too_small_raises(tmp_path):
@@ -368,23 +418,17 @@ def test_val_too_small_raises(tmp_path):
 
 
 def test_worker_processes(tmp_path):
-    """worker_count > 0 goes through grain's mp_prefetch and resumes exactly."""
+    """worker_count > 0 goes through grain's mp_prefetch: the same batches in the same order
+    as in-process, from any start step."""
     cfg = _text_cfg(tmp_path)
     cfg.worker_count = 2
     kw = dict(seq_len=32, global_batch=8, seed=1, vocab_size=256)
     in_process = data.make_train_iterator(_text_cfg(tmp_path), **kw)
-    it = data.make_train_iterator(cfg, **kw)
-    first = [next(it) for _ in range(4)]
-    # Same windows per batch as in-process, whatever the worker interleaving.
-    ref = [next(in_process) for _ in range(4)]
-    assert {tuple(r) for b in first for r in b} == {tuple(r) for b in ref for r in b}
-    state = json.loads(json.dumps(it.get_state()))
-    expected = [next(it) for _ in range(3)]
-    fresh = data.make_train_iterator(cfg, **kw)
-    fresh.set_state(state)
-    for want in expected:
-        np.testing.assert_array_equal(next(fresh), want)
-    del it, fresh
+    it = data.make_train_iterator(cfg, start=3, **kw)
+    ref = [next(in_process) for _ in range(7)]
+    for want in ref[3:]:
+        np.testing.assert_array_equal(next(it), want)
+    del it
 
 
 # ----------------------------------------------------------------------------

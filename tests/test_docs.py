@@ -67,6 +67,8 @@ def _commands(text: str) -> list[list[str]]:
             inner = tokens[tokens.index("--command") + 1]
             out += _commands(inner)
             continue
+        if tokens[:1] == ["srun"]:   # srun's own options, then the command every task runs
+            tokens = tokens[tokens.index("python"):]
         cmd: list[str] = []
         for tok in tokens + ["&&"]:
             if tok == "&&":
@@ -114,13 +116,25 @@ def sandbox(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _check_train(argv: list[str]) -> None:
+def _check_train(argv: list[str], processes: int = 1) -> None:
     train = _train_module()
     fv = train.define_flags(flags.FlagValues(), argv)
     cli.parse(fv, argv, train.PROG, train.__doc__)
     config = fv.config
-    devices = max(config.num_cpu_devices, config.get("workers", 0) or 0)
+    devices = max(config.num_cpu_devices * processes, config.get("workers", 0) or 0)
     resolve(config, devices)
+
+
+def _check_launch(cmd: list[str]) -> None:
+    """``python -m sdp_jax.launch --processes N -- python train.py ...``: the launcher's flags
+    and the train command, on N x num_cpu_devices devices (it runs in
+    tests/test_multiprocess.py)."""
+    cut = cmd.index("--")
+    m = re.fullmatch(r"--processes[= ](\d+)", " ".join(cmd[3:cut]))
+    assert m, f"launcher flags {cmd[3:cut]}"
+    inner = cmd[cut + 1:]
+    assert inner[:2] == ["python", "train.py"], inner
+    _check_train(["train.py"] + inner[2:], processes=int(m.group(1)))
 
 
 @pytest.mark.parametrize("path,cmd", COMMANDS,
@@ -138,6 +152,8 @@ def test_documented_command_is_valid(sandbox, path, cmd):
             _check_train(["train.py"] + cmd[2:])
     elif cmd[1] == "train.py":
         _check_train(["train.py"] + cmd[2:])
+    elif cmd[1:3] == ["-m", "sdp_jax.launch"]:
+        _check_launch(cmd)
     elif cmd[1:3] == ["-m", "sdp_jax.bench"]:
         assert bench.main(cmd[3:], check_only=True) == []
     elif cmd[1:3] == ["-m", "sdp_jax.study"]:

@@ -11,6 +11,7 @@ import pytest
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import loop
+from sdp_jax.config import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -73,7 +74,9 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
     loop.train(tiny(**common), str(tmp_path / "full"))
     s1 = loop.train(tiny(stop_at_step=3, **common), str(tmp_path / "resumed"))
     assert s1["steps"] == 3 and not s1["completed"]
-    s2 = loop.train(tiny(**common), str(tmp_path / "resumed"))
+    # ... resumed with 2 grain worker processes (a changed data.worker_count used to fail
+    # with KeyError: 'next_index'; the data position is now the step)
+    s2 = loop.train(tiny(**common, **{"data.worker_count": 2}), str(tmp_path / "resumed"))
     assert s2["steps"] == 6 and s2["completed"]
 
     full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
@@ -118,19 +121,29 @@ def test_fsdp_bf16_run_resumes_with_another_remat_and_refuses_another_layout(tmp
     assert sorted(os.listdir(tmp_path / "res" / "checkpoints")) == ckpts
 
 
-def test_non_finite_state_is_never_checkpointed(tmp_path):
+def test_non_finite_state_is_never_checkpointed(tmp_path, monkeypatch):
+    """An update that overflows after a finite loss and gradient norm (what
+    --config.optim.lr=1e39 did: every leaf of the step-1 checkpoint was NaN) is not saved;
+    such learning rates are refused up front."""
+    import jax.numpy as jnp
+    from sdp_jax import train_step as ts
+    real = ts.lr_schedule
+    monkeypatch.setattr(ts, "lr_schedule", lambda optim, total: lambda count: jnp.where(
+        count >= 1, jnp.float32(jnp.inf), real(optim, total)(count)))   # inf from step 2 on
     wd = tmp_path / "nan"
-    cfg = tiny(steps=6, checkpoint_every=1, keep_checkpoints=1, eval_every=0,
-               **{"optim.lr": 1e8, "optim.grad_clip": 0.0})
-    with pytest.raises(FloatingPointError, match="non-finite .* stopped without saving"):
+    cfg = tiny(steps=6, checkpoint_every=1, keep_checkpoints=3, eval_every=0)
+    with pytest.raises(FloatingPointError, match="non-finite parameters .* after step 2 "
+                                                 r".* the last checkpoint \(step 1\) is kept"):
         loop.train(cfg, str(wd))
     m = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
-    step = m.latest_step()
-    if step is not None:  # whatever was kept is a finite state
-        import orbax.checkpoint as ocp
-        out = m._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(out["state"]))
+    assert m.latest_step() == 1
     m.close()
+    monkeypatch.setattr(ts, "lr_schedule", real)
+    with pytest.raises(ValueError, match="optim.lr=1e.39 must be a finite number > 0 "
+                                         r"\(in float32\)"):
+        resolve(tiny(**{"optim.lr": 1e39}), 4)
+    with pytest.raises(ValueError, match="not a usable AdamW learning rate"):
+        resolve(tiny(**{"optim.lr": 1e8}), 4)
 
 
 def test_checkpoint_from_before_fsdp_and_dtype_existed_resumes(tmp_path):
@@ -180,6 +193,49 @@ def _cli(args, **kw):
                           capture_output=True, text=True, env=env, timeout=300, **kw)
 
 
+def test_misspelled_override_without_config_is_one_line(tmp_path):
+    """Without --config (the default config file) a misspelled field printed a 49-line
+    traceback."""
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                          "--config.sdp.varient=n-sdp", f"--workdir={tmp_path / 'w'}"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "unknown config field 'varient'" in out.stderr and "variant" in out.stderr
+
+
+def test_checkpoint_of_another_layout_is_incompatible_not_damaged(tmp_path):
+    """A readable checkpoint whose arrays do not fit this run is called incompatible (and
+    never advised for deletion); a truncated one is damaged
+    (test_damaged_checkpoint_is_reported_before_compute)."""
+    import jax.numpy as jnp
+    m = ckpt_lib.CheckpointManager(str(tmp_path / "c"))
+    m.save(1, {"w": jnp.zeros((4,)), "b": jnp.zeros((2,))}, {"config": {}, "masks": {}})
+    m.close()
+    m = ckpt_lib.CheckpointManager(str(tmp_path / "c"))
+    abstract = {"w": jax.ShapeDtypeStruct((5,), jnp.float32),
+                "b": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    with pytest.raises(ValueError) as e:
+        m.restore(1, abstract)
+    m.close()
+    msg = str(e.value)
+    assert "is incompatible with this run" in msg and "['w']: checkpoint (4,), this run (5,)" in msg
+    assert "damaged" not in msg and "delete" not in msg and "aside" not in msg
+    # A checkpoint from before the resolved W was recorded (llama_1b had workers=8, now 0 =
+    # every device): its explicit workers is compared with this run's W.
+    m = ckpt_lib.CheckpointManager(str(tmp_path / "old"))
+    m.save(1, {"w": jnp.zeros((4,))}, {"config": {"workers": 8, "seed": 0}, "masks": {}})
+    m.close()
+    m = ckpt_lib.CheckpointManager(str(tmp_path / "old"))
+    try:
+        m.check_compatible(1, {"config": {"workers": 0, "seed": 0}, "masks": {}, "workers": 8})
+        with pytest.raises(ValueError, match="trained by W = 8 workers, this run has W = 4"):
+            m.check_compatible(1, {"config": {"workers": 0, "seed": 0}, "masks": {},
+                                   "workers": 4})
+    finally:
+        m.close()
+
+
 def test_cli_config_mistakes_are_one_line_errors(tmp_path):
     out = _cli(["--workdir", str(tmp_path / "a"), "--config.sdp.coverag=0.5"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -198,6 +254,67 @@ def test_cli_config_mistakes_are_one_line_errors(tmp_path):
     assert "Could not override field 'seq_len'" in out.stderr
 
 
+def _as_from_a_terminal():
+    """Popen preexec_fn: SIGINT handled by default, as in a terminal (a background job, which
+    pytest may be, ignores it, and train.py keeps a signal it was started ignoring)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_at(tmp_path, name, when, signals):
+    """Start train.py, wait until ``when(stdout so far, workdir)`` holds, send ``signals``
+    (0.3 s apart); returns (status, stdout, stderr)."""
+    import selectors
+    import time
+    wd = tmp_path / name
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    args = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+            os.path.join(ROOT, "configs", "llama_tiny.py"), "--workdir", str(wd),
+            "--config.steps=400", "--config.checkpoint_every=0", "--config.eval_every=0"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, preexec_fn=_as_from_a_terminal)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    seen, deadline = "", time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None and not when(seen, wd):
+            if sel.select(timeout=0.05):
+                seen += proc.stdout.readline()
+        for sig in signals:
+            proc.send_signal(sig)
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, seen + out, err
+
+
+@pytest.mark.parametrize("moment, signals", [
+    ("start", [2]), ("data", [15]), ("compile", [2]), ("training, twice", [15, 15]),
+])
+def test_a_signal_at_any_moment_is_one_line(tmp_path, moment, signals):
+    """Ctrl-C during data loading or compilation printed a 55-line traceback and then a
+    segmentation fault (exit 139); now every moment gives at most one line and 128 + signal.
+    (Twice in training: the second signal aborts with one line, unless the first one's stop
+    and save were already done, which exits cleanly.)"""
+    import time
+    t0 = time.time()
+    when = {"start": lambda out, wd: time.time() - t0 > 1.0,
+            "data": lambda out, wd: "data stdlib" in out,
+            "compile": lambda out, wd: "mask graph" in out,
+            "training, twice": lambda out, wd: (wd / "metrics.jsonl").exists()}[moment]
+    code, out, err = _signal_at(tmp_path, moment.split(",")[0], when, signals)
+    assert code == 128 + signals[0], (out[-1000:], err[-2000:])
+    assert "Traceback" not in err and "Segmentation" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln]
+    if len(signals) == 1:
+        assert len(lines) == 1 and "interrupted by SIG" in lines[0], err[-2000:]
+    else:
+        assert len(lines) <= 1 and all("interrupted by SIGTERM" in ln for ln in lines), err
+        assert "SIGTERM: stopping after this step" in out
+
+
 def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     import signal
     import time
@@ -207,7 +324,7 @@ def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
             os.path.join(ROOT, "configs", "llama_tiny.py"), "--workdir", str(wd),
             "--config.steps=400", "--config.checkpoint_every=0", "--config.eval_every=0"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=_as_from_a_terminal)
     metrics = wd / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -239,8 +356,8 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     with pytest.raises(ValueError) as e:
         loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
     msg = str(e.value)
-    assert "checkpoint at step 4" in msg and "unreadable" in msg
-    assert f"delete {wd / 'checkpoints' / '4'} to resume from step 2" in msg
+    assert "checkpoint at step 4" in msg and "is damaged" in msg and "delete" not in msg
+    assert f"move {wd / 'checkpoints' / '4'} aside" in msg and "resume from step 2" in msg
     assert victim.stat().st_size == 100  # nothing rewritten
 
 
@@ -320,8 +437,11 @@ def test_workdir_entries_of_the_wrong_kind_and_a_changed_worker_count(tmp_path):
     manager = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
     try:
         manager.check_compatible(2, meta)   # the same run resumes
-        with pytest.raises(ValueError, match=r"workers \(resolved\): checkpoint has 4, this "
-                                             r"run has 8"):
+        with pytest.raises(ValueError, match=r"trained by W = 4 workers, this run has W = 8 "
+                                             r".*resume with --config.workers=4"):
             manager.check_compatible(2, {**meta, "workers": 8})
+        # How W was asked for does not matter (workers=0 on 4 devices is W = 4 too).
+        asked = {**meta, "config": {**meta["config"], "workers": 0}}
+        manager.check_compatible(2, asked)
     finally:
         manager.close()

@@ -1,0 +1,310 @@
+"""Start a command as several JAX processes on this machine (``jax.distributed`` on 127.0.0.1).
+
+    python -m sdp_jax.launch --processes 2 -- python train.py --config configs/llama_tiny.py \\
+        --config.num_cpu_devices=2 --config.workers=0 --workdir runs/two
+
+Each process gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`` (a free port unless ``--port``),
+``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, which ``train.py`` (``--distributed=auto``) passes
+to ``jax.distributed.initialize``; on a CPU each process simulates
+``--config.num_cpu_devices`` devices and collectives between processes go through gloo. This is
+the layout the tests run (docs/design.md invariants 8 and 9); on a cluster a scheduler (SLURM,
+a TPU pod slice) starts the processes instead (README.md, *Multi-host*).
+
+The processes run in their own session, so a terminal's Ctrl-C reaches only the launcher, which
+forwards SIGINT, SIGTERM and SIGHUP (a closed terminal) to every process: on the first, each
+process stops with the others after the same step and saves a checkpoint; a second aborts. When a
+process ends (with an error, or early), the others get ``--grace`` seconds to finish and are then
+terminated. The exit status is the first non-zero status of a process (0 when all succeed).
+Only the launcher's own child processes are ever signalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+PROG = "python -m sdp_jax.launch"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the coordinator)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(process_id: int, processes: int, port: int,
+                base: dict | None = None) -> dict:
+    """The environment of process ``process_id`` of ``processes``: ``base`` (default
+    ``os.environ``) plus the three ``JAX_*`` variables ``train.py`` reads."""
+    env = dict(os.environ if base is None else base)
+    env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
+               JAX_PROCESS_ID=str(process_id))
+    return env
+
+
+def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float = 60.0,
+        timeout: float = 0.0, env: dict | None = None, cwd: str | None = None) -> int:
+    """Run ``command`` as ``processes`` processes (see the module docstring) and wait.
+
+    Args:
+      command: the program and its arguments, e.g. ``["python", "train.py", ...]``.
+      processes: number of processes (>= 1).
+      port: coordinator port on 127.0.0.1 (0: a free one).
+      grace: seconds the other processes get after one ends, before they are terminated
+        (SIGTERM, then SIGKILL 10 s later; the status is then 1 if all that ended succeeded).
+      timeout: seconds after which every process is terminated (0: none).
+      env, cwd: base environment and working directory of the processes.
+
+    Returns:
+      the first non-zero exit status of a process (signals as ``128 + signal``), else 0;
+      124 when ``timeout`` ended the run.
+
+    Raises:
+      ValueError: ``processes < 1`` or an empty command.
+    """
+    if processes < 1:
+        raise ValueError(f"--processes={processes} must be at least 1.")
+    if not command:
+        raise ValueError("no command: give it after --, e.g. -- python train.py --workdir runs/x")
+    port = port or free_port()
+    children: list[subprocess.Popen] = []
+    signalled: list[int] = []
+
+    def forward(signum, frame):  # noqa: ARG001
+        signalled.append(signum)
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for i in range(processes):
+            # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it.
+            # SIGINT handled by default in the process even if the launcher was started
+            # ignoring it (a background job), so that a forwarded Ctrl-C works.
+            children.append(subprocess.Popen(
+                list(command), env=process_env(i, processes, port, env), cwd=cwd,
+                start_new_session=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
+        print(f"{PROG}: {processes} process(es), pids "
+              f"{' '.join(str(c.pid) for c in children)}, coordinator 127.0.0.1:{port}",
+              file=sys.stderr, flush=True)
+        return _wait(children, grace, timeout, signalled)
+    finally:
+        for c in children:   # never leave a process of ours behind
+            if c.poll() is None:
+                c.kill()
+                c.wait()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code   # Popen reports death by signal N as -N
+
+
+def _stop(children: list, grace_kill: float = 10.0) -> None:
+    for c in children:
+        if c.poll() is None:
+            c.terminate()
+    deadline = time.monotonic() + grace_kill
+    for c in children:
+        try:
+            c.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()
+
+
+def _wait(children: list, grace: float, timeout: float, signalled: list) -> int:
+    start, ended_at, first_bad = time.monotonic(), None, 0
+    while True:
+        codes = [c.poll() for c in children]
+        for i, code in enumerate(codes):
+            if code is not None and ended_at is None and len(children) > 1:
+                ended_at = time.monotonic()
+                if code and not signalled:
+                    print(f"{PROG}: process {i} exited with status {_status(code)}; the others "
+                          f"get {grace:.0f}s to finish", file=sys.stderr, flush=True)
+            if code not in (None, 0) and not first_bad:
+                first_bad = _status(code)
+        if all(code is not None for code in codes):
+            if first_bad and len(children) > 1:
+                print(f"{PROG}: exit statuses {[_status(c) for c in codes]}", file=sys.stderr,
+                      flush=True)
+            return first_bad
+        now = time.monotonic()
+        if ended_at is not None and now - ended_at > grace:
+            print(f"{PROG}: a process ended {grace:.0f}s ago; terminating the ones still "
+                  "running", file=sys.stderr, flush=True)
+            _stop(children)
+            return first_bad or 1
+        if timeout and now - start > timeout:
+            print(f"{PROG}: --timeout={timeout:.0f}s reached; terminating every process",
+                  file=sys.stderr, flush=True)
+            _stop(children)
+            return 124
+        time.sleep(0.2)
+
+
+def multi_process_env(env: dict | None = None) -> bool:
+    """Whether the environment says this is one of several processes: a
+    ``JAX_COORDINATOR_ADDRESS``, SLURM or Open MPI with more than one task, or a TPU pod
+    slice."""
+    env = os.environ if env is None else env
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        try:
+            if int(env.get(key, "1") or 1) > 1:
+                return True
+        except ValueError:
+            return False
+    return "," in env.get("TPU_WORKER_HOSTNAMES", "")
+
+
+def coordinator_args(env: dict | None = None) -> dict:
+    """``jax.distributed.initialize`` arguments from ``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (``{}`` without the address: JAX then detects
+    SLURM, Open MPI or a TPU pod slice itself).
+
+    Raises:
+      ValueError: one line naming the missing or bad variable and what it must hold."""
+    env = os.environ if env is None else env
+    address = env.get("JAX_COORDINATOR_ADDRESS", "")
+    if not address:
+        return {}
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"JAX_COORDINATOR_ADDRESS={address!r} must be HOST:PORT of process 0, "
+                         "e.g. 10.0.0.1:1234")
+    if not (env.get("JAX_NUM_PROCESSES") or env.get("JAX_PROCESS_ID")) and any(
+            int(env.get(k, "1") or 1) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+            if (env.get(k, "1") or "1").isdigit()):
+        return dict(coordinator_address=address)   # SLURM / Open MPI give the count and id
+    values = {}
+    for key in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        raw = env.get(key)
+        if raw is None or not raw.strip().isdigit():
+            got = "is not set" if raw is None else f"is {raw!r}"
+            raise ValueError(f"JAX_COORDINATOR_ADDRESS is set but {key} {got}; set "
+                             "JAX_NUM_PROCESSES (the number of processes) and JAX_PROCESS_ID "
+                             "(0 .. JAX_NUM_PROCESSES-1, each once) in every process, or launch "
+                             f"with {PROG}")
+        values[key] = int(raw)
+    n, pid = values["JAX_NUM_PROCESSES"], values["JAX_PROCESS_ID"]
+    if n < 1 or not 0 <= pid < n:
+        raise ValueError(f"JAX_PROCESS_ID={pid} must be in 0 .. JAX_NUM_PROCESSES-1 = {n - 1}")
+    return dict(coordinator_address=address, num_processes=n, process_id=pid)
+
+
+def _reachable(address: str, seconds: float = 2.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=seconds):
+            return True
+    except OSError:
+        return False
+
+
+def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) -> bool:
+    """Call ``jax.distributed.initialize`` when ``mode`` is ``true``, or ``auto`` and the
+    environment is that of several processes (:func:`multi_process_env`).
+
+    JAX aborts the process with a C++ stack trace when the processes do not all register
+    in time; a watchdog instead prints one line after ``timeout`` seconds (which process, the
+    coordinator's address, whether it is reachable, what to check) and exits with status 1
+    (JAX's own deadline is 10 s later).
+
+    Returns:
+      whether JAX was initialized for several processes.
+    Raises:
+      ValueError: a bad launch environment (:func:`coordinator_args`), ``mode=true`` with no
+        cluster environment, or ``timeout < 1``.
+    """
+    import threading  # pylint: disable=g-import-not-at-top
+
+    import jax  # pylint: disable=g-import-not-at-top
+    env = os.environ if env is None else env
+    if mode not in ("auto", "true", "false"):
+        raise ValueError(f"--distributed={mode!r} must be auto, true or false")
+    if mode == "false" or (mode == "auto" and not multi_process_env(env)):
+        return False
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
+        raise ValueError(f"--init_timeout={timeout!r} must be a positive number of seconds")
+    kwargs = coordinator_args(env)
+    done = threading.Event()
+    where = kwargs.get("coordinator_address", "the detected coordinator")
+    who = (f"process {kwargs['process_id']} of {kwargs['num_processes']}" if kwargs
+           else "this process")
+
+    def watchdog():   # fires at `timeout`; JAX itself would abort 10 s later
+        if done.wait(timeout):
+            return
+        if kwargs.get("process_id", 0) != 0 and kwargs and not _reachable(where):
+            why = (f"the coordinator (process 0) at {where} is not reachable: start process 0, "
+                   "or fix JAX_COORDINATOR_ADDRESS")
+        else:
+            why = (f"not every one of the {kwargs.get('num_processes', 'expected')} processes "
+                   f"registered with the coordinator at {where}: start the missing ones (each "
+                   "JAX_PROCESS_ID once, the same JAX_NUM_PROCESSES), or raise --init_timeout")
+        print(f"error: {who} waited {timeout}s in jax.distributed.initialize: {why}.",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        jax.distributed.initialize(initialization_timeout=timeout + 10, **kwargs)
+    except ValueError as e:
+        done.set()
+        if not kwargs:
+            raise ValueError(
+                "--distributed=true but no cluster environment was found "
+                f"({str(e).splitlines()[0][:200]}); set JAX_COORDINATOR_ADDRESS, "
+                "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or launch with "
+                f"{PROG}, srun or mpirun, or on a TPU pod slice") from e
+        raise
+    done.set()
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        own, command = argv[:cut], argv[cut + 1:]
+    else:
+        own, command = argv, []
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     usage=f"{PROG} --processes N [options] -- COMMAND ...")
+    parser.add_argument("--processes", type=int, required=True, help="number of processes")
+    parser.add_argument("--port", type=int, default=0,
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--grace", type=float, default=60.0,
+                        help="seconds the others get after a process ends (default 60)")
+    parser.add_argument("--timeout", type=float, default=0.0,
+                        help="terminate every process after this many seconds (0: never)")
+    args = parser.parse_args(own)
+    if command and command[0].endswith(".py"):
+        command = [sys.executable, *command]
+    elif command and command[0] in ("python", "python3"):
+        command = [sys.executable, *command[1:]]   # the launcher's interpreter
+    try:
+        return run(command, args.processes, port=args.port, grace=args.grace,
+                   timeout=args.timeout)
+    except ValueError as e:
+        parser.error(str(e))
+    except OSError as e:   # the command cannot be started
+        parser.error(f"cannot start {command[0]!r}: {e}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Several processes on one machine, as README.md's *Multi-host* section launches them:
+``python -m sdp_jax.launch --processes 2 -- python train.py ... --config.num_cpu_devices=2``
+(``jax.distributed`` on 127.0.0.1, gloo collectives between the processes).
+
+The 2-process runs equal the 1-process runs of the same config step by step (docs/design.md
+invariant 8), checkpoints resume across the two layouts, and SIGTERM reaching one process stops
+both at the same step with a checkpoint (invariant 9).
+"""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from sdp_jax import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A long schedule (the cosine depends on `steps`), stopped early with stop_at_step.
+BASE = ["--config", "configs/llama_tiny.py", "--config.steps=400", "--config.eval_every=3",
+        "--config.checkpoint_every=0"]
+PIPELINE = ["--config.pipeline.stages=2", "--config.pipeline.microbatches=2",
+            "--config.pipeline.method=mapl", "--config.pipeline.ratio=2"]
+TIMEOUT = 300
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS"):
+        env.pop(key, None)
+    return env
+
+
+def readme_launch_command():
+    """README.md's local launch command (*Multi-host*) as ``(environment, tokens)``."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        line = next(ln for ln in f if "python -m sdp_jax.launch" in ln)
+    tokens = shlex.split(line)
+    env = dict(t.split("=", 1) for t in tokens[:tokens.index("python")])
+    cmd = tokens[tokens.index("python"):]
+    assert cmd[3:5] == ["--processes", "2"] and cmd[5] == "--", cmd
+    assert cmd[6:10] == ["python", "train.py", "--config", "configs/llama_tiny.py"], cmd
+    # The same command, bounded: the launcher ends its processes after --timeout seconds.
+    return env, cmd[:5] + [f"--timeout={TIMEOUT - 20}"] + cmd[5:]
+
+
+def train(workdir, args, processes=1, stop=None):
+    """``python train.py`` (1 process, 4 devices), or README.md's launch command (2 processes
+    x 2 devices) with more flags (absl: a flag given again takes the last value)."""
+    extra = [*BASE, *args, f"--workdir={workdir}"]
+    if stop:
+        extra.append(f"--config.stop_at_step={stop}")
+    env = _env()
+    if processes > 1:
+        readme_env, cmd = readme_launch_command()
+        env.update(readme_env)
+        cmd = [sys.executable, *cmd[1:], *extra[2:]]   # (its --config is BASE's)
+    else:
+        cmd = [sys.executable, "train.py", *extra]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    return out
+
+
+def metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def same_trajectory(a, b, tol=2e-5):
+    """Step by step equal losses (and validation losses where both evaluated)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x["train_loss"], y["train_loss"], rtol=tol, atol=tol)
+        np.testing.assert_allclose(x["grad_norm"], y["grad_norm"], rtol=1e-4, atol=1e-5)
+        if "val_loss" in x or "val_loss" in y:
+            np.testing.assert_allclose(x["val_loss"], y["val_loss"], rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """1 process x 4 devices, uninterrupted, up to step 40 (ddp)."""
+    wd = tmp_path_factory.mktemp("mp") / "ref"
+    train(wd, [], stop=40)
+    return metrics(wd)
+
+
+def test_two_processes_equal_one_and_resume_as_one(tmp_path, reference):
+    """ddp: 2 processes train steps 1-3 and checkpoint; 1 process resumes to step 6."""
+    wd = tmp_path / "run"
+    out = train(wd, [], processes=2, stop=3)
+    assert "devices: 4 x cpu (2 process(es))" in out.stdout
+    out = train(wd, [], stop=6)
+    assert "devices: 4 x cpu (1 process(es))" in out.stdout and "at step 3" in out.stdout
+    same_trajectory(metrics(wd), reference[:6])
+
+
+def test_one_process_checkpoint_resumes_as_two(tmp_path):
+    """b-sdp (C = 1/2): 1 process trains steps 1-3; 2 processes resume to step 6, equal to the
+    uninterrupted 1-process run."""
+    args = ["--config.sdp.variant=b-sdp", "--config.sdp.coverage=0.5"]
+    ref = tmp_path / "ref"
+    train(ref, args, stop=6)
+    wd = tmp_path / "run"
+    train(wd, args, stop=3)
+    out = train(wd, args, processes=2, stop=6)
+    assert "resumed from" in out.stdout and "at step 3" in out.stdout
+    same_trajectory(metrics(wd), metrics(ref))
+
+
+def test_pipeline_across_processes(tmp_path):
+    """A 2-stage MAPL pipeline (W = 2 x 2 stages) over 2 processes, checkpointed and resumed,
+    equals the 1-process run (it used to crash after compiling: 'Invalid host data')."""
+    ref = tmp_path / "ref"
+    train(ref, PIPELINE + ["--config.workers=2"], stop=6)
+    wd = tmp_path / "run"
+    train(wd, PIPELINE, processes=2, stop=3)
+    out = train(wd, PIPELINE, processes=2, stop=6)
+    assert "at step 3" in out.stdout
+    same_trajectory(metrics(wd), metrics(ref))
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, reference):
+    wd = tmp_path / "run"
+    readme_env, cmd = readme_launch_command()
+    cmd = [sys.executable, *cmd[1:], *BASE[2:], "--config.eval_every=0", f"--workdir={wd}",
+           "--config.stop_at_step=40"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**_env(), **readme_env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        path = wd / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if path.exists() and len(path.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        pids = []
+        while not pids and time.monotonic() < deadline:   # the launcher's first stderr line
+            line = proc.stderr.readline()
+            pids = [int(p) for p in re.findall(r"pids ([\d ]+),", line)[0].split()] if (
+                "pids" in line) else []
+        os.kill(pids[1], signal.SIGTERM)   # process 1 only
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, (out[-2000:], err[-3000:])
+    assert "exit statuses [143, 143]" in err          # both stopped on the signal
+    assert "SIGTERM reached another process" in out   # process 0 learned it from process 1
+    step = int(re.search(r"interrupted by SIGTERM at step (\d+)", out).group(1))
+    assert 2 <= step < 38 and sorted(os.listdir(wd / "checkpoints")) == [str(step)]
+    assert metrics(wd)[-1]["step"] == step
+    # The checkpoint both processes saved resumes (as 1 process) on the same trajectory.
+    train(wd, ["--config.eval_every=0"], stop=step + 2)
+    got = metrics(wd)
+    assert [r["step"] for r in got] == list(range(1, step + 3))
+    for x, y in zip(got, reference[:step + 2]):
+        np.testing.assert_allclose(x["train_loss"], y["train_loss"], rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------ launch environment errors
+
+@pytest.mark.parametrize("env, match", [
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_PROCESS_ID": "0"},
+     "JAX_NUM_PROCESSES is not set"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "two",
+      "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES is 'two'"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2",
+      "JAX_PROCESS_ID": "2"}, r"JAX_PROCESS_ID=2 must be in 0 .. JAX_NUM_PROCESSES-1 = 1"),
+    ({"JAX_COORDINATOR_ADDRESS": "nohost", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     "must be HOST:PORT"),
+])
+def test_bad_launch_environment_is_one_line(env, match):
+    with pytest.raises(ValueError, match=match):
+        launch.coordinator_args(env)
+
+
+def test_train_py_launch_errors_are_one_line(tmp_path):
+    """A missing JAX_NUM_PROCESSES was a KeyError traceback, --distributed=true without a
+    cluster a ValueError traceback; a peer that never arrives hung for 300 s and then aborted
+    with a C++ stack trace."""
+    base = [sys.executable, "train.py", "--config", "configs/llama_tiny.py",
+            f"--workdir={tmp_path / 'w'}"]
+    env = dict(_env(), JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_PROCESS_ID="0")
+    out = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "JAX_NUM_PROCESSES is not set" in out.stderr
+    out = subprocess.run(base + ["--distributed=true"], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no cluster environment" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    env = dict(_env(), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{launch.free_port()}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
+    t0 = time.monotonic()
+    out = subprocess.run(base + ["--init_timeout=6"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and time.monotonic() - t0 < 60
+    assert "process 0 of 2 waited 6s in jax.distributed.initialize" in out.stderr
+    assert "Check failure" not in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "w").exists()
+
+
+def test_launcher_reports_the_first_failure_and_ends_the_others(tmp_path):
+    """Process 1 fails at once; process 0 would run for 120 s: it is terminated after the
+    grace period and the launcher returns process 1's status."""
+    code = ("import os, sys, time\n"
+            "sys.exit(3) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(120)\n")
+    t0 = time.monotonic()
+    status = launch.run([sys.executable, "-c", code], 2, grace=1.0, env=_env())
+    assert status == 3 and time.monotonic() - t0 < 30
+    with pytest.raises(ValueError, match="at least 1"):
+        launch.run([sys.executable, "-c", "pass"], 0)
