@@ -154,19 +154,19 @@ def _wait(children: list, grace: float, timeout: float, signalled: list) -> int:
         time.sleep(0.2)
 
 
+def _scheduler_tasks(env) -> int:
+    """Tasks SLURM or Open MPI started (1 without a scheduler or with an unreadable count)."""
+    counts = [env.get(k, "1") or "1" for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")]
+    return max(int(c) if c.isdigit() else 1 for c in counts)
+
+
 def multi_process_env(env: dict | None = None) -> bool:
     """Whether the environment says this is one of several processes: a
     ``JAX_COORDINATOR_ADDRESS``, SLURM or Open MPI with more than one task, or a TPU pod
     slice."""
     env = os.environ if env is None else env
-    if env.get("JAX_COORDINATOR_ADDRESS"):
+    if env.get("JAX_COORDINATOR_ADDRESS") or _scheduler_tasks(env) > 1:
         return True
-    for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        try:
-            if int(env.get(key, "1") or 1) > 1:
-                return True
-        except ValueError:
-            return False
     return "," in env.get("TPU_WORKER_HOSTNAMES", "")
 
 
@@ -185,9 +185,8 @@ def coordinator_args(env: dict | None = None) -> dict:
     if not host or not port.isdigit():
         raise ValueError(f"JAX_COORDINATOR_ADDRESS={address!r} must be HOST:PORT of process 0, "
                          "e.g. 10.0.0.1:1234")
-    if not (env.get("JAX_NUM_PROCESSES") or env.get("JAX_PROCESS_ID")) and any(
-            int(env.get(k, "1") or 1) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
-            if (env.get(k, "1") or "1").isdigit()):
+    if not (env.get("JAX_NUM_PROCESSES") or env.get("JAX_PROCESS_ID")) \
+            and _scheduler_tasks(env) > 1:
         return dict(coordinator_address=address)   # SLURM / Open MPI give the count and id
     values = {}
     for key in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):

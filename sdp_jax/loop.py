@@ -140,6 +140,13 @@ def progress(total: int, initial: int):
                 disable=jax.process_index() != 0, mininterval=1.0)
 
 
+def _kept(manager) -> str:
+    """What a run stopped for a non-finite value leaves behind."""
+    last = manager.latest_step()
+    return (f"the last checkpoint (step {last}) is kept" if last is not None
+            else "no checkpoint was written")
+
+
 def check_finite(rec: dict, step: int, manager) -> None:
     """Stop before a non-finite state is checkpointed.
 
@@ -148,9 +155,7 @@ def check_finite(rec: dict, step: int, manager) -> None:
     """
     bad = {k: v for k, v in rec.items() if k in FINITE_KEYS and not math.isfinite(v)}
     if bad:
-        last = manager.latest_step()
-        kept = (f"the last checkpoint (step {last}) is kept" if last is not None
-                else "no checkpoint was written")
+        kept = _kept(manager)
         what = ", ".join(f"{k} {v}" for k, v in bad.items())
         raise FloatingPointError(
             f"non-finite {what} at step {step}: stopped without saving this state; {kept}. "
@@ -174,9 +179,7 @@ def check_state_finite(state, step: int, manager) -> None:
       FloatingPointError: naming the step and the last checkpoint (which is kept)."""
     if bool(_all_finite(state)):
         return
-    last = manager.latest_step()
-    kept = (f"the last checkpoint (step {last}) is kept" if last is not None
-            else "no checkpoint was written")
+    kept = _kept(manager)
     raise FloatingPointError(
         f"non-finite parameters or optimizer state after step {step} (the update overflowed): "
         f"stopped without saving this state; {kept}. Lower --config.optim.lr (or keep "
