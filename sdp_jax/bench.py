@@ -98,25 +98,15 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
       (ddp and b-sdp: ``6N + 12 L T d`` per token times the worker's tokens),
       ``params_per_device``, ``compile_s``.
     """
-    from sdp_jax import comm
     from sdp_jax import train_step as ts
     from sdp_jax.models.llama import LlamaConfig
 
-    import jax
-    import numpy as np
-
-    batch_shape = jax.ShapeDtypeStruct((workers * config.batch_per_worker, config.seq_len + 1),
-                                       np.int32)
     t0 = time.time()
     builder, uniform = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
                                 dtype=dtype)
-    compiled = builder.compiled_train_step(batch_shape)
-    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
-    n_flops = None
-    if flops:  # XLA's cost analysis counts a loop body once: count on the unrolled program
-        unrolled, _ = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
-                               dtype=dtype, unroll=True)
-        n_flops = ts.flops_per_device(unrolled.compiled_train_step(batch_shape))
+    figures = _figures(config, builder, workers, flops, lambda: _builder(
+        config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat, dtype=dtype,
+        unroll=True)[0])
     plan = builder.spec
     tokens = config.batch_per_worker * config.seq_len
     held = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}
@@ -125,14 +115,63 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
             "workers": workers,
             "held_per_worker": ", ".join(f"{t.k}/{t.masks.shape[-1]} {held[k]}"
                                          for k, t in plan.kinds.items()),
-            "uniform": uniform, **ts.memory_stats(compiled),
-            "comm_bytes_per_device": traffic["total"],
-            "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
-            "flops_per_device": n_flops,
+            "uniform": uniform, **figures,
             "model_flops_per_device": (
                 ts.model_flops_per_token(LlamaConfig.from_config(config.model), config.seq_len,
                                          plan.kinds["block"].k) * tokens
                 if variant in ("ddp", "b-sdp") else None),
+            "params_per_device": builder.per_device_param_count(),
+            "compile_s": round(time.time() - t0, 1)}
+
+
+def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
+    """Memory, communication and (``flops``) FLOP fields of a row, from ``builder``'s train
+    step compiled for the config's global batch; ``unrolled()`` builds the same step with the
+    block scan unrolled, compiled for the FLOP count (XLA's cost analysis counts a loop body
+    once)."""
+    from sdp_jax import comm
+    from sdp_jax import train_step as ts
+
+    import jax
+    import numpy as np
+
+    batch_shape = jax.ShapeDtypeStruct((workers * config.batch_per_worker, config.seq_len + 1),
+                                       np.int32)
+    compiled = builder.compiled_train_step(batch_shape)
+    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
+    return {**ts.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
+            "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
+            "flops_per_device": (ts.flops_per_device(unrolled().compiled_train_step(batch_shape))
+                                 if flops else None)}
+
+
+def _reference(config, mesh, remat: str, dtype: str, unroll: bool = False):
+    from sdp_jax import reference
+    from sdp_jax import train_step as ts
+    from sdp_jax.models.llama import LlamaConfig
+    return reference.JitDDP(LlamaConfig.from_config(config.model),
+                            ts.OptimConfig.from_config(config.optim), mesh, config.steps,
+                            remat=remat, dtype=dtype, unroll=unroll)
+
+
+def measure_reference(config, workers: int, mesh, *, remat: str = "none",
+                      dtype: str = "float32", flops: bool = True) -> dict:
+    """:func:`measure` for the plain ``jax.jit`` DDP reference (:mod:`sdp_jax.reference`):
+    the same row fields, ``variant`` ``jit-ddp``, ``regime`` ``jit``."""
+    from sdp_jax import reference
+    from sdp_jax import train_step as ts
+    from sdp_jax.models.llama import LlamaConfig
+
+    t0 = time.time()
+    builder = _reference(config, mesh, remat, dtype)
+    figures = _figures(config, builder, workers, flops,
+                       lambda: _reference(config, mesh, remat, dtype, unroll=True))
+    model = LlamaConfig.from_config(config.model)
+    return {"variant": reference.LABEL, "setting": setting_name(reference.LABEL, False, remat),
+            "fsdp": False, "remat": remat, "dtype": dtype, "regime": "jit", "coverage": 1.0,
+            "workers": workers, "held_per_worker": "all", "uniform": True, **figures,
+            "model_flops_per_device": ts.model_flops_per_token(model, config.seq_len)
+            * config.batch_per_worker * config.seq_len,
             "params_per_device": builder.per_device_param_count(),
             "compile_s": round(time.time() - t0, 1)}
 
@@ -192,7 +231,7 @@ def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, rema
     (one step of each in turn, so that load from other processes hits all of them alike).
 
     Args:
-      runs: dicts with ``variant`` and ``coverage``.
+      runs: dicts with ``variant`` (``jit-ddp``: the plain-jit reference) and ``coverage``.
       steps: timed steps per variant, after ``warmup`` untimed ones (which include the compile).
     Returns:
       per run, the list of step times in seconds. Each step is waited for before the next is
@@ -204,9 +243,13 @@ def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, rema
 
     rng = np.random.default_rng(0)
     jobs = []
+    from sdp_jax import reference
     for run in runs:
-        builder, _ = _builder(config, run["variant"], workers, run["coverage"], mesh, fsdp=fsdp,
-                              remat=remat, dtype=dtype)
+        if run["variant"] == reference.LABEL:
+            builder = _reference(config, mesh, remat, dtype)
+        else:
+            builder, _ = _builder(config, run["variant"], workers, run["coverage"], mesh,
+                                  fsdp=fsdp, remat=remat, dtype=dtype)
         batch = jax.device_put(jnp.asarray(rng.integers(
             0, config.model.vocab_size,
             (workers * config.batch_per_worker, config.seq_len + 1)), jnp.int32),
@@ -276,6 +319,27 @@ def format_table(rows: list[dict]) -> str:
                      f"{_ratio(r['step_time_s'], b.get('step_time_s'))} |")
         lines.append(line)
     return "\n".join(lines)
+
+
+def reference_lines(rows: list[dict]) -> list[str]:
+    """One line per row against the plain-jit DDP row (``jit-ddp``), if present: ratios of
+    peak memory, bytes communicated, FLOPs and (timed) step time, each ours / jit."""
+    from sdp_jax import reference
+    ref = next((r for r in rows if r["variant"] == reference.LABEL), None)
+    if ref is None:
+        return []
+    out = []
+    for r in rows:
+        if r is ref:
+            continue
+        parts = [f"peak {_ratio(r['peak_bytes_per_device'], ref['peak_bytes_per_device'])}",
+                 f"comm {_ratio(r['comm_bytes_per_device'], ref['comm_bytes_per_device'])}",
+                 f"FLOPs {_ratio(r['flops_per_device'], ref['flops_per_device'])}"]
+        if "step_time_s" in r and "step_time_s" in ref:
+            parts.append(f"step time {_ratio(r['step_time_s'], ref['step_time_s'])} (median of "
+                         f"{len(r['step_times_s'])} interleaved steps)")
+        out.append(f"{r['setting']} / {ref['setting']}: " + ", ".join(parts))
+    return out
 
 
 def paper_table(rows: list[dict]) -> str:
@@ -483,6 +547,9 @@ def flag_values(argv: list[str] | None = None):
     flags.DEFINE_boolean("measure_time", False, "also run real steps and report the median "
                          "step time (language models)", flag_values=fv)
     flags.DEFINE_integer("time_steps", 50, "timed steps per variant", flag_values=fv)
+    flags.DEFINE_boolean("reference", False, "add a row for plain jax.jit DDP of the same model, "
+                         "loss and optimizer (sdp_jax/reference.py), and each row's ratios to "
+                         "it (language models, without FSDP)", flag_values=fv)
     flags.DEFINE_boolean("paper", False, "the paper's 1B comparison (DDP, FSDP+AC, B-SDP, "
                          "B-SDP+FSDP+AC)", flag_values=fv)
     flags.DEFINE_string("out", os.path.join("runs", "paper"), "output folder of --paper",
@@ -523,8 +590,8 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             err(f"--json {fv.json!r} exists; give another file name, or add --overwrite to "
                 "replace it")
     if fv.paper:
-        fixed = [f"--{k}" for k in ("variants", "measure_time", "json", "flops", "time_steps")
-                 if fv[k].present]
+        fixed = [f"--{k}" for k in ("variants", "measure_time", "json", "flops", "time_steps",
+                                    "reference") if fv[k].present]
         fixed += [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
         if fixed:
             err(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
@@ -562,6 +629,12 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     if fv.measure_time and _is_vision(config):
         err("--measure_time: not available for vision models (timed steps are built for the "
             "language models only)")
+    if fv.reference and _is_vision(config):
+        err("--reference: the plain-jit reference is built for the language models only; drop "
+            "--reference")
+    if fv.reference and config.fsdp:
+        err("--reference is plain-jit DDP with replicated parameters, without FSDP; drop "
+            "--config.fsdp=True (or --reference)")
     workers = config.get("workers", 0) or 8
     with config.unlocked():
         config.workers = workers
@@ -593,6 +666,10 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
           f"{config.sdp.method}", flush=True)
     kw = {"fsdp": fsdp, "remat": remat, "dtype": dtype}
     coverage = config.sdp.coverage
+    if fv.reference:
+        rows.append(measure_reference(config, workers, mesh, remat=remat, dtype=dtype,
+                                      flops=fv.flops))
+        print(f"  compiled {rows[-1]['variant']} in {rows[-1]['compile_s']}s", flush=True)
     for v in variants:
         cov = 1.0 if v == "ddp" else coverage
         row = measure(config, v, workers, cov, mesh, flops=fv.flops, **kw)
@@ -605,6 +682,8 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             row["step_times_s"] = t
             row["step_time_s"] = statistics.median(t)
     print(format_table(rows))
+    for line in reference_lines(rows):
+        print(line)
     for r in rows:
         if not r["uniform"]:
             print(f"note: {r['variant']}: W*C is not whole for some component kind, so its masks "

@@ -213,6 +213,27 @@ def _reachable(address: str, seconds: float = 2.0) -> bool:
         return False
 
 
+def _missing_peers(kwargs: dict, where: str) -> str:
+    """Which peers an initialization that timed out waited for, as far as this process can tell.
+
+    JAX reports no registrations before every process has registered, so: a process other
+    than 0 that cannot reach the coordinator names process 0; with two processes the missing
+    peer is the other one; with more, every process that did start prints this line, so the
+    process ids absent from the logs are the missing ones.
+    """
+    n, me = kwargs.get("num_processes"), kwargs.get("process_id", 0)
+    if kwargs and me != 0 and not _reachable(where):
+        return (f"the coordinator (process 0) at {where} is not reachable: start process 0, or "
+                "fix JAX_COORDINATOR_ADDRESS")
+    fix = ("start it (each JAX_PROCESS_ID once, the same JAX_NUM_PROCESSES), check its log, or "
+           "raise --init_timeout")
+    if n == 2:
+        return (f"process {1 - me} did not register with the coordinator at {where}; {fix}")
+    return (f"not every one of the {n or 'expected'} processes registered with the coordinator "
+            f"at {where}; each process that started prints this line, so a process id missing "
+            f"from these lines did not: {fix}")
+
+
 def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) -> bool:
     """Call ``jax.distributed.initialize`` when ``mode`` is ``true``, or ``auto`` and the
     environment is that of several processes (:func:`multi_process_env`).
@@ -247,15 +268,8 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) 
     def watchdog():   # fires at `timeout`; JAX itself would abort 10 s later
         if done.wait(timeout):
             return
-        if kwargs.get("process_id", 0) != 0 and kwargs and not _reachable(where):
-            why = (f"the coordinator (process 0) at {where} is not reachable: start process 0, "
-                   "or fix JAX_COORDINATOR_ADDRESS")
-        else:
-            why = (f"not every one of the {kwargs.get('num_processes', 'expected')} processes "
-                   f"registered with the coordinator at {where}: start the missing ones (each "
-                   "JAX_PROCESS_ID once, the same JAX_NUM_PROCESSES), or raise --init_timeout")
-        print(f"error: {who} waited {timeout}s in jax.distributed.initialize: {why}.",
-              file=sys.stderr, flush=True)
+        print(f"error: {who} waited {timeout}s in jax.distributed.initialize: "
+              f"{_missing_peers(kwargs, where)}.", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watchdog, daemon=True).start()

@@ -110,6 +110,23 @@ def _save_all_but_gathered(prim, *_, **__) -> bool:
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
 
+def remat_block(body: Callable, remat: str, fsdp: bool = False) -> Callable:
+    """Activation checkpointing of one block's function ``body``: ``full`` saves only the
+    block input, ``dots`` also matmul outputs against weights, ``none`` saves everything
+    (``body`` returned as it is). Under FSDP the gathered parameters are never saved: the
+    backward pass gathers them again, as FSDP does."""
+    cp = jax.checkpoint_policies
+    if remat == "full":
+        policy = cp.nothing_saveable
+    elif remat == "dots":
+        policy = cp.dots_with_no_batch_dims_saveable
+    elif fsdp:
+        policy = _save_all_but_gathered
+    else:
+        return body
+    return jax.checkpoint(body, policy=policy, prevent_cse=False)
+
+
 def shardings(mesh, specs):
     """NamedShardings on ``mesh`` of a tree of PartitionSpecs."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
@@ -625,19 +642,7 @@ class SDPStep:
         return x.astype(self.dtype)
 
     def _remat_body(self, body):
-        """Activation checkpointing of one block: ``full`` saves only the block input, ``dots``
-        also matmul outputs against weights. Under FSDP the gathered parameters are never
-        saved: the backward pass gathers them again, as FSDP does."""
-        cp = jax.checkpoint_policies
-        if self.remat == "full":
-            policy = cp.nothing_saveable
-        elif self.remat == "dots":
-            policy = cp.dots_with_no_batch_dims_saveable
-        elif self.fsdp:
-            policy = _save_all_but_gathered
-        else:
-            return body
-        return jax.checkpoint(body, policy=policy, prevent_cse=False)
+        return remat_block(body, self.remat, self.fsdp)
 
     def _call(self, kept: dict, n: int, get, batch, train=True, xs=None):
         """``loss_fn`` with the block runner: ``kept`` {path: leaf} outside the block subtree;

@@ -52,11 +52,13 @@ def to_varying(tree: Any, axis: str | tuple = AXIS) -> Any:
     return jax.tree.map(lambda x: lax.pvary(x, axis), tree)  # older JAX
 
 
-def zeros_varying(shape, dtype, like, axis: str = AXIS) -> jax.Array:
+def zeros_varying(shape, dtype, like, axis: str | None = AXIS) -> jax.Array:
     """Zeros (an accumulator) varying over ``axis`` and every mesh axis ``like`` varies over
-    (e.g. the pipeline axis ``stage``), so that a loop carry keeps one type."""
-    axes = {axis} | set(varying_axes(like) or ())
-    return to_varying(jnp.zeros(shape, dtype), tuple(sorted(axes)))
+    (e.g. the pipeline axis ``stage``), so that a loop carry keeps one type. With
+    ``axis=None`` only ``like``'s axes: plain zeros outside ``jax.shard_map``."""
+    axes = ({axis} if axis else set()) | set(varying_axes(like) or ())
+    zeros = jnp.zeros(shape, dtype)
+    return to_varying(zeros, tuple(sorted(axes))) if axes else zeros
 
 
 def worker_index(axis: str = AXIS):

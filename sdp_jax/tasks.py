@@ -115,8 +115,8 @@ class LanguageModel:
             return total + next_token_loss(model.logits(piece[0]), piece[1]), None
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
                               prevent_cse=False)
-        total, _ = jax.lax.scan(body, sync.to_varying(jnp.zeros((), jnp.float32)), (hs, ts_),
-                                unroll=run.unroll)
+        total, _ = jax.lax.scan(body, sync.zeros_varying((), jnp.float32, h, axis=None),
+                                (hs, ts_), unroll=run.unroll)
         return total / chunks
 
 

@@ -1,14 +1,37 @@
 """Simulated CPU devices for multi-device tests; must run before JAX initialises its backend."""
 
 import os
+import shutil
 import sys
+import tempfile
 
 N_DEVICES = 8
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={N_DEVICES}").strip()
+
+# Compile time is most of the suite's time on a CPU, so two settings for the tests and the
+# train.py / launch subprocesses they start (which inherit the environment):
+# - one persistent compilation cache for the session: the suite compiles many identical programs
+#   (the same tiny config in several tests, a run and its resume). A directory the user sets is
+#   kept; otherwise a fresh one per session, removed at its end.
+# - JAX's `jax_disable_most_optimizations` (LLVM backend optimisation level 0): the same HLO
+#   programs, so the same buffers, collectives and FLOP counts, compiled to slower machine code.
+#   Unset it (JAX_DISABLE_MOST_OPTIMIZATIONS=0) to test the optimised code.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="sdp_jax_test_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
 jax.config.update("jax_platforms", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

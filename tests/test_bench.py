@@ -15,11 +15,13 @@ TINY = os.path.join(ROOT, "configs", "llama_tiny.py")
 
 def test_bench_rows_and_ratios(tmp_path, capsys):
     out = tmp_path / "out.json"
-    rows = bench.main(["--config", TINY, "--config.workers=4", "--variants",
-                       "ddp,b-sdp,n-sdp,bb-sdp,nb-sdp", "--config.sdp.coverage=0.5", "--json",
-                       str(out)])
+    common = ["--config", TINY, "--config.workers=4", "--config.sdp.coverage=0.5"]
+    rows = bench.main([*common, "--variants", "ddp,b-sdp,n-sdp", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved == rows
+    table = capsys.readouterr().out
+    # (no FLOP count, the unrolled compile, for the backward variants: nothing below reads it)
+    rows += bench.main([*common, "--variants", "bb-sdp,nb-sdp", "--noflops"])
     by = {r["variant"]: r for r in rows}
     assert list(by) == ["ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp"]
     ddp = by["ddp"]
@@ -44,7 +46,6 @@ def test_bench_rows_and_ratios(tmp_path, capsys):
         assert by[v]["comm_bytes_per_device"] < 0.8 * ddp["comm_bytes_per_device"]
         assert by[v]["comm_by_op"]["all-to-all"] > 0
     assert set(ddp["comm_by_op"]) == {"all-reduce"}
-    table = capsys.readouterr().out
     assert "| b-sdp | 0.5 | 4 | 2/4 blocks |" in table and "comm / DDP" in table
 
 
@@ -77,6 +78,51 @@ def test_bench_fsdp_remat_bf16_and_measured_time(capsys):
         assert r["flops_per_device"] is None
     out = capsys.readouterr().out
     assert "time / DDP" in out and "| ddp+fsdp+ac |" in out
+
+
+def test_reference_is_plain_jit_of_the_same_step():
+    """The plain-jit DDP reference (sdp_jax/reference.py) takes the SDP step's DDP steps: the
+    same loss, gradient norm and parameters after 3 steps (activation checkpointing on, so the
+    shared loss's chunked path runs outside shard_map too)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from sdp_jax import reference, tasks
+    from sdp_jax import train_step as ts
+    from sdp_jax.models.llama import LlamaConfig
+    model = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        d_ff=64, max_seq_len=16)
+    optim = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0.5)
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    ref = reference.JitDDP(model, optim, mesh, 10, remat="full")
+    ddp = tasks.language_model_step(model, ts.make_plan("ddp", model, 4, 1.0), optim, mesh, 10,
+                                    remat="full")
+    a, b = ref.init_state(0), ddp.init_state(seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        tokens = rng.integers(0, 64, (8, 17)).astype(np.int32)
+        a, ma = ref.train_step_fn()(a, jax.device_put(tokens, ref.batch_sharding()))
+        b, mb = ddp.train_step_fn()(b, jax.device_put(jnp.asarray(tokens), ddp.batch_sharding()))
+        np.testing.assert_allclose(float(ma["train_loss"]), float(mb["train_loss"]), rtol=1e-6)
+        np.testing.assert_allclose(float(ma["grad_norm"]), float(mb["grad_norm"]), rtol=1e-5)
+    assert float(ma["grad_norm"]) > 0.5   # clipping was active
+    full = ddp.full_params(b)
+    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(full)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_bench_reference_rows(capsys):
+    rows = bench.main(["--config", TINY, "--variants", "ddp", "--reference", "--noflops",
+                       "--measure_time", "--time_steps", "2"])
+    assert [r["setting"] for r in rows] == ["jit-ddp", "ddp"]
+    jit, ddp = rows
+    assert jit["regime"] == "jit" and jit["params_per_device"] == ddp["params_per_device"]
+    # the same gradient bytes: one all-reduce of every parameter per step
+    assert abs(jit["comm_bytes_per_device"] / ddp["comm_bytes_per_device"] - 1) < 0.01
+    assert set(jit["comm_by_op"]) == {"all-reduce"} and len(jit["step_times_s"]) == 2
+    out = capsys.readouterr().out
+    assert "| jit-ddp | 1 | 4 | all |" in out
+    assert "ddp / jit-ddp: peak " in out and "step time " in out
 
 
 def test_paper_table_and_chart(tmp_path):
@@ -127,6 +173,13 @@ def test_bench_bad_input(capsys):
     with pytest.raises(SystemExit):  # before any compile
         bench.main(["--paper", "--config", TINY, "--out", os.path.dirname(TINY)])
     assert "needs 0.6875 x n_layers whole" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", TINY, "--reference", "--config.fsdp=True"])
+    assert "--reference is plain-jit DDP" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", os.path.join(ROOT, "configs", "resnet18_digits.py"),
+                    "--reference"])
+    assert "language models only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--paper", "--config.fsdp=True"])
     assert "drop --config.fsdp" in capsys.readouterr().err

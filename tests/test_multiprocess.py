@@ -21,6 +21,10 @@ import pytest
 
 from sdp_jax import launch
 
+# One pytest-xdist worker runs these in turn (the module's reference run is shared, and two
+# multi-process launches at once would each get half the CPU).
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A long schedule (the cosine depends on `steps`), stopped early with stop_at_step.
 BASE = ["--config", "configs/llama_tiny.py", "--config.steps=400", "--config.eval_every=3",
@@ -203,9 +207,21 @@ def test_train_py_launch_errors_are_one_line(tmp_path):
     out = subprocess.run(base + ["--init_timeout=6"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 1 and time.monotonic() - t0 < 60
-    assert "process 0 of 2 waited 6s in jax.distributed.initialize" in out.stderr
+    assert ("process 0 of 2 waited 6s in jax.distributed.initialize: process 1 did not "
+            "register with the coordinator") in out.stderr
     assert "Check failure" not in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "w").exists()
+
+
+def test_init_timeout_names_the_missing_peers():
+    where = f"127.0.0.1:{launch.free_port()}"   # nothing listens there
+    args = {"coordinator_address": where, "num_processes": 4, "process_id": 2}
+    assert "the coordinator (process 0) at 127.0.0.1" in launch._missing_peers(args, where)
+    args["process_id"] = 0
+    msg = launch._missing_peers(args, where)
+    assert "not every one of the 4 processes" in msg and "a process id missing" in msg
+    args["num_processes"] = 2
+    assert launch._missing_peers(args, "h:1").startswith("process 1 did not register")
 
 
 def test_launcher_reports_the_first_failure_and_ends_the_others(tmp_path):

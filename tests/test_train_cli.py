@@ -303,7 +303,9 @@ def test_a_signal_at_any_moment_is_one_line(tmp_path, moment, signals):
     when = {"start": lambda out, wd: time.time() - t0 > 1.0,
             "data": lambda out, wd: "data stdlib" in out,
             "compile": lambda out, wd: "mask graph" in out,
-            "training, twice": lambda out, wd: (wd / "metrics.jsonl").exists()}[moment]
+            # (a logged step: metrics.jsonl itself is created just before the loop's handler)
+            "training, twice": lambda out, wd: (wd / "metrics.jsonl").exists() and bool(
+                (wd / "metrics.jsonl").read_text().strip())}[moment]
     code, out, err = _signal_at(tmp_path, moment.split(",")[0], when, signals)
     assert code == 128 + signals[0], (out[-1000:], err[-2000:])
     assert "Traceback" not in err and "Segmentation" not in err, err[-3000:]

@@ -142,7 +142,8 @@ def test_bad_vision_configs():
 def _train(workdir, *extra):
     args = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" /
             "resnet18_digits.py"), f"--workdir={workdir}", "--config.model.width=4",
-            "--config.workers=4", "--config.num_cpu_devices=4", "--config.batch_per_worker=8",
+            "--config.model.depths=(2,2)", "--config.workers=4", "--config.num_cpu_devices=4",
+            "--config.batch_per_worker=8",
             "--config.steps=4", "--config.eval_every=2", "--config.checkpoint_every=2",
             "--config.log_every=1", "--config.optim.warmup_steps=1", "--config.eval_limit=64",
             "--config.eval_bn_batches=2", "--config.sdp.variant=b-sdp",

@@ -1,0 +1,134 @@
+"""Plain ``jax.jit`` data parallelism of the built-in LLaMA: the baseline users compare with.
+
+This is the program a JAX user writes without this project (as in the flax examples or
+MaxText's DDP setting): one ``jax.jit`` of the whole train step, the global batch sharded over
+the mesh axis ``data`` (``P('data')``), parameters and optimizer state replicated, and XLA's
+SPMD partitioner inserting the gradient all-reduce. The model, its loss
+(:meth:`sdp_jax.tasks.LanguageModel.loss`), the optimizer (:func:`sdp_jax.train_step.
+make_optimizer`, AdamW), mixed precision and activation checkpointing are the ones the SDP step
+uses, so the only difference from :class:`sdp_jax.step.SDPStep`'s DDP is the formulation:
+``jax.jit`` with shardings against ``jax.shard_map`` with explicit collectives.
+``python -m sdp_jax.bench --reference`` compiles and times it beside the variants.
+
+Gradient clipping is ``optax.clip_by_global_norm`` on the (already averaged) gradient, which
+is what the SDP step's clipping computes for DDP.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sdp_jax import step as step_lib
+from sdp_jax import tasks
+from sdp_jax import train_step as ts
+from sdp_jax.models.llama import BLOCK_KEY, LlamaConfig
+
+LABEL = "jit-ddp"
+
+
+class JitDDP:
+    """The plain-jit DDP train step of a LLaMA config (see the module docstring).
+
+    Args:
+      cfg: the model.
+      optim: optimizer settings (AdamW or SGD, warm-up + cosine over ``total_steps``).
+      mesh: a mesh whose axis ``data`` has the ``W`` devices (other axes unused).
+      total_steps: the schedule's length.
+      remat: activation checkpointing of each block, ``none``, ``full`` or ``dots`` (as
+        :class:`sdp_jax.step.SDPStep`).
+      dtype: compute dtype, ``float32`` or ``bfloat16`` (parameters and optimizer state stay
+        float32, as in the SDP step).
+      unroll: unroll the block scan (XLA's cost analysis counts a loop body once).
+
+    Raises:
+      ValueError: ``remat`` or ``dtype`` not one of the above.
+    """
+
+    def __init__(self, cfg: LlamaConfig, optim: ts.OptimConfig, mesh, total_steps: int, *,
+                 remat: str = "none", dtype: str = "float32", unroll: bool = False):
+        if remat not in step_lib.REMAT:
+            raise ValueError(f"remat={remat!r}; use one of {', '.join(step_lib.REMAT)}.")
+        if dtype not in step_lib.DTYPES:
+            raise ValueError(f"dtype={dtype!r}; use float32 or bfloat16.")
+        self.cfg, self.remat, self.unroll = cfg, remat, unroll
+        # The same devices with automatic (GSPMD) sharding propagation, as plain-jit programs
+        # are written: no sharding in the types (jax.make_mesh's default axis type is Explicit).
+        self.mesh = Mesh(mesh.devices, mesh.axis_names,
+                         axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+        self.dtype = step_lib.DTYPES[dtype]
+        self.model = tasks.LanguageModel(cfg)
+        chain = [ts.make_optimizer(optim, total_steps)]
+        if optim.grad_clip > 0:
+            chain.insert(0, optax.clip_by_global_norm(optim.grad_clip))
+        self.optimizer = optax.chain(*chain)
+        self._step = None
+
+    @property
+    def workers(self) -> int:
+        return self.mesh.shape[step_lib.AXIS]
+
+    def batch_sharding(self) -> NamedSharding:
+        """Rows of the global batch split over ``data``."""
+        return step_lib.batch_sharding(self.mesh)
+
+    def _replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def per_device_param_count(self) -> int:
+        """Every parameter on every device (replicated)."""
+        return sum(x.size for x in jax.tree.leaves(self.model.shapes))
+
+    def init_state(self, seed: int) -> dict:
+        """``{params, opt_state, step}``, replicated on the mesh (float32)."""
+        params = self.model.init(seed)
+        state = {"params": params, "opt_state": self.optimizer.init(params),
+                 "step": jnp.zeros((), jnp.int32)}
+        return jax.device_put(state, self._replicated())
+
+    def loss(self, params: dict, tokens: jax.Array) -> jax.Array:
+        """Mean next-token loss (nats/token, float32) of the global batch ``tokens`` int32
+        ``[W b, T + 1]``, computed in the compute dtype."""
+        p = jax.tree.map(lambda x: x.astype(self.dtype)
+                         if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        body = step_lib.remat_block(lambda h, block: (self.model.block(block, h), None),
+                                    self.remat)
+
+        def run(h):
+            h, _ = jax.lax.scan(body, h, p[BLOCK_KEY], unroll=self.unroll)
+            return h
+        return self.model.loss(p, tokens, step_lib.Runner(run, True, self.remat, self.unroll))
+
+    def _train_step(self, state, tokens):
+        loss, grads = jax.value_and_grad(self.loss)(state["params"], tokens)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+               "step": state["step"] + 1}
+        return new, {"train_loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    def train_step_fn(self):
+        """Jitted ``(state, tokens) -> (state, metrics)`` (``state`` donated); ``tokens`` int32
+        ``[W b, T + 1]`` sharded ``P('data')``; metrics ``train_loss`` and ``grad_norm``
+        (float32 scalars)."""
+        if self._step is None:
+            rep = self._replicated()
+            self._step = jax.jit(self._train_step, in_shardings=(rep, self.batch_sharding()),
+                                 out_shardings=(rep, rep), donate_argnums=0)
+        return self._step
+
+    def compiled_train_step(self, batch: jax.ShapeDtypeStruct):
+        """The step compiled for abstract inputs (nothing materialized): ``batch`` the global
+        batch's shape, int32 ``[W b, T + 1]``."""
+        rep = self._replicated()
+        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
+                              self.model.shapes)
+        opt = jax.eval_shape(self.optimizer.init, self.model.shapes)
+        state = {"params": params,
+                 "opt_state": jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+                     s.shape, s.dtype, sharding=rep), opt),
+                 "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)}
+        tokens = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=self.batch_sharding())
+        return self.train_step_fn().lower(state, tokens).compile()
