@@ -26,6 +26,9 @@ devices when no accelerator is present) and compiled:
 * FLOPs: ``compiled.cost_analysis()`` of a second compile with the block scan unrolled;
 * ``--measure_time``: a few real steps on random tokens, median wall time per step, all variants
   side by side in one process.
+* ``--reference``: a row for plain ``jax.jit`` DDP of the same model, loss and optimizer
+  (:mod:`sdp_jax.reference`; not the averaging ``--config.sdp.method=reference``) and every
+  row's ratios to it.
 
 ``--paper`` reproduces the memory and communication comparison of Singh et al. (arXiv
 2507.09029, Sec. 5, 1B model on 8 GPUs): DDP, FSDP + AC, B-SDP C = 0.6875 and B-SDP + FSDP + AC
@@ -93,7 +96,9 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
       ``coverage``, ``workers``, ``held_per_worker``, ``argument_bytes``, ``output_bytes``,
       ``alias_bytes``, ``temp_bytes``, ``peak_bytes_per_device`` (bytes),
       ``comm_bytes_per_device`` (bus bytes per step, loop trip counts included),
-      ``comm_by_op`` (bytes per collective kind), ``flops_per_device`` (FLOPs per step, XLA's
+      ``comm_by_op`` (bytes per collective kind), ``comm_in_backward_loop`` (the part of
+      ``comm_bytes_per_device`` issued inside the backward pass's block loop, which can overlap
+      with its compute; the rest runs after it), ``flops_per_device`` (FLOPs per step, XLA's
       count on the unrolled program; None with ``flops=False``), ``model_flops_per_device``
       (ddp and b-sdp: ``6N + 12 L T d`` per token times the worker's tokens),
       ``params_per_device``, ``compile_s``.
@@ -141,6 +146,7 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
     traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
     return {**ts.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
+            "comm_in_backward_loop": traffic["in_backward_loop"],
             "flops_per_device": (ts.flops_per_device(unrolled().compiled_train_step(batch_shape))
                                  if flops else None)}
 
@@ -219,6 +225,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
             "workers": workers, "held_per_worker": held or "all", "uniform": uniform,
             **ts.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
+            "comm_in_backward_loop": traffic["in_backward_loop"],
             "flops_per_device": ts.flops_per_device(compiled) if flops else None,
             "model_flops_per_device": None,
             "params_per_device": builder.per_device_param_count(),
@@ -298,12 +305,13 @@ def _ratio(a, b) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown table of bench rows with ratios to the matching DDP row (if present)."""
+    """Markdown table of bench rows with ratios to the matching DDP row (if present);
+    ``in bwd loop``: the share of the row's bus bytes issued inside the backward loop."""
     timed = any("step_time_s" in r for r in rows)
     head = ("| setting | C | W | held per worker | argument | temp | peak/device | peak / DDP | "
-            "comm/device | comm / DDP | FLOPs/device | FLOPs / DDP |"
+            "comm/device | comm / DDP | in bwd loop | FLOPs/device | FLOPs / DDP |"
             + (" step time | time / DDP |" if timed else ""))
-    lines = [head, "|" + "---|" * (12 + 2 * timed)]
+    lines = [head, "|" + "---|" * (13 + 2 * timed)]
     for r in rows:
         b = _baseline(rows, r) or {}
         line = (f"| {r['setting']} | {r['coverage']:.4g} | {r['workers']} | "
@@ -312,6 +320,7 @@ def format_table(rows: list[dict]) -> str:
                 f"{_ratio(r['peak_bytes_per_device'], b.get('peak_bytes_per_device'))} | "
                 f"{_bytes(r['comm_bytes_per_device'])} | "
                 f"{_ratio(r['comm_bytes_per_device'], b.get('comm_bytes_per_device'))} | "
+                f"{_ratio(r.get('comm_in_backward_loop'), r['comm_bytes_per_device'])} | "
                 f"{_flops(r['flops_per_device'])} | "
                 f"{_ratio(r['flops_per_device'], b.get('flops_per_device'))} |")
         if timed:

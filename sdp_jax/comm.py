@@ -516,6 +516,15 @@ def _trip_count(ins: _Instr, comp: _Comp, comps: dict[str, _Comp]) -> int | None
 # --------------------------------------------------------------------------------------------
 
 
+# JAX names the ops of a scan's backward pass ``.../transpose(jvp(...))/.../while/body/...``.
+_BACKWARD_LOOP_RE = re.compile(r"transpose\(jvp\(.*?\)\).*/while/body/")
+
+
+def _op_name(raw_attrs: str) -> str:
+    m = re.search(r'op_name="([^"]*)"', raw_attrs)
+    return m.group(1) if m else ""
+
+
 def _analyze(hlo_text: str, num_devices: int | None) -> tuple[list[dict], int, list[str]]:
     comps, entry, header_devices = _parse_module(hlo_text)
     default_n = num_devices if num_devices is not None else header_devices
@@ -554,6 +563,8 @@ def _analyze(hlo_text: str, num_devices: int | None) -> tuple[list[dict], int, l
                         "computation": cname,
                         "opcode": ins.opcode,
                         "exact": True,
+                        "in_backward_loop": bool(_BACKWARD_LOOP_RE.search(
+                            _op_name(ins.raw_attrs))),
                     }
                 rec["count"] += mult
                 rec["exact"] = rec["exact"] and exact
@@ -622,6 +633,10 @@ def collective_ops(hlo_text: str, num_devices: int | None = None) -> list[dict]:
         * ``name``, ``computation``, ``opcode``: where the instruction is.
         * ``exact``: False if the count relied on a ``conditional`` branch or a loop whose trip
           count could not be determined (counted once).
+        * ``in_backward_loop``: JAX issued the op inside the body of a loop of the backward pass
+          (its ``op_name`` metadata reads ``transpose(jvp(...))/.../while/body/``), e.g. a
+          gradient averaged per block as the backward scan produces it, which the hardware can
+          overlap with the rest of that loop; True even where XLA unrolled the loop.
 
     Raises:
         ValueError: no ENTRY computation in ``hlo_text``, or an element type of unknown width.
@@ -638,10 +653,12 @@ def comm_bytes_per_device(hlo_text: str, num_devices: int) -> dict:
             devices the program was compiled for).
 
     Returns:
-        ``{"total": float, "by_op": {op: float for every op in COLLECTIVE_OPS}, "ops": int,
-        "unknown_trip_counts": int, "warnings": list[str]}`` where ``total`` and ``by_op`` are
-        sums of :func:`collective_ops` ``bus_bytes`` (bytes, already multiplied by the execution
-        counts), ``ops`` is the number of collective instructions, and ``unknown_trip_counts``
+        ``{"total": float, "by_op": {op: float for every op in COLLECTIVE_OPS},
+        "in_backward_loop": float, "ops": int, "unknown_trip_counts": int, "warnings":
+        list[str]}`` where ``total``, ``by_op`` and ``in_backward_loop`` (the ops issued inside
+        the backward pass's loops) are sums of :func:`collective_ops` ``bus_bytes`` (bytes,
+        already multiplied by the execution counts), ``ops`` is the number of collective
+        instructions, and ``unknown_trip_counts``
         the number of ``while`` loops reachable from ENTRY whose trip count was neither in
         ``backend_config`` nor inferable (each counted as one iteration).
 
@@ -655,6 +672,7 @@ def comm_bytes_per_device(hlo_text: str, num_devices: int) -> dict:
     return {
         "total": float(sum(by_op.values())),
         "by_op": by_op,
+        "in_backward_loop": float(sum(r["bus_bytes"] for r in ops if r["in_backward_loop"])),
         "ops": len(ops),
         "unknown_trip_counts": unknown,
         "warnings": warnings,

@@ -5,13 +5,14 @@ MaxText's DDP setting): one ``jax.jit`` of the whole train step, the global batc
 the mesh axis ``data`` (``P('data')``), parameters and optimizer state replicated, and XLA's
 SPMD partitioner inserting the gradient all-reduce. The model, its loss
 (:meth:`sdp_jax.tasks.LanguageModel.loss`), the optimizer (:func:`sdp_jax.train_step.
-make_optimizer`, AdamW), mixed precision and activation checkpointing are the ones the SDP step
-uses, so the only difference from :class:`sdp_jax.step.SDPStep`'s DDP is the formulation:
-``jax.jit`` with shardings against ``jax.shard_map`` with explicit collectives.
+make_optimizer`), the global-norm clipping (:func:`sdp_jax.sync.clip_to`), mixed precision and
+activation checkpointing are the SDP step's, so in float32 the only difference from
+:class:`sdp_jax.step.SDPStep`'s DDP is the formulation: ``jax.jit`` with shardings against
+``jax.shard_map`` with explicit collectives (``tests/test_bench.py`` checks that both take the
+same steps). In bfloat16 one more difference is jit's own: the partitioner all-reduces each
+weight gradient where the bf16 matmul produces it, in bf16, where the SDP step averages in
+float32 (XLA:CPU widens bf16 collectives to float32, so CPU byte counts do not show it).
 ``python -m sdp_jax.bench --reference`` compiles and times it beside the variants.
-
-Gradient clipping is ``optax.clip_by_global_norm`` on the (already averaged) gradient, which
-is what the SDP step's clipping computes for DDP.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import step as step_lib
+from sdp_jax import sync
 from sdp_jax import tasks
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import BLOCK_KEY, LlamaConfig
@@ -41,7 +43,7 @@ class JitDDP:
       remat: activation checkpointing of each block, ``none``, ``full`` or ``dots`` (as
         :class:`sdp_jax.step.SDPStep`).
       dtype: compute dtype, ``float32`` or ``bfloat16`` (parameters and optimizer state stay
-        float32, as in the SDP step).
+        float32, as in the SDP step; see the module docstring on bf16 gradients).
       unroll: unroll the block scan (XLA's cost analysis counts a loop body once).
 
     Raises:
@@ -50,21 +52,17 @@ class JitDDP:
 
     def __init__(self, cfg: LlamaConfig, optim: ts.OptimConfig, mesh, total_steps: int, *,
                  remat: str = "none", dtype: str = "float32", unroll: bool = False):
-        if remat not in step_lib.REMAT:
-            raise ValueError(f"remat={remat!r}; use one of {', '.join(step_lib.REMAT)}.")
-        if dtype not in step_lib.DTYPES:
-            raise ValueError(f"dtype={dtype!r}; use float32 or bfloat16.")
+        step_lib.check_remat_dtype(remat, dtype)
         self.cfg, self.remat, self.unroll = cfg, remat, unroll
         # The same devices with automatic (GSPMD) sharding propagation, as plain-jit programs
         # are written: no sharding in the types (jax.make_mesh's default axis type is Explicit).
         self.mesh = Mesh(mesh.devices, mesh.axis_names,
                          axis_types=(AxisType.Auto,) * len(mesh.axis_names))
         self.dtype = step_lib.DTYPES[dtype]
+        self.grad_clip = optim.grad_clip
         self.model = tasks.LanguageModel(cfg)
-        chain = [ts.make_optimizer(optim, total_steps)]
-        if optim.grad_clip > 0:
-            chain.insert(0, optax.clip_by_global_norm(optim.grad_clip))
-        self.optimizer = optax.chain(*chain)
+        self.optimizer = ts.make_optimizer(optim, total_steps)
+        self.compact_shapes = self.model.shapes   # (every device holds every parameter)
         self._step = None
 
     @property
@@ -77,6 +75,12 @@ class JitDDP:
 
     def _replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+    def shardings(self) -> dict:
+        """The train state's shardings: every leaf replicated."""
+        opt = jax.eval_shape(self.optimizer.init, self.model.shapes)
+        return jax.tree.map(lambda _: self._replicated(),
+                            {"params": self.model.shapes, "opt_state": opt, "step": 0})
 
     def per_device_param_count(self) -> int:
         """Every parameter on every device (replicated)."""
@@ -92,8 +96,7 @@ class JitDDP:
     def loss(self, params: dict, tokens: jax.Array) -> jax.Array:
         """Mean next-token loss (nats/token, float32) of the global batch ``tokens`` int32
         ``[W b, T + 1]``, computed in the compute dtype."""
-        p = jax.tree.map(lambda x: x.astype(self.dtype)
-                         if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        p = jax.tree.map(lambda x: step_lib.cast_floating(x, self.dtype), params)
         body = step_lib.remat_block(lambda h, block: (self.model.block(block, h), None),
                                     self.remat)
 
@@ -104,10 +107,12 @@ class JitDDP:
 
     def _train_step(self, state, tokens):
         loss, grads = jax.value_and_grad(self.loss)(state["params"], tokens)
+        norm = optax.global_norm(grads)
+        grads = sync.clip_to(grads, norm, self.grad_clip)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
                "step": state["step"] + 1}
-        return new, {"train_loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new, {"train_loss": loss, "grad_norm": norm}
 
     def train_step_fn(self):
         """Jitted ``(state, tokens) -> (state, metrics)`` (``state`` donated); ``tokens`` int32
@@ -122,13 +127,6 @@ class JitDDP:
     def compiled_train_step(self, batch: jax.ShapeDtypeStruct):
         """The step compiled for abstract inputs (nothing materialized): ``batch`` the global
         batch's shape, int32 ``[W b, T + 1]``."""
-        rep = self._replicated()
-        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep),
-                              self.model.shapes)
-        opt = jax.eval_shape(self.optimizer.init, self.model.shapes)
-        state = {"params": params,
-                 "opt_state": jax.tree.map(lambda s: jax.ShapeDtypeStruct(
-                     s.shape, s.dtype, sharding=rep), opt),
-                 "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)}
+        state = step_lib.abstract_state(self, {"params": self.model.shapes})
         tokens = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=self.batch_sharding())
         return self.train_step_fn().lower(state, tokens).compile()

@@ -110,6 +110,23 @@ def _save_all_but_gathered(prim, *_, **__) -> bool:
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
 
+def check_remat_dtype(remat: str, dtype: str | None) -> None:
+    """Raises ValueError unless ``remat`` is one of :data:`REMAT` and ``dtype`` a key of
+    :data:`DTYPES` (or None: as stored)."""
+    if remat not in REMAT:
+        raise ValueError(f"remat={remat!r}; use one of {', '.join(REMAT)}.")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; use float32 or bfloat16 (None: as stored).")
+
+
+def cast_floating(x: jax.Array, dtype) -> jax.Array:
+    """``x`` in the compute ``dtype`` if it is floating (None: unchanged); integers as they
+    are."""
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return x.astype(dtype)
+
+
 def remat_block(body: Callable, remat: str, fsdp: bool = False) -> Callable:
     """Activation checkpointing of one block's function ``body``: ``full`` saves only the
     block input, ``dots`` also matmul outputs against weights, ``none`` saves everything
@@ -330,10 +347,7 @@ class SDPStep:
             raise ValueError(f"averaging={averaging!r}; choose one of {AVERAGING}.")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be a positive integer.")
-        if remat not in REMAT:
-            raise ValueError(f"remat={remat!r}; use one of {', '.join(REMAT)}.")
-        if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}; use float32 or bfloat16 (None: as stored).")
+        check_remat_dtype(remat, dtype)
         if not isinstance(fsdp, bool):
             raise ValueError(f"fsdp={fsdp!r} must be True or False.")
         if averaging == "parameters" and spec.backward:
@@ -637,9 +651,7 @@ class SDPStep:
 
     # ------------------------------------------------------------------ the loss
     def _cast(self, x):
-        if self.dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return x.astype(self.dtype)
+        return cast_floating(x, self.dtype)
 
     def _remat_body(self, body):
         return remat_block(body, self.remat, self.fsdp)

@@ -12,8 +12,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 # Compile time is most of the suite's time on a CPU, so two settings for the tests and the
 # train.py / launch subprocesses they start (which inherit the environment):
 # - one persistent compilation cache for the session: the suite compiles many identical programs
-#   (the same tiny config in several tests, a run and its resume). A directory the user sets is
-#   kept; otherwise a fresh one per session, removed at its end.
+#   (the same tiny config in several tests, a run and its resume). A fresh folder per session,
+#   removed at its end; a JAX_COMPILATION_CACHE_DIR the user set is used as it is (with its own
+#   thresholds). The xdist workers and subprocesses share it without a lock (JAX's cache locks
+#   only with a size limit): a half-written entry is read as a miss and recompiled, with a
+#   warning.
 # - JAX's `jax_disable_most_optimizations` (LLVM backend optimisation level 0): the same HLO
 #   programs, so the same buffers, collectives and FLOP counts, compiled to slower machine code.
 #   Unset it (JAX_DISABLE_MOST_OPTIMIZATIONS=0) to test the optimised code.
@@ -21,8 +24,8 @@ _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="sdp_jax_test_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402

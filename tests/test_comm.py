@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax.comm import COLLECTIVE_OPS, collective_ops, comm_bytes_per_device, shape_bytes
+from sdp_jax.sync import to_varying
 
 N = 8
 
@@ -481,3 +482,32 @@ def test_trip_count_inference_variants(cond, count, unknown):
     r = comm_bytes_per_device(text, 8)
     assert r["unknown_trip_counts"] == unknown
     assert r["total"] == pytest.approx(count * 2 * 7 / 8 * 40)
+
+
+def test_collectives_inside_the_backward_loop(mesh):
+    """A gradient averaged per block inside the backward scan (a psum in a custom_vjp's
+    backward rule) is counted in ``in_backward_loop``; the same average after the scan is not."""
+    @jax.custom_vjp
+    def averaged(w):
+        return w
+
+    averaged.defvjp(lambda w: (w, None), lambda _, g: (to_varying(lax.pmean(g, "data")),))
+
+    def loss(ws, x, inside):
+        def body(h, w):
+            return jnp.tanh(h @ (averaged(w) if inside else w)), None
+        h, _ = lax.scan(body, x, ws)
+        return jnp.sum(h)
+
+    def step(x, inside):
+        ws = jnp.ones((3, 16, 16), jnp.float32) * 0.1
+        g = jax.grad(loss)(to_varying(ws), x, inside)
+        return g if inside else lax.pmean(g, "data")
+
+    for inside in (True, False):
+        text = hlo(lambda x: step(x.reshape(1, 16), inside)[None], f32(16), mesh,
+                   out_spec=P("data"))
+        traffic = comm_bytes_per_device(text, N)
+        assert traffic["total"] >= 2 * 7 / 8 * 3 * 16 * 16 * 4, traffic
+        loop = traffic["in_backward_loop"]
+        assert (loop == traffic["total"]) if inside else loop == 0, (inside, traffic)
