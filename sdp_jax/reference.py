@@ -5,7 +5,7 @@ MaxText's DDP setting): one ``jax.jit`` of the whole train step, the global batc
 the mesh axis ``data`` (``P('data')``), parameters and optimizer state replicated, and XLA's
 SPMD partitioner inserting the gradient all-reduce. The model, its loss
 (:meth:`sdp_jax.tasks.LanguageModel.loss`), the optimizer (:func:`sdp_jax.train_step.
-make_optimizer`), the global-norm clipping (:func:`sdp_jax.sync.clip_to`), mixed precision and
+make_optimizer`), the clipped update (:func:`sdp_jax.step.clipped_update`), mixed precision and
 activation checkpointing are the SDP step's, so in float32 the only difference from
 :class:`sdp_jax.step.SDPStep`'s DDP is the formulation: ``jax.jit`` with shardings against
 ``jax.shard_map`` with explicit collectives (``tests/test_bench.py`` checks that both take the
@@ -24,7 +24,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import step as step_lib
-from sdp_jax import sync
 from sdp_jax import tasks
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import BLOCK_KEY, LlamaConfig
@@ -108,10 +107,9 @@ class JitDDP:
     def _train_step(self, state, tokens):
         loss, grads = jax.value_and_grad(self.loss)(state["params"], tokens)
         norm = optax.global_norm(grads)
-        grads = sync.clip_to(grads, norm, self.grad_clip)
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
-        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-               "step": state["step"] + 1}
+        params, opt_state = step_lib.clipped_update(self.optimizer, grads, norm, self.grad_clip,
+                                                    state["opt_state"], state["params"])
+        new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         return new, {"train_loss": loss, "grad_norm": norm}
 
     def train_step_fn(self):

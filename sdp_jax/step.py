@@ -127,6 +127,16 @@ def cast_floating(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+def clipped_update(optimizer: optax.GradientTransformation, grads: Any, norm: jax.Array,
+                   grad_clip: float, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    """One optimizer step: ``grads`` clipped to global norm ``grad_clip`` by the caller's
+    ``norm`` (:func:`sdp_jax.sync.clip_to`; 0 = no clipping), then ``optimizer``'s update
+    applied to ``params``. Returns ``(new params, new optimizer state)``."""
+    grads = sync.clip_to(grads, norm, grad_clip)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
 def remat_block(body: Callable, remat: str, fsdp: bool = False) -> Callable:
     """Activation checkpointing of one block's function ``body``: ``full`` saves only the
     block input, ``dots`` also matmul outputs against weights, ``none`` saves everything
@@ -913,12 +923,11 @@ class SDPStep:
         else:
             grads = self._average(grads)
             gnorm = sync.global_norm(_unflatten(grads), spec)
-        grads = sync.clip_to(grads, gnorm, self.grad_clip)
         codes = self.compact_layout
-        compact = self._lead(local, codes)
-        updates, opt_state = self.optimizer.update(self._lead(grads, codes),
-                                                   state["opt_state"], compact)
-        new = _flatten(optax.apply_updates(compact, updates))
+        new, opt_state = clipped_update(self.optimizer, self._lead(grads, codes), gnorm,
+                                        self.grad_clip, state["opt_state"],
+                                        self._lead(local, codes))
+        new = _flatten(new)
         if spec.backward and not self.fsdp:   # every worker's full model from the holders
             mine = self._to_local({p: x[0] if codes[p] == "C" else x for p, x in new.items()})
             rebuilt = _flatten(sync.gather_full(_unflatten(mine), spec))
