@@ -92,7 +92,8 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
     """Compile one variant's train step and read its per-device memory, communication, FLOPs.
 
     Returns:
-      row dict: ``variant``, ``setting``, ``fsdp``, ``remat``, ``dtype``, ``regime``,
+      row dict: ``variant``, ``setting``, ``fsdp``, ``remat``, ``dtype``, ``attention``,
+      ``regime``,
       ``coverage``, ``workers``, ``held_per_worker``, ``argument_bytes``, ``output_bytes``,
       ``alias_bytes``, ``temp_bytes``, ``peak_bytes_per_device`` (bytes),
       ``comm_bytes_per_device`` (bus bytes per step, loop trip counts included),
@@ -116,7 +117,8 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
     tokens = config.batch_per_worker * config.seq_len
     held = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}
     return {"variant": variant, "setting": setting_name(variant, fsdp, remat), "fsdp": fsdp,
-            "remat": remat, "dtype": dtype, "regime": plan.regime, "coverage": plan.coverage,
+            "remat": remat, "dtype": dtype, "attention": config.model.attention,
+            "regime": plan.regime, "coverage": plan.coverage,
             "workers": workers,
             "held_per_worker": ", ".join(f"{t.k}/{t.masks.shape[-1]} {held[k]}"
                                          for k, t in plan.kinds.items()),
@@ -174,7 +176,8 @@ def measure_reference(config, workers: int, mesh, *, remat: str = "none",
                        lambda: _reference(config, mesh, remat, dtype, unroll=True))
     model = LlamaConfig.from_config(config.model)
     return {"variant": reference.LABEL, "setting": setting_name(reference.LABEL, False, remat),
-            "fsdp": False, "remat": remat, "dtype": dtype, "regime": "jit", "coverage": 1.0,
+            "fsdp": False, "remat": remat, "dtype": dtype, "attention": config.model.attention,
+            "regime": "jit", "coverage": 1.0,
             "workers": workers, "held_per_worker": "all", "uniform": True, **figures,
             "model_flops_per_device": ts.model_flops_per_token(model, config.seq_len)
             * config.batch_per_worker * config.seq_len,
@@ -672,7 +675,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     print(f"{config_path}: {model.n_layers} blocks, batch {config.batch_per_worker} x "
           f"{config.seq_len} tokens per worker, {workers} x {jax.devices()[0].platform}, "
           f"{dtype}" + (", FSDP" if fsdp else "") + f", remat {remat}, averaging "
-          f"{config.sdp.method}", flush=True)
+          f"{config.sdp.method}, attention {model.attention}", flush=True)
     kw = {"fsdp": fsdp, "remat": remat, "dtype": dtype}
     coverage = config.sdp.coverage
     if fv.reference:

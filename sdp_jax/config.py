@@ -67,7 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.model = ml_collections.ConfigDict(dict(
         name="llama", vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384,
-        max_seq_len=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02))
+        max_seq_len=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
+        attention="dot_product",   # dot_product | cudnn (NVIDIA GPU, bf16) | chunked (any)
+        attention_chunk=128))      # query rows per chunk of attention=chunked
     c.data = data.default_data_config()
     _run_fields(c)
     # Pipeline stages on the mesh axis `stage` (W * stages devices), with compressed boundaries
@@ -154,6 +156,9 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
 RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
                "remat")
+# Model fields that choose how the same function is computed (not what is computed): a
+# checkpoint resumes under other values.
+MODEL_EXECUTION = ("attention", "attention_chunk")
 
 
 @dataclasses.dataclass
@@ -362,4 +367,6 @@ def trajectory_config(config) -> dict[str, Any]:
     for k in RUN_CONTROL:
         d.pop(k, None)
     d.get("data", {}).pop("worker_count", None)
+    for k in MODEL_EXECUTION:
+        d.get("model", {}).pop(k, None)
     return d

@@ -20,11 +20,15 @@ Two forms of the loss:
   subtree (``Blocks(path, stacked=True)``) and ``run(h) -> h`` applies the worker's blocks in
   depth order, each as ``block_fn(block_params, h)`` on one block's parameters (no stack axis).
   The step decides where each block's parameters come from (the compact stack, the frozen full
-  model under backward masking, or an FSDP gather of only the held rows), and wraps each block
-  in ``jax.checkpoint`` for ``remat``.
+  model under backward masking, or an FSDP gather of only the held rows), wraps each block
+  in ``jax.checkpoint`` for ``remat``, and averages the block gradients inside the backward
+  loop (:meth:`SDPStep._in_loop_tables`). Call ``run`` once per step: each call's backward
+  pass issues its own averaging collectives (the mean stays right, the bytes multiply).
 
 The step, inside ``jax.shard_map`` over the mesh axis ``data``: local loss and gradient ->
-:func:`sdp_jax.sync.average` (mean over each component's holders, invariant 2) -> clipping by
+:func:`sdp_jax.sync.average` (mean over each component's holders, invariant 2; with the block
+runner and ``method="alltoall"`` the block gradients are averaged inside the backward loop as
+each block's gradient appears, :func:`sdp_jax.sync.mean_in_backward`) -> clipping by
 :func:`sdp_jax.sync.global_norm` -> the optimizer on the compact parameters -> under backward
 masking, every worker's full parameters rebuilt from the holders' new values
 (:func:`sdp_jax.sync.gather_full`). With periodic parameter averaging (``averaging=
@@ -324,6 +328,7 @@ class SDPStep:
         if state_spec is not None:
             self.stats_layout, self.stats_specs, self.stats_shapes = self._state_struct()
             self.state_specs["stats"] = self.stats_specs
+        self._loop_tables = self._in_loop_tables()
         self._train_steps: dict[bool, Any] = {}
         self._eval_step = None
         if block_fn is not None:
@@ -390,6 +395,39 @@ class SDPStep:
                                  f"subtree {spec_lib.path_str(spec.block_path)!r}; move its rule "
                                  "into the blocks, or drop block_fn (and fsdp, remat).")
         return mesh
+
+    def _in_loop_tables(self) -> dict:
+        """The block leaves whose gradients are averaged inside the backward loop
+        (:func:`sdp_jax.sync.mean_in_backward`: {local path: None for a plain mean, or the
+        leaf's holder tables}); the others are averaged after the backward pass.
+
+        In the loop: forward masking with the block runner, gradient averaging by ``alltoall``,
+        no FSDP (its reduce-scatter is the transpose of its gathers), no pipeline (its schedule
+        runs the blocks once per microbatch, which would repeat the collectives). Leaves stored
+        per worker (layout ``C``) held by every worker (DDP's blocks) get a plain mean, N-SDP's
+        neuron leaves (loop step i is layer i on every worker) the holder mean of layer i.
+        B-SDP's blocks cannot be averaged there: loop step i runs a different block on each
+        worker (its i-th held one); their gradients go to the owners inside the loop (the first
+        all_to_all leg of :func:`sdp_jax.sync.holder_mean`) and come back averaged after it
+        (:func:`sdp_jax.sync.sinks_to_mean`). Replicated leaves (layout ``R``: N-SDP's norms)
+        are averaged after the loop, where their mean leaves the step invariant.
+        """
+        lay = self.layout
+        if (self.block_fn is None or self.fsdp or self.spec.backward or self.periodic
+                or self.staged or self.method != "alltoall"):
+            return {}
+        out = {}
+        for p, lf in lay.leaves.items():
+            if not self._in_block(p) or self.param_layout.get(p) != "C" \
+                    or lf.form == layout_lib.KEPT:
+                continue
+            if lay.holder_tables(p).full:
+                out[p] = None
+            elif lf.form == layout_lib.NEURON and spec_lib.BLOCK not in self.spec.kinds:
+                out[p] = lay.holder_tables(p)   # grouped: layer i at loop step i
+            elif lf.form == layout_lib.STACK:
+                out[p] = lay.holder_tables(p)   # to the owners in the loop, back after it
+        return out
 
     # ------------------------------------------------------------------ layout
     def _in_block(self, p) -> bool:
@@ -666,15 +704,18 @@ class SDPStep:
     def _remat_body(self, body):
         return remat_block(body, self.remat, self.fsdp)
 
-    def _call(self, kept: dict, n: int, get, batch, train=True, xs=None):
+    def _call(self, kept: dict, n: int, get, batch, train=True, xs=None, prepare=None):
         """``loss_fn`` with the block runner: ``kept`` {path: leaf} outside the block subtree;
         ``n`` blocks whose leaf ``path`` of block ``i`` (traced) is ``get(path, i, x)`` in the
         compute dtype, ``x`` slice ``i`` of ``xs`` (stacked leaves scanned over: their gradients
-        are then stacked, not accumulated in a carry)."""
+        are then stacked, not accumulated in a carry), first passed through ``prepare(x, i)``
+        if given (inside the loop, and inside activation checkpointing)."""
         prefix, paths = self.prefix, [p for p in self.spec.shapes if self._in_block(p)]
 
         def body(h, ix):
             i, x = ix
+            if prepare is not None:
+                x = prepare(x, i)
             block = _unflatten({p[len(prefix):]: get(p, i, x) for p in paths})
             return self.block_fn(block, h), None
         if train:
@@ -688,15 +729,22 @@ class SDPStep:
         return self.loss_fn(_unflatten({p: self._cast(x) for p, x in kept.items()}), batch,
                             runner)
 
-    def _forward_loss(self, local: dict, batch, *stats):
-        """Forward masking: the worker's compact subnetwork alone (flat local leaves)."""
+    def _forward_loss(self, local: dict, batch, *stats, sinks=None):
+        """Forward masking: the worker's compact subnetwork alone (flat local leaves); with the
+        block runner, block gradients averaged inside the backward loop
+        (:meth:`_in_loop_tables`; ``sinks``: :func:`sdp_jax.sync.owner_sinks` of B-SDP's
+        blocks)."""
         if self.block_fn is None:
             return self.loss_fn(_unflatten({p: self._cast(x) for p, x in local.items()}), batch,
                                 *map(_unflatten, stats))
         blocks = {p: x for p, x in local.items() if self._in_block(p)}
         kept = {p: x for p, x in local.items() if not self._in_block(p)}
         n = next(iter(blocks.values())).shape[0]
-        return self._call(kept, n, lambda p, i, x: self._cast(x[p]), batch, xs=blocks)
+        tables = self._loop_tables
+        prepare = ((lambda x, i: sync.mean_in_backward(x, tables, i, AXIS, sinks))
+                   if tables else None)
+        return self._call(kept, n, lambda p, i, x: self._cast(x[p]), batch, xs=blocks,
+                          prepare=prepare)
 
     def _full_loss(self, full: dict, batch, *stats):
         """Backward masking without the block runner: the loss of the full model (flat)."""
@@ -883,7 +931,17 @@ class SDPStep:
         local = self._to_local(self._strip(params))
         diff = {lp: sync.to_varying(x) if self.param_layout.get(lp) == "R" else x
                 for lp, x in local.items()}
-        loss, aux, g, new = self._value_and_grad(self._forward_loss, diff, batch, *extra)
+        owners = {p: t for p, t in self._loop_tables.items() if t is not None and not t.grouped}
+        if not owners:
+            loss, aux, g, new = self._value_and_grad(self._forward_loss, diff, batch, *extra)
+            return loss, aux, g, local, new
+        # B-SDP: block gradients reach their owners inside the backward loop, as gradients of
+        # zero accumulators (sinks), and come back averaged after it.
+        sinks = sync.owner_sinks({p: local[p] for p in owners}, owners, AXIS)
+        loss, aux, (g, sums), new = self._value_and_grad(
+            lambda both, *a: self._forward_loss(both[0], *a, sinks=both[1]), (diff, sinks),
+            batch, *extra)
+        g.update(sync.sinks_to_mean(sums, {p: g[p] for p in owners}, owners, AXIS))
         return loss, aux, g, local, new
 
     def _new_state(self, new: dict):
@@ -899,8 +957,12 @@ class SDPStep:
         return _unflatten({p: x[None] if self.stats_layout[p] == "C" else x
                            for p, x in avg.items()})
 
-    def _average(self, local: dict) -> dict:
-        return _flatten(sync.average(_unflatten(local), self.spec, method=self.method))
+    def _average(self, local: dict, gradient: bool) -> dict:
+        """Mean over holders of a worker's local values (flat); of a ``gradient``, except the
+        leaves already averaged inside the backward loop (:meth:`_in_loop_tables`)."""
+        done = frozenset(self._loop_tables) if gradient else frozenset()
+        return _flatten(sync.average(_unflatten(local), self.spec, method=self.method,
+                                     done=done))
 
     def _lead(self, local: dict, codes: dict) -> dict:
         """Local leaves (flat) -> the stored tree (list-form slots stacked, a leading worker
@@ -921,7 +983,7 @@ class SDPStep:
             gnorm = jnp.sqrt(sync.sum_parts([jnp.sum(jnp.square(g.astype(jnp.float32)))
                                              for g in grads.values()], AXIS, False))
         else:
-            grads = self._average(grads)
+            grads = self._average(grads, gradient=True)
             gnorm = sync.global_norm(_unflatten(grads), spec)
         codes = self.compact_layout
         new, opt_state = clipped_update(self.optimizer, self._lead(grads, codes), gnorm,
@@ -935,7 +997,7 @@ class SDPStep:
                                  else rebuilt[p] for p in spec.shapes})  # kept: already equal
         elif self.periodic and sync_now:
             mine = self._to_local({p: x[0] for p, x in new.items()})
-            params = self._lead(self._average(mine), codes)
+            params = self._lead(self._average(mine, gradient=False), codes)
         else:
             params = _unflatten(new)
         if self.periodic:
@@ -995,7 +1057,7 @@ class SDPStep:
         params = self._unstage(params, self.param_specs)
         loss, _, g, _, _ = self._local_grads(params, batch)
         if not self.fsdp:
-            g = self._average(g)
+            g = self._average(g, gradient=True)
         return (jax.lax.pmean(loss, AXIS),
                 self._restage(self._lead(g, self.compact_layout), self.compact_specs))
 

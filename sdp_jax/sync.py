@@ -437,6 +437,139 @@ def holder_mean(tree: dict, tables: dict, axis: str = AXIS,
                              step_bytes)
 
 
+def _group_holder_mean(ct: dict, tables: dict, group, axis: str) -> dict:
+    """Masked mean over holders of one group (layer) of neuron leaves: ``ct`` {path: this
+    worker's compact slice of group ``group`` (traced), component axis ``tables[p].axis - 1``},
+    both all_to_all legs of :func:`holder_mean` for that group only."""
+    out = {}
+    for paths in _fused_groups(tables):
+        t = tables[paths[0]]
+        W = t.workers
+        dt = jnp.result_type(jnp.float32, *[ct[p].dtype for p in paths])
+        moved = {p: jnp.moveaxis(ct[p], tables[p].axis - 1, 0) for p in paths}
+        rows = [_split_rows(moved[p].reshape(1, t.kc, -1).astype(dt), W)[0]   # [kc, W, rs]
+                for p in paths]
+        widths = [x.shape[-1] for x in rows]
+        idx = slot_indices(t, group, 0, t.kc)
+        acc = pieces_to_owners(zeros_varying((t.size, sum(widths)), dt, rows[0], axis),
+                               jnp.concatenate(rows, axis=-1), idx, axis)
+        acc = acc / jnp.asarray(t.counts, dt)[group][:, None]
+        back = _unfuse(pieces_from_owners(acc, idx, axis), paths, widths)   # [kc, W, rs]
+        for p in paths:
+            m = moved[p]
+            v = back[p].reshape(t.kc, -1)[:, :int(np.prod(m.shape[1:]))].reshape(m.shape)
+            out[p] = jnp.moveaxis(v, 0, tables[p].axis - 1).astype(ct[p].dtype)
+    return out
+
+
+def _owner_groups(tables: dict) -> list[list]:
+    """Fused groups (:func:`_fused_groups`) of the block leaves (tables not grouped) of
+    :func:`mean_in_backward`; a group's key is its first path."""
+    return _fused_groups({p: t for p, t in tables.items() if t is not None and not t.grouped})
+
+
+def owner_sinks(like: dict, tables: dict, axis: str = AXIS) -> dict:
+    """Zero accumulators of :func:`mean_in_backward` for block leaves: {first path of a fused
+    group: ``[Gc, RS]`` in float32 (or the leaves' dtype if wider)}, this device's shard of the
+    group's summed rows (``RS``: the leaves' ``rs = ceil(r / W)`` together). ``like``: {path:
+    the worker's compact leaf ``[k, ...]``}."""
+    out = {}
+    for paths in _owner_groups(tables):
+        t = tables[paths[0]]
+        rs = sum(-(-int(np.prod(like[p].shape[1:])) // t.workers) for p in paths)
+        dt = jnp.result_type(jnp.float32, *[like[p].dtype for p in paths])
+        out[paths[0]] = zeros_varying((t.size, rs), dt, like[paths[0]], axis)
+    return out
+
+
+def sinks_to_mean(sums: dict, like: dict, tables: dict, axis: str = AXIS) -> dict:
+    """The gradients of :func:`owner_sinks` (the sums over holders, in the owners' shards) ->
+    {path: the worker's compact leaf of the holder mean}: divided by the multiplicities, then
+    fetched back by the second all_to_all leg of :func:`holder_mean` (after the backward
+    pass)."""
+    shards = {}
+    for paths in _owner_groups(tables):
+        t = tables[paths[0]]
+        widths = [-(-int(np.prod(like[p].shape[1:])) // t.workers) for p in paths]
+        acc = sums[paths[0]] / jnp.asarray(t.counts[0], sums[paths[0]].dtype)[:, None]
+        shards.update({p: x[None] for p, x in _unfuse(acc, paths, widths).items()})
+    return shards_to_compact(shards, like, {p: tables[p] for p in shards}, axis)
+
+
+def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
+                     sinks: dict | None = None) -> dict:
+    """Identity on the values; its transpose averages each leaf's cotangent over the leaf's
+    holders inside the backward pass's block loop, as soon as one block's gradient exists
+    (where a GPU or TPU can overlap it with the next block's backward compute), instead of
+    after the whole backward pass.
+
+    Call inside ``jax.shard_map`` on one block's parameters inside the block loop (loop step
+    ``group``), before any cast to the compute dtype (cotangents are averaged in the master
+    dtype).
+
+    Args:
+      tree: {path: this worker's value of one block of a leaf}, varying over ``axis``.
+      tables: {path: one of}
+
+        * None: held by every worker: the cotangent becomes its plain mean (an all-reduce);
+        * a grouped :class:`HolderTables` (neuron leaves; the component axis of the slice is
+          ``axis - 1``; loop step ``group`` is layer ``group`` on every worker): the holder
+          mean of that layer, both all_to_all legs of :func:`holder_mean`;
+        * a block :class:`HolderTables` (B-SDP: loop step ``group`` is the worker's slot
+          ``group``, a different block on each worker, so the mean cannot be formed yet):
+          the cotangent is sent to its owners (the first all_to_all leg) and added into the
+          gradient of ``sinks`` (:func:`owner_sinks`); the leaf's own cotangent is zero.
+          :func:`sinks_to_mean` finishes the mean after the backward pass.
+
+        A path not in ``tables`` keeps its cotangent.
+      group: int32 scalar (may be traced): the loop step.
+      sinks: :func:`owner_sinks` of the block leaves (needed when ``tables`` has any).
+    Returns:
+      ``tree`` unchanged. Bytes per device on the wire equal those of :func:`average` for the
+      same leaves, issued where each block's gradient is computed; a loss that runs the blocks
+      twice issues them twice (still the right mean: it is linear).
+    Raises:
+      ValueError: block leaves without ``sinks`` of the same tables.
+    """
+    owners = _owner_groups(tables)
+    sinks = dict(sinks or {})
+    if owners and set(sinks) != {g[0] for g in owners}:
+        raise ValueError("mean_in_backward: block leaves need sinks=owner_sinks(...) of the "
+                         "same tables.")
+    shapes = {k: (v.shape, v.dtype) for k, v in sinks.items()}
+
+    @jax.custom_vjp
+    def ident(x, snk, g):
+        return x
+
+    def fwd(x, snk, g):
+        return x, g
+
+    def bwd(g, ct):
+        plain = {p: v for p, v in ct.items() if p in tables and tables[p] is None}
+        grouped = {p: v for p, v in ct.items()
+                   if tables.get(p) is not None and tables[p].grouped}
+        out = dict(ct)
+        if plain:
+            out.update(to_varying(lax.pmean(plain, axis), axis))
+        if grouped:
+            out.update(_group_holder_mean(grouped, {p: tables[p] for p in grouped}, g, axis))
+        sent = {}
+        for paths in owners:
+            t, key = tables[paths[0]], paths[0]
+            shape, dt = shapes[key]
+            rows = [_split_rows(ct[p].reshape(1, 1, -1).astype(dt), t.workers)[0]
+                    for p in paths]                                       # [1, W, rs]
+            sent[key] = pieces_to_owners(zeros_varying(shape, dt, rows[0], axis),
+                                         jnp.concatenate(rows, axis=-1),
+                                         slot_indices(t, 0, g, 1), axis)
+            out.update({p: jnp.zeros_like(ct[p]) for p in paths})
+        return out, sent, None
+
+    ident.defvjp(fwd, bwd)
+    return ident(tree, sinks, group)
+
+
 def all_gather_invariant(x: jax.Array, axis: str = AXIS) -> jax.Array:
     """Tiled all-gather of shards ``[..., rs]`` along the last axis; the result is the same on
     every worker and typed invariant, so it may leave ``shard_map`` replicated (``P()``)."""
@@ -590,7 +723,7 @@ def _check_compact(flat: dict, lay) -> bool:
 
 
 def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
-            axis: str = AXIS) -> Any:
+            axis: str = AXIS, done: frozenset = frozenset()) -> Any:
     """Mean of every component over exactly the workers that hold it, for a whole tree.
 
     Call inside ``jax.shard_map`` over ``axis``, on each worker's own (local) values, e.g. the
@@ -612,15 +745,21 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
         per device ``2 (W-1)/W`` times the worker's compact bytes, ``C`` times an all-reduce);
         ``"psum"`` scatters into full-size buffers and runs :func:`masked_average` (the
         reference; every method gives the same values).
+      done: compact layout, ``alltoall``: local paths already averaged (e.g. inside the
+        backward loop by :func:`mean_in_backward`), returned as they are.
 
     Returns:
       tree like ``tree``; always-kept leaves are the plain mean over all workers.
 
     Raises:
-      ValueError: unknown ``method``.
+      ValueError: unknown ``method``; ``done`` with ``psum`` or the full layout, or naming
+        paths not in ``tree``.
     """
     if method not in ("alltoall", "psum"):
         raise ValueError(f"method={method!r}; use alltoall or psum.")
+    if done and (method != "alltoall" or not compact):
+        raise ValueError("done= (leaves averaged in the backward loop) is for the compact "
+                         "layout with method='alltoall'; the reference psum averages every leaf.")
     if not compact:
         return masked_average(tree, spec.mask_tree(), axis)
     lay = layout_lib.of(spec)
@@ -637,8 +776,13 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
         back = lay.to_stored(back) if stored else back
         return jax.tree_util.tree_unflatten(jax.tree.structure(tree),
                                             [back[p].astype(x.dtype) for p, x in flat.items()])
-    plain, rows, tabs, slots = _compact_groups(flat, lay)
+    if not set(done) <= set(flat):
+        raise ValueError(f"done= names paths that are not in the tree: "
+                         f"{sorted(set(done) - set(flat), key=str)[:2]}.")
+    plain, rows, tabs, slots = _compact_groups({p: x for p, x in flat.items() if p not in done},
+                                               lay)
     out = {lp: lax.pmean(x, axis) for lp, x in plain.items()}
+    out.update({lp: flat[lp] for lp in done})
     for key, v in (holder_mean(rows, tabs, axis) if rows else {}).items():
         lf = lay.leaves.get(key)
         if key in slots:

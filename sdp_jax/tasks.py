@@ -540,6 +540,10 @@ class LanguageModelFamily(_Family):
         if config.data.source != "llmc" and model.vocab_size < data_lib.VOCAB_BYTES:
             raise ValueError(f"byte-level data needs model.vocab_size >= 256, got "
                              f"{model.vocab_size}.")
+        if model.attention == "cudnn" and config.dtype not in ("bfloat16", "bf16"):
+            raise ValueError(f"model.attention='cudnn' computes in bf16 only (cuDNN refuses "
+                             f"float32), but dtype={config.dtype!r}; add --config.dtype=bfloat16 "
+                             "or use model.attention=chunked.")
         return model
 
     def plan(self, config, model, workers, pipe) -> spec_lib.SDPSpec:

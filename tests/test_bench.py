@@ -120,10 +120,11 @@ def test_bench_reference_rows(capsys):
     # the same gradient bytes: one all-reduce of every parameter per step
     assert abs(jit["comm_bytes_per_device"] / ddp["comm_bytes_per_device"] - 1) < 0.01
     assert set(jit["comm_by_op"]) == {"all-reduce"} and len(jit["step_times_s"]) == 2
-    # XLA's SPMD partitioner averages inside the backward scan (per block, overlappable);
-    # the shard_map step averages after it (issue 14)
+    # XLA's SPMD partitioner averages inside the backward scan (per block, overlappable), and
+    # so does our step (sdp_jax.sync.mean_in_backward): the same bytes in the loop
     assert jit["comm_in_backward_loop"] > 0.5 * jit["comm_bytes_per_device"]
-    assert ddp["comm_in_backward_loop"] == 0
+    assert ddp["comm_in_backward_loop"] == pytest.approx(jit["comm_in_backward_loop"], rel=0.01)
+    assert ddp["peak_bytes_per_device"] <= 1.002 * jit["peak_bytes_per_device"]
     out = capsys.readouterr().out
     assert "| jit-ddp | 1 | 4 | all |" in out
     assert "ddp / jit-ddp: peak " in out and "step time " in out

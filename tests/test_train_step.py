@@ -280,3 +280,52 @@ def test_nsdp_holders_of_each_neuron_and_head_agree(mesh, batches):
                         np.testing.assert_array_equal(v, seen[i])  # bit-identical copies
                     seen[i] = v
             assert len(seen) == b.spec.shapes[path][axis]  # every index held by someone
+
+
+@pytest.mark.parametrize("variant,coverage,remat", [("ddp", 1.0, "none"), ("n-sdp", 0.5, "full"),
+                                                    ("b-sdp", 0.5, "none"),
+                                                    ("b-sdp", 0.5, "full")])
+def test_averaging_inside_the_backward_loop_equals_averaging_after_it(mesh, batches, variant,
+                                                                      coverage, remat):
+    """Issue 14, item 2: block gradients averaged inside the backward scan (DDP's all-reduce,
+    N-SDP's per-layer holder all_to_alls, B-SDP's leg to the owners) give the parameters of
+    the full-size masked psum after the backward pass (method='reference')."""
+    b = builder(mesh, variant, coverage, remat=remat)
+    loop = b._loop_tables
+    assert loop and all(p[0] == "blocks" for p in loop)
+    kinds = {("grouped" if t.grouped else "owners") if t is not None else "mean"
+             for t in loop.values()}
+    assert kinds == {"ddp": {"mean"}, "n-sdp": {"grouped"},
+                     "b-sdp": {"owners"}}[variant], kinds
+    ref = builder(mesh, variant, coverage, method="reference", remat=remat)
+    assert not ref._loop_tables
+    s, losses = run(b, batches)
+    s_ref, l_ref = run(ref, batches)
+    np.testing.assert_allclose(losses, l_ref, rtol=1e-6)
+    leaves_close(s["params"], s_ref["params"], rtol=1e-5, atol=1e-7)
+
+
+def test_averaging_bytes_move_inside_the_backward_loop(mesh):
+    """The compiled step issues DDP's and N-SDP's block averaging inside the backward loop, and
+    B-SDP's first all_to_all leg (half of its block bytes); the reference psum runs after."""
+    from sdp_jax import comm
+    batch = jax.ShapeDtypeStruct((2 * W, 17), jnp.int32)
+    share = {}
+    for variant, coverage, method in (("ddp", 1.0, "auto"), ("n-sdp", 0.5, "auto"),
+                                      ("b-sdp", 0.5, "auto"), ("b-sdp", 0.5, "reference")):
+        text = builder(mesh, variant, coverage, method=method).compiled_train_step(batch).as_text()
+        t = comm.comm_bytes_per_device(text, W)
+        share[variant, method] = t["in_backward_loop"] / t["total"]
+    assert share["ddp", "auto"] > 0.85, share      # all but the embedding and head
+    assert share["n-sdp", "auto"] > 0.7, share     # and the norms (replicated, after)
+    assert 0.3 < share["b-sdp", "auto"] < 0.6, share
+    assert share["b-sdp", "reference"] == 0.0, share
+
+
+def test_averaging_stays_after_the_loop_where_the_loop_cannot_hold_it(mesh):
+    """FSDP (its own reduce-scatter), periodic parameter averaging, backward masking and the
+    reference psum keep the averaging after the backward pass."""
+    assert not builder(mesh, "ddp", 1.0, fsdp=True)._loop_tables
+    assert not builder(mesh, "b-sdp", 0.5, averaging="parameters", sync_every=2)._loop_tables
+    assert not builder(mesh, "bb-sdp", 0.5)._loop_tables
+    assert not builder(mesh, "n-sdp", 0.5, method="reference")._loop_tables

@@ -38,6 +38,7 @@ from sdp_jax import fields
 from sdp_jax import spec as spec_lib
 
 BLOCK_KEY = "blocks"
+ATTENTION = ("dot_product", "cudnn", "chunked")   # LlamaConfig.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,21 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     subnet_rescale: bool = True
+    attention: str = "dot_product"
+    attention_chunk: int = 128
 
     def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"model.attention={self.attention!r}; use one of "
+                             f"{', '.join(ATTENTION)}.")
+        if self.attention == "cudnn" and jax.default_backend() != "gpu":
+            raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, but JAX's backend "
+                             f"is {jax.default_backend()!r}; use model.attention=chunked (or "
+                             "dot_product) here.")
+        if isinstance(self.attention_chunk, bool) or not isinstance(self.attention_chunk, int) \
+                or self.attention_chunk < 1:
+            raise ValueError(f"model.attention_chunk={self.attention_chunk!r} must be a positive "
+                             "integer (query rows per chunk of model.attention=chunked).")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
                      "max_seq_len"):
             v = getattr(self, name)
@@ -132,6 +146,74 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
 
 
+def causal_attention(q, k, v, impl: str = "dot_product", chunk: int = 128):
+    """Causal scaled dot-product attention (Vaswani et al. 2017, Eq. 1) with grouped-query
+    heads (Ainslie et al. 2023).
+
+    Args:
+      q: ``[B, T, H, h]``; k, v: ``[B, T, K, h]`` with ``H`` a multiple of ``K``; one dtype.
+      impl: ``dot_product``, ``cudnn`` or ``chunked`` (:class:`LlamaConfig` ``attention``).
+      chunk: query rows per chunk of ``chunked``.
+    Returns:
+      ``[B, T, H, h]`` in ``q``'s dtype.
+    """
+    if impl == "chunked":
+        return chunked_attention(q, k, v, chunk)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation="cudnn" if impl == "cudnn" else None)
+
+
+def chunked_attention(q, k, v, chunk: int = 128):
+    """Causal attention computed ``chunk`` query rows at a time.
+
+    Each chunk's scores ``[B, H, c, T]`` (float32) and softmax are formed, applied to ``v`` and
+    dropped; the chunk is wrapped in ``jax.checkpoint``, so the backward pass recomputes them
+    chunk by chunk and saves only ``q``, ``k`` and ``v``. Peak score memory is ``c / T`` of the
+    dense ``[B, H, T, T]``, at the cost of one more ``q k^T`` product per chunk in the backward
+    pass. The forward arithmetic is that of ``jax.nn.dot_product_attention``'s XLA path
+    (float32 scores scaled by ``1 / sqrt(h)``, masked, softmax in float32, probabilities cast
+    to ``v``'s dtype); the gradients of ``k`` and ``v``, summed over the chunks, are summed in
+    float32. When ``chunk`` does not divide ``T`` the queries are zero-padded to a multiple of
+    it (the padded rows are dropped from the output).
+
+    Args:
+      q: ``[B, T, H, h]``; k, v: ``[B, T, K, h]``, ``H`` a multiple of ``K`` (query head ``n``
+        uses key/value head ``n // (H / K)``); one floating dtype.
+      chunk: query rows per chunk (positive).
+    Returns:
+      ``[B, T, H, h]`` in ``q``'s dtype.
+    Raises:
+      ValueError: mismatched shapes, ``H`` not a multiple of ``K``, or ``chunk < 1``.
+    """
+    B, T, H, h = q.shape
+    K = k.shape[2]
+    if k.shape != (B, T, K, h) or v.shape != k.shape or H % K:
+        raise ValueError(f"chunked_attention needs q [B, T, H, h] and k, v [B, T, K, h] with H "
+                         f"a multiple of K; got q {q.shape}, k {k.shape}, v {v.shape}.")
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be a positive integer.")
+    c = min(int(chunk), T)
+    n = -(-T // c)
+    qp = jnp.pad(q, ((0, 0), (0, n * c - T), (0, 0), (0, 0))) if n * c != T else q
+    qs = qp.reshape(B, n, c, K, H // K, h).swapaxes(0, 1)           # [n, B, c, K, G, h]
+    keys = jnp.arange(T)
+    scale = 1.0 / math.sqrt(h)
+    # k and v enter every chunk: closed over in float32, their gradients add up in float32.
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    @jax.checkpoint
+    def one(qi, start):
+        kc, vc = k32.astype(k.dtype), v32.astype(v.dtype)
+        s = jnp.einsum("bckgh,bskh->bkgcs", qi, kc, preferred_element_type=jnp.float32) * scale
+        causal = (start + jnp.arange(c))[:, None] >= keys[None, :]
+        s = jnp.where(causal, s, jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgcs,bskh->bckgh", p, vc)
+
+    out = jax.lax.map(lambda a: one(*a), (qs, jnp.arange(n) * c))      # [n, B, c, K, G, h]
+    return out.swapaxes(0, 1).reshape(B, n * c, H, h)[:, :T].astype(q.dtype)
+
+
 def _normal(rngs: nnx.Rngs, shape, std):
     return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) * std)
 
@@ -147,13 +229,14 @@ class Attention(nnx.Module):
         self.wv = _normal(rngs, (d, K, h), cfg.init_std)
         self.wo = _normal(rngs, (H, h, d), out_std)
         self.n_heads, self.rescale = H, cfg.subnet_rescale
+        self.impl, self.chunk = cfg.attention, cfg.attention_chunk
 
     def __call__(self, x, cos, sin):
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...])
         k = jnp.einsum("btd,dnh->btnh", x, self.wk[...])
         v = jnp.einsum("btd,dnh->btnh", x, self.wv[...])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        o = causal_attention(q, k, v, self.impl, self.chunk)
         out = jnp.einsum("btnh,nhd->btd", o, self.wo[...])
         held = q.shape[2]
         if self.rescale and held != self.n_heads:
