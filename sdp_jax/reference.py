@@ -96,13 +96,10 @@ class JitDDP:
         """Mean next-token loss (nats/token, float32) of the global batch ``tokens`` int32
         ``[W b, T + 1]``, computed in the compute dtype."""
         p = jax.tree.map(lambda x: step_lib.cast_floating(x, self.dtype), params)
-        body = step_lib.remat_block(lambda h, block: (self.model.block(block, h), None),
-                                    self.remat)
-
-        def run(h):
-            h, _ = jax.lax.scan(body, h, p[BLOCK_KEY], unroll=self.unroll)
-            return h
-        return self.model.loss(p, tokens, step_lib.Runner(run, True, self.remat, self.unroll))
+        run = step_lib.scan_runner(lambda h, block: (self.model.block(block, h), None),
+                                   p[BLOCK_KEY], train=True, remat=self.remat,
+                                   unroll=self.unroll)
+        return self.model.loss(p, tokens, run)
 
     def _train_step(self, state, tokens):
         loss, grads = jax.value_and_grad(self.loss)(state["params"], tokens)

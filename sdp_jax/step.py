@@ -190,6 +190,20 @@ class Runner:
         return self._fn(h)
 
 
+def scan_runner(body: Callable, xs: Any, *, train: bool, remat: str, unroll: bool,
+                fsdp: bool = False) -> Runner:
+    """The block runner ``run(h) -> h``: ``jax.lax.scan`` of ``body(h, x) -> (h, None)`` over
+    ``xs`` (one slice per block), each block under :func:`remat_block` in training; in
+    evaluation (``train=False``) no checkpointing and no unrolling."""
+    if train:
+        body = remat_block(body, remat, fsdp)
+
+    def run(h):
+        h, _ = jax.lax.scan(body, h, xs, unroll=unroll if train else 1)
+        return h
+    return Runner(run, train, remat if train else "none", unroll)
+
+
 class SDPStep:
     """The train step, evaluation and state layout of one SDP run.
 
@@ -701,9 +715,6 @@ class SDPStep:
     def _cast(self, x):
         return cast_floating(x, self.dtype)
 
-    def _remat_body(self, body):
-        return remat_block(body, self.remat, self.fsdp)
-
     def _call(self, kept: dict, n: int, get, batch, train=True, xs=None, prepare=None):
         """``loss_fn`` with the block runner: ``kept`` {path: leaf} outside the block subtree;
         ``n`` blocks whose leaf ``path`` of block ``i`` (traced) is ``get(path, i, x)`` in the
@@ -718,14 +729,8 @@ class SDPStep:
                 x = prepare(x, i)
             block = _unflatten({p[len(prefix):]: get(p, i, x) for p in paths})
             return self.block_fn(block, h), None
-        if train:
-            body = self._remat_body(body)
-
-        def run(h):
-            h, _ = jax.lax.scan(body, h, (jnp.arange(n), xs),
-                                unroll=self.unroll if train else 1)
-            return h
-        runner = Runner(run, train, self.remat if train else "none", self.unroll)
+        runner = scan_runner(body, (jnp.arange(n), xs), train=train, remat=self.remat,
+                             unroll=self.unroll, fsdp=self.fsdp)
         return self.loss_fn(_unflatten({p: self._cast(x) for p, x in kept.items()}), batch,
                             runner)
 

@@ -349,6 +349,26 @@ def _split_rows(rows, W):
     return pad_last(rows, W * rs).reshape(rows.shape[:2] + (W, rs))
 
 
+def _sum_dtype(leaves) -> Any:
+    """dtype in which holder collectives add leaves up: float32, or the leaves' if wider."""
+    return jnp.result_type(jnp.float32, *[x.dtype for x in leaves])
+
+
+def _piece_width(leaf: jax.Array, W: int) -> int:
+    """``rs = ceil(r / W)`` of a compact block leaf ``[k, ...]`` (``r``: elements per block)."""
+    return -(-int(np.prod(leaf.shape[1:])) // W)
+
+
+def _fresh_to_owners(rows: list, t: HolderTables, group, first, count, axis: str) -> jax.Array:
+    """One loop step's first all_to_all leg into a zero shard: ``rows`` the fused leaves'
+    column pieces ``[count, W, rs]`` of slots ``first ..`` of ``group``; returns this device's
+    ``[Gc, sum rs]`` sums."""
+    dt = rows[0].dtype
+    acc = zeros_varying((t.size, sum(x.shape[-1] for x in rows)), dt, rows[0], axis)
+    return pieces_to_owners(acc, jnp.concatenate(rows, axis=-1),
+                            slot_indices(t, group, first, count), axis)
+
+
 # Loop steps of holder averaging move at most this many bytes of rows per device (block leaves;
 # None = one step): temporary memory stays a few blocks even for billion-parameter models.
 STEP_BYTES = 256 * 2**20
@@ -371,7 +391,7 @@ def holder_shards(tree: dict, tables: dict, axis: str = AXIS,
     for paths in _fused_groups(tables):
         t = tables[paths[0]]
         W = t.workers
-        dt = jnp.result_type(jnp.float32, *[tree[p].dtype for p in paths])
+        dt = _sum_dtype([tree[p] for p in paths])
         rows = [_split_rows(to_rows(tree[p], tables[p]).astype(dt), W)  # [Lg, kc, W, rs]
                 for p in paths]
         widths = [x.shape[-1] for x in rows]
@@ -445,16 +465,15 @@ def _group_holder_mean(ct: dict, tables: dict, group, axis: str) -> dict:
     for paths in _fused_groups(tables):
         t = tables[paths[0]]
         W = t.workers
-        dt = jnp.result_type(jnp.float32, *[ct[p].dtype for p in paths])
+        dt = _sum_dtype([ct[p] for p in paths])
         moved = {p: jnp.moveaxis(ct[p], tables[p].axis - 1, 0) for p in paths}
         rows = [_split_rows(moved[p].reshape(1, t.kc, -1).astype(dt), W)[0]   # [kc, W, rs]
                 for p in paths]
         widths = [x.shape[-1] for x in rows]
-        idx = slot_indices(t, group, 0, t.kc)
-        acc = pieces_to_owners(zeros_varying((t.size, sum(widths)), dt, rows[0], axis),
-                               jnp.concatenate(rows, axis=-1), idx, axis)
+        acc = _fresh_to_owners(rows, t, group, 0, t.kc, axis)
         acc = acc / jnp.asarray(t.counts, dt)[group][:, None]
-        back = _unfuse(pieces_from_owners(acc, idx, axis), paths, widths)   # [kc, W, rs]
+        back = _unfuse(pieces_from_owners(acc, slot_indices(t, group, 0, t.kc), axis), paths,
+                       widths)                                                 # [kc, W, rs]
         for p in paths:
             m = moved[p]
             v = back[p].reshape(t.kc, -1)[:, :int(np.prod(m.shape[1:]))].reshape(m.shape)
@@ -476,9 +495,9 @@ def owner_sinks(like: dict, tables: dict, axis: str = AXIS) -> dict:
     out = {}
     for paths in _owner_groups(tables):
         t = tables[paths[0]]
-        rs = sum(-(-int(np.prod(like[p].shape[1:])) // t.workers) for p in paths)
-        dt = jnp.result_type(jnp.float32, *[like[p].dtype for p in paths])
-        out[paths[0]] = zeros_varying((t.size, rs), dt, like[paths[0]], axis)
+        rs = sum(_piece_width(like[p], t.workers) for p in paths)
+        out[paths[0]] = zeros_varying((t.size, rs), _sum_dtype([like[p] for p in paths]),
+                                      like[paths[0]], axis)
     return out
 
 
@@ -490,7 +509,7 @@ def sinks_to_mean(sums: dict, like: dict, tables: dict, axis: str = AXIS) -> dic
     shards = {}
     for paths in _owner_groups(tables):
         t = tables[paths[0]]
-        widths = [-(-int(np.prod(like[p].shape[1:])) // t.workers) for p in paths]
+        widths = [_piece_width(like[p], t.workers) for p in paths]
         acc = sums[paths[0]] / jnp.asarray(t.counts[0], sums[paths[0]].dtype)[:, None]
         shards.update({p: x[None] for p, x in _unfuse(acc, paths, widths).items()})
     return shards_to_compact(shards, like, {p: tables[p] for p in shards}, axis)
@@ -536,7 +555,7 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
     if owners and set(sinks) != {g[0] for g in owners}:
         raise ValueError("mean_in_backward: block leaves need sinks=owner_sinks(...) of the "
                          "same tables.")
-    shapes = {k: (v.shape, v.dtype) for k, v in sinks.items()}
+    dtypes = {k: v.dtype for k, v in sinks.items()}
 
     @jax.custom_vjp
     def ident(x, snk, g):
@@ -557,12 +576,9 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
         sent = {}
         for paths in owners:
             t, key = tables[paths[0]], paths[0]
-            shape, dt = shapes[key]
-            rows = [_split_rows(ct[p].reshape(1, 1, -1).astype(dt), t.workers)[0]
+            rows = [_split_rows(ct[p].reshape(1, 1, -1).astype(dtypes[key]), t.workers)[0]
                     for p in paths]                                       # [1, W, rs]
-            sent[key] = pieces_to_owners(zeros_varying(shape, dt, rows[0], axis),
-                                         jnp.concatenate(rows, axis=-1),
-                                         slot_indices(t, 0, g, 1), axis)
+            sent[key] = _fresh_to_owners(rows, t, 0, g, 1, axis)
             out.update({p: jnp.zeros_like(ct[p]) for p in paths})
         return out, sent, None
 
