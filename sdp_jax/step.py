@@ -29,17 +29,20 @@ The step, inside ``jax.shard_map`` over the mesh axis ``data``: local loss and g
 :func:`sdp_jax.sync.average` (mean over each component's holders, invariant 2; with the block
 runner and ``method="alltoall"`` the block gradients are averaged inside the backward loop as
 each block's gradient appears, :func:`sdp_jax.sync.mean_in_backward`) -> clipping by
-:func:`sdp_jax.sync.global_norm` -> the optimizer on the compact parameters -> under backward
-masking, every worker's full parameters rebuilt from the holders' new values
-(:func:`sdp_jax.sync.gather_full`). With periodic parameter averaging (``averaging=
+:func:`sdp_jax.sync.global_norm` -> the optimizer on the compact parameters. Under backward
+masking every worker keeps the full model and the update is sharded (ZeRO-2): the local
+gradient goes to the owners of its pieces (the first all_to_all leg of
+:func:`sdp_jax.sync.holder_shards`, the mean over holders in layout ``S``), each device updates
+its ``1/W`` of every leaf, and one all-gather rebuilds every worker's full parameters
+(:meth:`SDPStep._mean_shards`). With periodic parameter averaging (``averaging=
 "parameters"``) each worker steps on its own gradient and the parameters are averaged over
 their holders every ``sync_every`` steps instead.
 
 State layout, per stored leaf (mesh axis ``data``, ``W`` workers):
 
-* ``R``: replicated ``P()`` (always-kept leaves; every leaf under backward masking);
+* ``R``: replicated ``P()`` (always-kept leaves; every parameter under backward masking);
 * ``C``: compact, a global ``[W, ...]`` array sharded ``P('data')``: device ``w`` stores only its
-  worker's part (parameters under forward masking, optimizer state always);
+  worker's part (parameters and optimizer state under forward masking);
 * ``Rw``: a per-worker copy ``[W, ...]`` of an always-kept leaf (periodic averaging, where the
   workers drift apart between averaging steps);
 * ``S`` (``fsdp=True``, ZeRO-3): the *full* leaf, each element stored once, in the rows view of
@@ -51,6 +54,7 @@ State layout, per stored leaf (mesh axis ``data``, ``W`` workers):
   stored flat (``[n]``) and gathered whole at the start of the step; the worker prunes its
   subnetwork from it, and each entry's gradient, scaled by ``1 / holders``, returns by
   reduce-scatter (full-size bytes: the holder-only gathers need the block runner).
+  Backward masking without FSDP stores its optimizer state in this layout (ZeRO-2).
 
 Mixed precision (``dtype="bfloat16"``): compute and FSDP gathers in bf16; master parameters,
 optimizer state and gradient averaging in float32.
@@ -314,7 +318,10 @@ class SDPStep:
         self.prefix = spec.block_path if block_fn is not None else None
         self.full_shapes = {p: ((self.stages * sh[0],) + tuple(sh[1:]) if self._staged(p)
                                 else sh) for p, sh in spec.shapes.items()}
-        self._rows = self._row_tables() if fsdp else {}
+        # The optimizer works on shards (layout S) under FSDP and under backward masking, whose
+        # every worker keeps the full model: ZeRO-2 (each device updates 1/W of every leaf).
+        self.sharded_update = bool(fsdp or spec.backward)
+        self._rows = self._row_tables() if self.sharded_update else {}
         if fsdp and block_fn is None:   # 1 / holders of every entry (broadcastable), float32
             self._inv_holders = {
                 p: np.float32(1.0 / spec.workers) if spec.leaf_mask(p) is None
@@ -324,13 +331,13 @@ class SDPStep:
         def code(sp, which):
             if fsdp:
                 return "S"
-            if which == "params" and spec.backward:
-                return "R"
+            if spec.backward:   # full replicated copies; optimizer state and update on shards
+                return "R" if which == "params" else "S"
             if lay.stored_compact(sp):
                 return "C"
             return "Rw" if self.periodic else "R"
         p_keys = spec.shapes if (spec.backward or fsdp) else lay.stored_shapes
-        o_keys = spec.shapes if fsdp else lay.stored_shapes
+        o_keys = spec.shapes if self.sharded_update else lay.stored_shapes
         self.param_layout = {p: code(p, "params") for p in p_keys}
         self.compact_layout = {p: code(p, "opt") for p in o_keys}
         self.param_specs, self.param_shapes = self._struct(self.param_layout)
@@ -343,6 +350,8 @@ class SDPStep:
             self.stats_layout, self.stats_specs, self.stats_shapes = self._state_struct()
             self.state_specs["stats"] = self.stats_specs
         self._loop_tables = self._in_loop_tables()
+        if spec.backward and not fsdp:   # checkpoints of the compact optimizer state
+            self.legacy = self.legacy + ((self._compact_opt_abstract, self._opt_from_compact),)
         self._train_steps: dict[bool, Any] = {}
         self._eval_step = None
         if block_fn is not None:
@@ -442,6 +451,55 @@ class SDPStep:
             elif lf.form == layout_lib.STACK:
                 out[p] = lay.holder_tables(p)   # to the owners in the loop, back after it
         return out
+
+    def _compact_opt_codes(self) -> dict:
+        """Backward masking: the compact optimizer layout that checkpoints written before the
+        sharded update (ZeRO-2) stored: each worker's held components ``C``, always-kept
+        leaves ``R``."""
+        lay = self.layout
+        return {p: "C" if lay.stored_compact(p) else "R" for p in lay.stored_shapes}
+
+    def _compact_opt_abstract(self, abstract: dict) -> dict:
+        """An abstract train state -> the same with the compact optimizer state (``legacy``)."""
+        specs, shapes = self._struct(self._compact_opt_codes())
+        opt = jax.eval_shape(self.optimizer.init, shapes)
+        sh = shardings(self.mesh, layout_lib.opt_state_specs(self.optimizer, specs, shapes))
+        opt = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                           opt, sh)
+        return {**abstract, "opt_state": opt}
+
+    def _opt_from_compact(self, state: dict) -> dict:
+        """A train state with the compact optimizer state -> layout ``S`` (``legacy``): every
+        parameter-shaped entry (a moment) goes from its holders to the shards as a gradient
+        does (:meth:`_mean_shards`; holders agree, so the mean is their value)."""
+        codes = self._compact_opt_codes()
+        specs, shapes = self._struct(codes)
+        old_specs = layout_lib.opt_state_specs(self.optimizer, specs, shapes)
+        struct = jax.tree.structure(shapes)
+        lay = self.layout
+
+        def moment(tree):   # this worker's compact leaves -> its shards
+            flat = {p: x[0] if codes[p] == "C" else sync.to_varying(x)
+                    for p, x in _flatten(tree).items()}
+            flat = self._to_local(flat)
+            if self.block_fn is None:   # full-size leaves, zero where not held
+                zeros = {p: jnp.zeros(sh, flat[p].dtype if p in flat else jnp.float32)
+                         for p, sh in self.spec.shapes.items()}
+                flat = _flatten(lay.embed(_unflatten(zeros), flat, sync.worker_index(AXIS)))
+            return _unflatten({p: x.astype(shapes_dt[p]) for p, x in
+                               self._mean_shards(flat).items()})
+
+        shapes_dt = {p: s.dtype for p, s in _flatten(shapes).items()}
+        is_moment = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa
+
+        def convert(opt):
+            opt = self._unstage(opt, old_specs)
+            opt = jax.tree.map(lambda x: moment(x) if is_moment(x) else x, opt,
+                               is_leaf=is_moment)
+            return self._restage(opt, self.opt_specs)
+        fn = jax.shard_map(convert, mesh=self.mesh, in_specs=(old_specs,),
+                           out_specs=self.opt_specs)
+        return {**state, "opt_state": jax.jit(fn)(state["opt_state"])}
 
     # ------------------------------------------------------------------ layout
     def _in_block(self, p) -> bool:
@@ -587,6 +645,46 @@ class SDPStep:
             return x[:int(np.prod(shape))].reshape(shape)
         return sync.from_rows(x, shape, t)
 
+    def _my_shards(self, full: dict) -> dict:
+        """Backward masking: full replicated leaves (flat) -> this device's piece of each in
+        layout ``S`` (the parameters its optimizer updates)."""
+        my = sync.worker_index(AXIS)
+        out = {}
+        for p, x in full.items():
+            rows = self._to_shards(p, x)
+            rs = rows.shape[-1] // self.spec.workers
+            out[p] = jax.lax.dynamic_slice_in_dim(rows, my * rs, rs, rows.ndim - 1)
+        return out
+
+    def _mean_shards(self, g: dict) -> dict:
+        """Backward masking: a worker's gradient (flat; compact leaves of the block subtree,
+        full-size leaves elsewhere, of which only the entries it holds count) -> the mean over
+        each entry's holders (docs/design.md invariant 2) in layout ``S``, float32 (or wider).
+        Compact leaves go to the owners of their pieces (the first all_to_all leg of
+        :func:`sdp_jax.sync.holder_shards`: ``(W-1)/W`` of the compact bytes per device);
+        full-size leaves are masked, scaled by ``1 / holders`` and reduce-scattered
+        (``(W-1)/W`` of their bytes)."""
+        my = sync.worker_index(AXIS)
+        tabs = {p: t for p, t in self._rows.items() if t is not None}
+        out = {}
+        if tabs:
+            for p, x in sync.holder_shards({p: g[p] for p in tabs}, tabs, AXIS).items():
+                out[p] = x if tabs[p].grouped else x[0]
+        for p, x in g.items():
+            if p in tabs:
+                continue
+            x = x.astype(sync._sum_dtype([x]))
+            mask = self.spec.leaf_mask(p)
+            if mask is None:
+                x = x / self.spec.workers
+            else:
+                scale = np.asarray(mask, np.float32) / np.maximum(np.sum(mask, 0), 1)
+                x = x * jnp.asarray(scale, x.dtype)[my]
+            rows = self._to_shards(p, x)
+            out[p] = jax.lax.psum_scatter(rows, AXIS, scatter_dimension=rows.ndim - 1,
+                                          tiled=True)
+        return out
+
     # ------------------------------------------------------------------ init
     def _store(self, full) -> dict:
         """Full parameters -> the stored parameter layout (nested dict)."""
@@ -662,9 +760,11 @@ class SDPStep:
 
         def opt_init(params):
             compact = params
-            if self.spec.backward and not self.fsdp:
-                compact = self._per_stage(self.layout.stored, params, self.param_specs,
-                                          self.compact_specs)
+            if self.spec.backward and not self.fsdp:   # full copies -> shards (layout S)
+                compact = self._per_stage(
+                    lambda t: _unflatten({p: self._to_shards(p, x)
+                                          for p, x in _flatten(t).items()}),
+                    params, self.param_specs, self.compact_specs)
             return self.optimizer.init(compact)
         opt_state = jax.jit(opt_init, out_shardings=self.shardings(self.opt_specs))(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
@@ -686,29 +786,33 @@ class SDPStep:
                              "init(full_params).")
         return self.init(lambda: self.init_fn(seed))
 
-    def full_params(self, params) -> dict:
+    def full_params(self, params, optimizer_layout: bool = False) -> dict:
         """The full model's parameters (host numpy, nested dict), each component from its
         first holder (always-kept per-worker copies: worker 0's). Accepts the state or its
-        ``params``; gathers the whole model to this host (one process)."""
+        ``params``; gathers the whole model to this host (one process). With
+        ``optimizer_layout``, a tree in the optimizer's layout instead (``compact_specs``:
+        :meth:`grads_fn`'s gradient, a moment of the optimizer state)."""
         if isinstance(params, dict) and "opt_state" in params:
             params = params["params"]
+        codes = self.compact_layout if optimizer_layout else self.param_layout
+        specs = self.compact_specs if optimizer_layout else self.param_specs
         params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
         if not self.staged:
-            return self._full_stage(params)
-        parts = [_flatten(self._full_stage(self._take(params, s, self.param_specs)))
+            return self._full_stage(params, codes)
+        parts = [_flatten(self._full_stage(self._take(params, s, specs), codes))
                  for s in range(self.stages)]
         return _unflatten({p: np.concatenate([q[p] for q in parts]) if self._staged(p)
                            else parts[0][p] for p in parts[0]})
 
-    def _full_stage(self, params) -> dict:
-        """:meth:`full_params` of one stage's stored parameters (the whole model without a
-        pipeline)."""
+    def _full_stage(self, params, codes: dict) -> dict:
+        """:meth:`full_params` of one stage's stored tree in the layout ``codes`` (the whole
+        model without a pipeline)."""
         flat = _flatten(params)
-        if self.fsdp:
+        if all(codes[p] == "S" for p in flat):
             return _unflatten({p: np.asarray(self._from_shards(p, x)) for p, x in flat.items()})
         if self.spec.backward:
             return _unflatten(flat)
-        flat = {p: x[0] if self.param_layout[p] == "Rw" else x for p, x in flat.items()}
+        flat = {p: x[0] if codes[p] == "Rw" else x for p, x in flat.items()}
         return self.layout.unprune(_unflatten(flat))
 
     # ------------------------------------------------------------------ the loss
@@ -917,22 +1021,19 @@ class SDPStep:
         if self.fsdp:
             loss, aux, g, _ = self._value_and_grad(self._fsdp_loss, params, batch)
             return loss, aux, self._divide_counts(_flatten(g)), _flatten(params), None
-        if self.spec.backward:
+        if self.spec.backward:   # the masked-mean gradient and the parameters, in layout S
             full = _flatten(params)
             my = sync.worker_index(AXIS)
-            local = lay.prune(full, my)
-            if self.block_fn is None:   # the full gradient, then this worker's part of it
+            if self.block_fn is None:   # the full gradient, masked to this worker's part
                 loss, aux, g, new = self._value_and_grad(self._full_loss, sync.to_varying(full),
                                                          batch, *extra)
-                g = lay.prune(g, my)
             else:
+                local = lay.prune(full, my)
                 diff = {p: sync.to_varying(x) if lay.leaves[p].form == layout_lib.KEPT else x
                         for p, x in local.items()}   # local gradients of always-kept leaves
                 loss, aux, g, new = self._value_and_grad(self._backward_loss, diff, full,
                                                          batch, *extra)
-            if self.stacked_slots:
-                g, local = lay.to_stored(g), lay.to_stored(local)
-            return loss, aux, g, local, new
+            return loss, aux, self._mean_shards(g), self._my_shards(full), new
         local = self._to_local(self._strip(params))
         diff = {lp: sync.to_varying(x) if self.param_layout.get(lp) == "R" else x
                 for lp, x in local.items()}
@@ -972,17 +1073,17 @@ class SDPStep:
     def _lead(self, local: dict, codes: dict) -> dict:
         """Local leaves (flat) -> the stored tree (list-form slots stacked, a leading worker
         axis of size 1 on C / Rw leaves)."""
-        if not self.fsdp and not self.stacked_slots:
+        if not self.sharded_update and not self.stacked_slots:
             local = self.layout.to_stored(local)
         return _unflatten({p: x[None] if codes[p] in ("C", "Rw") else x
                            for p, x in local.items()})
 
     def _local_step(self, state, batch, sync_now: bool):
-        spec, lay = self.spec, self.layout
+        spec = self.spec
         state = self._unstage(state, self.state_specs)
         loss, aux, grads, local, new_stats = self._local_grads(state["params"], batch,
                                                                state.get("stats"))
-        if self.fsdp:   # every element of the averaged gradient lives on one device
+        if self.sharded_update:   # every element of the averaged gradient lives on one device
             gnorm = jnp.sqrt(sync.shards_sq_norm(grads, AXIS))
         elif self.periodic:   # each worker on its own gradient: the norm of its subnetwork
             gnorm = jnp.sqrt(sync.sum_parts([jnp.sum(jnp.square(g.astype(jnp.float32)))
@@ -995,11 +1096,9 @@ class SDPStep:
                                         self.grad_clip, state["opt_state"],
                                         self._lead(local, codes))
         new = _flatten(new)
-        if spec.backward and not self.fsdp:   # every worker's full model from the holders
-            mine = self._to_local({p: x[0] if codes[p] == "C" else x for p, x in new.items()})
-            rebuilt = _flatten(sync.gather_full(_unflatten(mine), spec))
-            params = _unflatten({p: mine[p] if p in mine and lay.leaves[p].form == layout_lib.KEPT
-                                 else rebuilt[p] for p in spec.shapes})  # kept: already equal
+        if spec.backward and not self.fsdp:   # every worker's full copy: one all-gather
+            params = _unflatten({p: self._from_shards(p, sync.all_gather_invariant(x, AXIS))
+                                 for p, x in new.items()})
         elif self.periodic and sync_now:
             mine = self._to_local({p: x[0] for p, x in new.items()})
             params = self._lead(self._average(mine, gradient=False), codes)
@@ -1061,15 +1160,16 @@ class SDPStep:
     def _averaged_grads(self, params, batch):
         params = self._unstage(params, self.param_specs)
         loss, _, g, _, _ = self._local_grads(params, batch)
-        if not self.fsdp:
+        if not self.sharded_update:   # (layout S: already the mean)
             g = self._average(g, gradient=True)
         return (jax.lax.pmean(loss, AXIS),
                 self._restage(self._lead(g, self.compact_layout), self.compact_specs))
 
     def grads_fn(self):
         """Jitted ``(params, batch) -> (loss, averaged gradient)``, the gradient in the
-        compact layout (``compact_specs``; layout ``S`` under FSDP). For inspection and
-        tests.
+        optimizer's layout (``compact_specs``: compact, or layout ``S`` under FSDP and backward
+        masking; :meth:`full_params` with ``optimizer_layout=True`` gives the full shapes).
+        For inspection and tests.
 
         Raises:
           ValueError: a step with model state (``state_spec``)."""

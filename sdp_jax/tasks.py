@@ -173,7 +173,8 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
                             init_fn=init, has_aux=True,
                             param_metrics=ortho if pipe.compressed else None, **kw)
     step.pipeline = sched
-    step.legacy = ((lambda t: pl.legacy_layout(t, True), lambda t: pl.legacy_layout(t, False)),)
+    step.legacy = step.legacy + ((lambda t: pl.legacy_layout(t, True),
+                                  lambda t: pl.legacy_layout(t, False)),)
     return step
 
 
