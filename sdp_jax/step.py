@@ -319,7 +319,10 @@ class SDPStep:
         self.full_shapes = {p: ((self.stages * sh[0],) + tuple(sh[1:]) if self._staged(p)
                                 else sh) for p, sh in spec.shapes.items()}
         # The optimizer works on shards (layout S) under FSDP and under backward masking, whose
-        # every worker keeps the full model: ZeRO-2 (each device updates 1/W of every leaf).
+        # every worker keeps the full model: ZeRO-2 (each device updates 1/W of every masked
+        # leaf; an elementwise optimizer such as AdamW, as with FSDP). Backward masking keeps
+        # always-kept leaves outside the blocks whole (R: updated alike on every worker, e.g.
+        # the pipeline's projectors, which the Stiefel optimizer needs as matrices).
         self.sharded_update = bool(fsdp or spec.backward)
         self._rows = self._row_tables() if self.sharded_update else {}
         if fsdp and block_fn is None:   # 1 / holders of every entry (broadcastable), float32
@@ -332,7 +335,9 @@ class SDPStep:
             if fsdp:
                 return "S"
             if spec.backward:   # full replicated copies; optimizer state and update on shards
-                return "R" if which == "params" else "S"
+                if which == "params" or not (self._in_block(sp) or spec.leaf_mask(sp) is not None):
+                    return "R"
+                return "S"
             if lay.stored_compact(sp):
                 return "C"
             return "Rw" if self.periodic else "R"
@@ -651,6 +656,9 @@ class SDPStep:
         my = sync.worker_index(AXIS)
         out = {}
         for p, x in full.items():
+            if self.compact_layout[p] == "R":   # updated whole on every worker
+                out[p] = x
+                continue
             rows = self._to_shards(p, x)
             rs = rows.shape[-1] // self.spec.workers
             out[p] = jax.lax.dynamic_slice_in_dim(rows, my * rs, rs, rows.ndim - 1)
@@ -662,8 +670,9 @@ class SDPStep:
         each entry's holders (docs/design.md invariant 2) in layout ``S``, float32 (or wider).
         Compact leaves go to the owners of their pieces (the first all_to_all leg of
         :func:`sdp_jax.sync.holder_shards`: ``(W-1)/W`` of the compact bytes per device);
-        full-size leaves are masked, scaled by ``1 / holders`` and reduce-scattered
-        (``(W-1)/W`` of their bytes)."""
+        full-size masked leaves are masked, scaled by ``1 / holders`` and reduce-scattered
+        (``(W-1)/W`` of their bytes); always-kept leaves outside the blocks (layout ``R`` in
+        the optimizer) are all-reduced."""
         my = sync.worker_index(AXIS)
         tabs = {p: t for p, t in self._rows.items() if t is not None}
         out = {}
@@ -674,6 +683,9 @@ class SDPStep:
             if p in tabs:
                 continue
             x = x.astype(sync._sum_dtype([x]))
+            if self.compact_layout[p] == "R":   # always-kept, updated whole: the plain mean
+                out[p] = jax.lax.pmean(x, AXIS)
+                continue
             mask = self.spec.leaf_mask(p)
             if mask is None:
                 x = x / self.spec.workers
@@ -763,6 +775,7 @@ class SDPStep:
             if self.spec.backward and not self.fsdp:   # full copies -> shards (layout S)
                 compact = self._per_stage(
                     lambda t: _unflatten({p: self._to_shards(p, x)
+                                          if self.compact_layout[p] == "S" else x
                                           for p, x in _flatten(t).items()}),
                     params, self.param_specs, self.compact_specs)
             return self.optimizer.init(compact)
@@ -808,10 +821,9 @@ class SDPStep:
         """:meth:`full_params` of one stage's stored tree in the layout ``codes`` (the whole
         model without a pipeline)."""
         flat = _flatten(params)
-        if all(codes[p] == "S" for p in flat):
-            return _unflatten({p: np.asarray(self._from_shards(p, x)) for p, x in flat.items()})
-        if self.spec.backward:
-            return _unflatten(flat)
+        if self.sharded_update:   # shards joined; replicated leaves as they are
+            return _unflatten({p: np.asarray(self._from_shards(p, x)) if codes[p] == "S" else x
+                               for p, x in flat.items()})
         flat = {p: x[0] if codes[p] == "Rw" else x for p, x in flat.items()}
         return self.layout.unprune(_unflatten(flat))
 
@@ -1084,7 +1096,11 @@ class SDPStep:
         loss, aux, grads, local, new_stats = self._local_grads(state["params"], batch,
                                                                state.get("stats"))
         if self.sharded_update:   # every element of the averaged gradient lives on one device
-            gnorm = jnp.sqrt(sync.shards_sq_norm(grads, AXIS))
+            whole = [jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in grads.items()
+                     if self.compact_layout[p] == "R"]   # the same on every worker: once
+            gnorm = jnp.sqrt(sync.shards_sq_norm({p: g for p, g in grads.items()
+                                                  if self.compact_layout[p] == "S"}, AXIS)
+                             + sync.sum_parts(whole, AXIS, False))
         elif self.periodic:   # each worker on its own gradient: the norm of its subnetwork
             gnorm = jnp.sqrt(sync.sum_parts([jnp.sum(jnp.square(g.astype(jnp.float32)))
                                              for g in grads.values()], AXIS, False))
@@ -1098,7 +1114,7 @@ class SDPStep:
         new = _flatten(new)
         if spec.backward and not self.fsdp:   # every worker's full copy: one all-gather
             params = _unflatten({p: self._from_shards(p, sync.all_gather_invariant(x, AXIS))
-                                 for p, x in new.items()})
+                                 if codes[p] == "S" else x for p, x in new.items()})
         elif self.periodic and sync_now:
             mine = self._to_local({p: x[0] for p, x in new.items()})
             params = self._lead(self._average(mine, gradient=False), codes)
