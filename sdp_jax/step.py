@@ -29,11 +29,11 @@ The step, inside ``jax.shard_map`` over the mesh axis ``data``: local loss and g
 :func:`sdp_jax.sync.average` (mean over each component's holders, invariant 2; with the block
 runner and ``method="alltoall"`` the block gradients are averaged inside the backward loop as
 each block's gradient appears, :func:`sdp_jax.sync.mean_in_backward`) -> clipping by
-:func:`sdp_jax.sync.global_norm` -> the optimizer on the compact parameters. Under backward
-masking every worker keeps the full model and the update is sharded (ZeRO-2): the local
-gradient goes to the owners of its pieces (the first all_to_all leg of
+:func:`sdp_jax.sync.global_norm` -> the optimizer on the compact parameters (forward
+masking). Under backward masking every worker keeps the full model and the update is sharded
+(ZeRO-2): the local gradient goes to the owners of its pieces (the first all_to_all leg of
 :func:`sdp_jax.sync.holder_shards`, the mean over holders in layout ``S``), each device updates
-its ``1/W`` of every leaf, and one all-gather rebuilds every worker's full parameters
+its ``1/W`` of every masked leaf, and one all-gather rebuilds every worker's full parameters
 (:meth:`SDPStep._mean_shards`). With periodic parameter averaging (``averaging=
 "parameters"``) each worker steps on its own gradient and the parameters are averaged over
 their holders every ``sync_every`` steps instead.
@@ -216,7 +216,12 @@ class SDPStep:
       loss_fn: ``(params, batch) -> loss`` or, with ``block_fn``, ``(params, batch, run) ->
         loss`` (float32 scalar; ``(loss, aux dict)`` with ``has_aux``); see the module
         docstring. ``batch`` is the worker's slice (leading axis ``b``) of the global batch.
-      optimizer: an optax transformation, applied to the compact parameters.
+      optimizer: an optax transformation, applied to the compact parameters under forward
+        masking; under FSDP and backward masking to the shards of layout ``S`` (each device's
+        ``1/W`` of a leaf, flattened into rows: ``[n]``, ``[L, r]`` or ``[L, Gc, r]``), so it
+        must act elementwise (AdamW, SGD, Lion; not Adafactor, LAMB, Muon or a weight-decay
+        mask that reads a leaf's shape). Backward masking keeps always-kept leaves outside the
+        blocks whole.
       mesh: a mesh with an axis ``data`` of size ``W``; default: the first ``W`` devices.
       block_fn: ``(block_params, h) -> h`` for one block of the stacked block subtree.
       grad_clip: global-norm clipping threshold of the averaged gradient (0 = none).
@@ -476,25 +481,26 @@ class SDPStep:
     def _opt_from_compact(self, state: dict) -> dict:
         """A train state with the compact optimizer state -> layout ``S`` (``legacy``): every
         parameter-shaped entry (a moment) goes from its holders to the shards as a gradient
-        does (:meth:`_mean_shards`; holders agree, so the mean is their value)."""
+        does (:meth:`_mean_shards`; holders agree, so the mean is their value, to the last bit
+        with two holders and to float32 rounding with more)."""
         codes = self._compact_opt_codes()
         specs, shapes = self._struct(codes)
         old_specs = layout_lib.opt_state_specs(self.optimizer, specs, shapes)
         struct = jax.tree.structure(shapes)
         lay = self.layout
 
-        def moment(tree):   # this worker's compact leaves -> its shards
+        def moment(tree):   # this worker's compact leaves (stored form) -> its shards
             flat = {p: x[0] if codes[p] == "C" else sync.to_varying(x)
                     for p, x in _flatten(tree).items()}
-            flat = self._to_local(flat)
+            dts = {x.dtype for x in flat.values()}   # the moments' dtype (e.g. mu_dtype)
+            flat = lay.to_local(flat)
             if self.block_fn is None:   # full-size leaves, zero where not held
                 zeros = {p: jnp.zeros(sh, flat[p].dtype if p in flat else jnp.float32)
                          for p, sh in self.spec.shapes.items()}
-                flat = _flatten(lay.embed(_unflatten(zeros), flat, sync.worker_index(AXIS)))
-            return _unflatten({p: x.astype(shapes_dt[p]) for p, x in
-                               self._mean_shards(flat).items()})
+                flat = dict(lay.embed(_unflatten(zeros), flat, sync.worker_index(AXIS)))
+            return _unflatten({p: x.astype(next(iter(dts)) if len(dts) == 1 else lay.dtype(p))
+                               for p, x in self._mean_shards(flat).items()})
 
-        shapes_dt = {p: s.dtype for p, s in _flatten(shapes).items()}
         is_moment = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa
 
         def convert(opt):
@@ -1022,8 +1028,9 @@ class SDPStep:
 
     def _local_grads(self, params, batch, stats=None):
         """(loss, aux, the worker's local gradient and local parameters, flat, in the compact
-        layout without the worker axis, the new model state). Under FSDP: the masked-mean
-        gradient in layout S."""
+        layout without the worker axis, the new model state). Under FSDP and backward masking:
+        the masked-mean gradient and the parameters in the optimizer's layout (``S``, and
+        ``R`` for backward masking's always-kept leaves outside the blocks)."""
         lay = self.layout
         st = self._state_local(stats)
         extra = () if st is None else (st,)

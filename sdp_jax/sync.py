@@ -858,7 +858,7 @@ def _compact_groups(flat: dict, lay) -> tuple[dict, dict, dict, dict]:
 def gather_full(tree: Any, spec, axis: str = AXIS) -> dict:
     """The full parameters, the same on every worker, from every worker's compact local values
     (each component the mean over its holders; after an averaged update the holders agree, so
-    it is their value). Used by backward masking to rebuild every worker's full model.
+    it is their value). Used by the evaluation of forward-masked steps.
 
     Args:
       tree: a worker's local tree in the compact layout (inside ``jax.shard_map``; either form,

@@ -38,3 +38,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+def compact_opt_state(builder, state):
+    """The optimizer state of a backward-masked ``state`` in the compact layout that its
+    checkpoints stored before the sharded update (each worker's held components; every moment
+    rebuilt from the shards), placed as ``builder.legacy``'s first layout reads it."""
+    import jax
+    (to_old, _), *_ = builder.legacy
+    old = to_old(builder.abstract_state())["opt_state"]
+    keys = set(builder.param_shapes)
+
+    def is_moment(x):
+        return isinstance(x, dict) and set(x) == keys
+
+    def compact(x, like):
+        if not is_moment(x):
+            return x
+        stored = builder.layout.stored(builder.full_params(x, optimizer_layout=True))
+        return jax.tree.map(lambda v, s: jax.device_put(v, s.sharding), stored, like)
+    return jax.tree.map(compact, state["opt_state"], old, is_leaf=is_moment)
