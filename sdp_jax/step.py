@@ -443,12 +443,22 @@ class SDPStep:
         worker (its i-th held one); their gradients go to the owners inside the loop (the first
         all_to_all leg of :func:`sdp_jax.sync.holder_mean`) and come back averaged after it
         (:func:`sdp_jax.sync.sinks_to_mean`). Replicated leaves (layout ``R``: N-SDP's norms)
-        are averaged after the loop, where their mean leaves the step invariant.
+        are averaged after the loop, where their mean leaves the step invariant. Under backward
+        masking (every block runs on every worker) the neuron leaves of ``nb-sdp`` go to their
+        owners' shards inside the loop (the first all_to_all leg of layer i at loop step i),
+        where the sharded update (ZeRO-2) reads them; ``bb-sdp``'s blocks stay after it (at
+        loop step i only the holders of block i have its gradient).
         """
         lay = self.layout
-        if (self.block_fn is None or self.fsdp or self.spec.backward or self.periodic
-                or self.staged or self.method != "alltoall"):
+        if (self.block_fn is None or self.fsdp or self.periodic or self.staged
+                or self.method != "alltoall"):
             return {}
+        if self.spec.backward:   # N-SDP's neuron leaves, left in the owners' shards (ZeRO-2)
+            if spec_lib.BLOCK in self.spec.kinds:
+                return {}
+            return {p: lay.holder_tables(p) for p, lf in lay.leaves.items()
+                    if self._in_block(p) and lf.form == layout_lib.NEURON
+                    and not lay.holder_tables(p).full}
         out = {}
         for p, lf in lay.leaves.items():
             if not self._in_block(p) or self.param_layout.get(p) != "C" \
@@ -495,9 +505,7 @@ class SDPStep:
             dts = {x.dtype for x in flat.values()}   # the moments' dtype (e.g. mu_dtype)
             flat = lay.to_local(flat)
             if self.block_fn is None:   # full-size leaves, zero where not held
-                zeros = {p: jnp.zeros(sh, flat[p].dtype if p in flat else jnp.float32)
-                         for p, sh in self.spec.shapes.items()}
-                flat = dict(lay.embed(_unflatten(zeros), flat, sync.worker_index(AXIS)))
+                flat = self._zero_embedded(flat)
             return _unflatten({p: x.astype(next(iter(dts)) if len(dts) == 1 else lay.dtype(p))
                                for p, x in self._mean_shards(flat).items()})
 
@@ -670,23 +678,33 @@ class SDPStep:
             out[p] = jax.lax.dynamic_slice_in_dim(rows, my * rs, rs, rows.ndim - 1)
         return out
 
-    def _mean_shards(self, g: dict) -> dict:
+    def _zero_embedded(self, local: dict) -> dict:
+        """A worker's local leaves (flat, every leaf of the layout) -> full-size leaves, zero
+        where the worker holds nothing."""
+        zeros = {p: jnp.zeros(sh, local[p].dtype if p in local else jnp.float32)
+                 for p, sh in self.spec.shapes.items()}
+        return dict(self.layout.embed(_unflatten(zeros), local, sync.worker_index(AXIS)))
+
+    def _mean_shards(self, g: dict, done: dict | None = None) -> dict:
         """Backward masking: a worker's gradient (flat; compact leaves of the block subtree,
         full-size leaves elsewhere, of which only the entries it holds count) -> the mean over
         each entry's holders (docs/design.md invariant 2) in layout ``S``, float32 (or wider).
         Compact leaves go to the owners of their pieces (the first all_to_all leg of
         :func:`sdp_jax.sync.holder_shards`: ``(W-1)/W`` of the compact bytes per device);
-        full-size masked leaves are masked, scaled by ``1 / holders`` and reduce-scattered
-        (``(W-1)/W`` of their bytes); always-kept leaves outside the blocks (layout ``R`` in
-        the optimizer) are all-reduced."""
+        full-size masked leaves (every leaf with ``method="psum"``, the reference) are masked,
+        scaled by ``1 / holders`` and reduce-scattered (``(W-1)/W`` of their bytes); always-kept leaves outside the blocks (layout ``R`` in
+        the optimizer) are all-reduced. ``done``: {path: the mean already in layout ``S``
+        (sent to the owners inside the backward loop)}."""
         my = sync.worker_index(AXIS)
-        tabs = {p: t for p, t in self._rows.items() if t is not None}
-        out = {}
+        out = dict(done or {})
+        tabs = {p: t for p, t in self._rows.items() if t is not None and p not in out}
+        if tabs and self.method == "psum":   # the reference: every leaf full-size
+            g, tabs = self._zero_embedded(g), {}
         if tabs:
             for p, x in sync.holder_shards({p: g[p] for p in tabs}, tabs, AXIS).items():
                 out[p] = x if tabs[p].grouped else x[0]
         for p, x in g.items():
-            if p in tabs:
+            if p in tabs or p in out:
                 continue
             x = x.astype(sync._sum_dtype([x]))
             if self.compact_layout[p] == "R":   # always-kept, updated whole: the plain mean
@@ -878,16 +896,25 @@ class SDPStep:
         return self.loss_fn(_unflatten({p: self._cast(x) for p, x in full.items()}), batch,
                             *map(_unflatten, stats))
 
-    def _backward_loss(self, mine: dict, full: dict, batch):
+    def _backward_loss(self, mine: dict, full: dict, batch, sinks=None):
         """Backward masking with the block runner: the full forward pass; gradients flow only
         into ``mine`` (this worker's compact part of every masked leaf, and the always-kept
-        leaves)."""
+        leaves) and, for the leaves sent to their owners inside the loop
+        (:meth:`_in_loop_tables`, not in ``mine``), into ``sinks``
+        (:func:`sdp_jax.sync.owner_sinks`)."""
         lay, spec = self.layout, self.spec
         my = sync.worker_index(AXIS)
         frozen = jax.lax.stop_gradient(full)
         bt = spec.kinds.get(spec_lib.BLOCK)
+        tables = self._loop_tables
+        xs = prepare = None
+        if tables:   # this worker's values of the in-loop leaves, scanned layer by layer
+            pruned = lay.prune(frozen, my)
+            xs = {"own": {p: pruned[p] for p in tables}, "sink": sinks}
+            prepare = lambda x, i: {   # noqa: E731
+                "own": sync.mean_in_backward(x["own"], tables, i, AXIS, x["sink"])}
 
-        def get(p, g, _):
+        def get(p, g, x):
             lf = lay.leaves[p]
             if lf.form == layout_lib.KEPT:
                 return self._cast(jax.lax.dynamic_index_in_dim(mine[p], g, 0, False))
@@ -898,12 +925,14 @@ class SDPStep:
                 return self._cast(jnp.where(s >= 0, own, base))
             a = lf.rule.axis
             idx = jnp.asarray(lay.indices(lf))[my, g]
-            own = jnp.moveaxis(jax.lax.dynamic_index_in_dim(mine[p], g, 0, False), a - 1, 0)
+            own = (x["own"][p] if p in tables
+                   else jax.lax.dynamic_index_in_dim(mine[p], g, 0, False))
+            own = jnp.moveaxis(own, a - 1, 0)
             base = jnp.moveaxis(base, a - 1, 0).at[idx].set(own)
             return self._cast(jnp.moveaxis(base, 0, a - 1))
 
         kept = {p: x for p, x in mine.items() if not self._in_block(p)}
-        return self._call(kept, spec.n_blocks, get, batch)
+        return self._call(kept, spec.n_blocks, get, batch, xs=xs, prepare=prepare)
 
     def _fsdp_loss(self, shards, batch, train=True):
         """Loss from FSDP shards (layout ``S``): each leaf is gathered, in the compute dtype,
@@ -1046,13 +1075,16 @@ class SDPStep:
             if self.block_fn is None:   # the full gradient, masked to this worker's part
                 loss, aux, g, new = self._value_and_grad(self._full_loss, sync.to_varying(full),
                                                          batch, *extra)
-            else:
-                local = lay.prune(full, my)
-                diff = {p: sync.to_varying(x) if lay.leaves[p].form == layout_lib.KEPT else x
-                        for p, x in local.items()}   # local gradients of always-kept leaves
-                loss, aux, g, new = self._value_and_grad(self._backward_loss, diff, full,
-                                                         batch, *extra)
-            return loss, aux, self._mean_shards(g), self._my_shards(full), new
+                return loss, aux, self._mean_shards(g), self._my_shards(full), new
+            local, tables = lay.prune(full, my), self._loop_tables
+            diff = {p: sync.to_varying(x) if lay.leaves[p].form == layout_lib.KEPT else x
+                    for p, x in local.items() if p not in tables}   # (kept: local gradients)
+            sinks = sync.owner_sinks({p: local[p] for p in tables}, tables, AXIS)
+            loss, aux, (g, sums), new = self._value_and_grad(
+                lambda both, *a: self._backward_loss(both[0], *a, sinks=both[1]),
+                (diff, sinks), full, batch, *extra)
+            done = sync.sinks_to_shards(sums, {p: local[p] for p in tables}, tables)
+            return loss, aux, self._mean_shards(g, done), self._my_shards(full), new
         local = self._to_local(self._strip(params))
         diff = {lp: sync.to_varying(x) if self.param_layout.get(lp) == "R" else x
                 for lp, x in local.items()}

@@ -354,9 +354,10 @@ def _sum_dtype(leaves) -> Any:
     return jnp.result_type(jnp.float32, *[x.dtype for x in leaves])
 
 
-def _piece_width(leaf: jax.Array, W: int) -> int:
-    """``rs = ceil(r / W)`` of a compact block leaf ``[k, ...]`` (``r``: elements per block)."""
-    return -(-int(np.prod(leaf.shape[1:])) // W)
+def _piece_width(leaf: jax.Array, t: HolderTables) -> int:
+    """``rs = ceil(r / W)`` of a compact leaf of tables ``t`` (``r``: elements per component:
+    per block of ``[k, ...]``, per neuron of one layer of ``[L, ..., kc, ...]``)."""
+    return -(-(int(np.prod(leaf.shape)) // (t.groups * t.kc)) // t.workers)
 
 
 def _fresh_to_owners(rows: list, t: HolderTables, group, first, count, axis: str) -> jax.Array:
@@ -488,16 +489,31 @@ def _owner_groups(tables: dict) -> list[list]:
 
 
 def owner_sinks(like: dict, tables: dict, axis: str = AXIS) -> dict:
-    """Zero accumulators of :func:`mean_in_backward` for block leaves: {first path of a fused
-    group: ``[Gc, RS]`` in float32 (or the leaves' dtype if wider)}, this device's shard of the
-    group's summed rows (``RS``: the leaves' ``rs = ceil(r / W)`` together). ``like``: {path:
-    the worker's compact leaf ``[k, ...]``}."""
+    """Zero accumulators of :func:`mean_in_backward`: {first path of a fused group: this
+    device's shard of the group's summed rows, float32 (or the leaves' dtype if wider)},
+    ``[Gc, RS]`` for block leaves, ``[L, Gc, RS]`` for neuron leaves (scan it with the layers:
+    loop step ``i`` adds layer ``i``); ``RS``: the leaves' ``rs = ceil(r / W)`` together.
+    ``like``: {path: the worker's compact leaf}; ``tables``: their :class:`HolderTables`."""
     out = {}
-    for paths in _owner_groups(tables):
+    for paths in _fused_groups({p: t for p, t in tables.items() if t is not None}):
         t = tables[paths[0]]
-        rs = sum(_piece_width(like[p], t.workers) for p in paths)
-        out[paths[0]] = zeros_varying((t.size, rs), _sum_dtype([like[p] for p in paths]),
+        rs = sum(_piece_width(like[p], t) for p in paths)
+        shape = ((t.groups,) if t.grouped else ()) + (t.size, rs)
+        out[paths[0]] = zeros_varying(shape, _sum_dtype([like[p] for p in paths]),
                                       like[paths[0]], axis)
+    return out
+
+
+def sinks_to_shards(sums: dict, like: dict, tables: dict) -> dict:
+    """The gradients of :func:`owner_sinks` (sums over holders in the owners' shards) -> {path:
+    the holder mean in the shard layout (:func:`holder_shards`' ``[Lg, Gc, rs]``)}."""
+    out = {}
+    for paths in _fused_groups({p: tables[p] for p in like}):
+        t, key = tables[paths[0]], paths[0]
+        acc = sums[key] / jnp.asarray(t.counts if t.grouped else t.counts[0],
+                                      sums[key].dtype)[..., None]
+        acc = acc if t.grouped else acc[None]
+        out.update(_unfuse(acc, paths, [_piece_width(like[p], t) for p in paths]))
     return out
 
 
@@ -506,12 +522,8 @@ def sinks_to_mean(sums: dict, like: dict, tables: dict, axis: str = AXIS) -> dic
     {path: the worker's compact leaf of the holder mean}: divided by the multiplicities, then
     fetched back by the second all_to_all leg of :func:`holder_mean` (after the backward
     pass)."""
-    shards = {}
-    for paths in _owner_groups(tables):
-        t = tables[paths[0]]
-        widths = [_piece_width(like[p], t.workers) for p in paths]
-        acc = sums[paths[0]] / jnp.asarray(t.counts[0], sums[paths[0]].dtype)[:, None]
-        shards.update({p: x[None] for p, x in _unfuse(acc, paths, widths).items()})
+    shards = sinks_to_shards(sums, like, {p: t for p, t in tables.items() if t is not None
+                                          and not t.grouped})
     return shards_to_compact(shards, like, {p: tables[p] for p in shards}, axis)
 
 
@@ -533,7 +545,10 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
         * None: held by every worker: the cotangent becomes its plain mean (an all-reduce);
         * a grouped :class:`HolderTables` (neuron leaves; the component axis of the slice is
           ``axis - 1``; loop step ``group`` is layer ``group`` on every worker): the holder
-          mean of that layer, both all_to_all legs of :func:`holder_mean`;
+          mean of that layer, both all_to_all legs of :func:`holder_mean`; or, when its fused
+          group has a sink (this step's ``[Gc, RS]`` slice of :func:`owner_sinks`' ``[L, Gc,
+          RS]``), only the first leg, into the sink's gradient (the sums in the owners'
+          shards: :func:`sinks_to_shards`), and the leaf's own cotangent is zero;
         * a block :class:`HolderTables` (B-SDP: loop step ``group`` is the worker's slot
           ``group``, a different block on each worker, so the mean cannot be formed yet):
           the cotangent is sent to its owners (the first all_to_all leg) and added into the
@@ -542,7 +557,8 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
 
         A path not in ``tables`` keeps its cotangent.
       group: int32 scalar (may be traced): the loop step.
-      sinks: :func:`owner_sinks` of the block leaves (needed when ``tables`` has any).
+      sinks: :func:`owner_sinks` of the block leaves (needed when ``tables`` has any), and of
+        the neuron leaves to be left in the owners' shards (this step's slices).
     Returns:
       ``tree`` unchanged. Bytes per device on the wire equal those of :func:`average` for the
       same leaves, issued where each block's gradient is computed; a loss that runs the blocks
@@ -550,11 +566,14 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
     Raises:
       ValueError: block leaves without ``sinks`` of the same tables.
     """
-    owners = _owner_groups(tables)
     sinks = dict(sinks or {})
-    if owners and set(sinks) != {g[0] for g in owners}:
+    owners = _owner_groups(tables)
+    owners += [g for g in _fused_groups({p: t for p, t in tables.items()
+                                         if t is not None and t.grouped}) if g[0] in sinks]
+    if set(sinks) != {g[0] for g in owners}:
         raise ValueError("mean_in_backward: block leaves need sinks=owner_sinks(...) of the "
-                         "same tables.")
+                         "same tables (and only the groups they name).")
+    sunk = {p for g in owners for p in g}
     dtypes = {k: v.dtype for k, v in sinks.items()}
 
     @jax.custom_vjp
@@ -567,7 +586,7 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
     def bwd(g, ct):
         plain = {p: v for p, v in ct.items() if p in tables and tables[p] is None}
         grouped = {p: v for p, v in ct.items()
-                   if tables.get(p) is not None and tables[p].grouped}
+                   if tables.get(p) is not None and tables[p].grouped and p not in sunk}
         out = dict(ct)
         if plain:
             out.update(to_varying(lax.pmean(plain, axis), axis))
@@ -576,9 +595,14 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
         sent = {}
         for paths in owners:
             t, key = tables[paths[0]], paths[0]
-            rows = [_split_rows(ct[p].reshape(1, 1, -1).astype(dtypes[key]), t.workers)[0]
-                    for p in paths]                                       # [1, W, rs]
-            sent[key] = _fresh_to_owners(rows, t, 0, g, 1, axis)
+            if t.grouped:   # layer g of every worker: its kc neurons' rows
+                rows = [_split_rows(jnp.moveaxis(ct[p], tables[p].axis - 1, 0).reshape(
+                    1, t.kc, -1).astype(dtypes[key]), t.workers)[0] for p in paths]
+                sent[key] = _fresh_to_owners(rows, t, g, 0, t.kc, axis)
+            else:           # slot g of every worker: one block's rows
+                rows = [_split_rows(ct[p].reshape(1, 1, -1).astype(dtypes[key]), t.workers)[0]
+                        for p in paths]                                   # [1, W, rs]
+                sent[key] = _fresh_to_owners(rows, t, 0, g, 1, axis)
             out.update({p: jnp.zeros_like(ct[p]) for p in paths})
         return out, sent, None
 

@@ -284,19 +284,23 @@ def test_nsdp_holders_of_each_neuron_and_head_agree(mesh, batches):
 
 @pytest.mark.parametrize("variant,coverage,remat", [("ddp", 1.0, "none"), ("n-sdp", 0.5, "full"),
                                                     ("b-sdp", 0.5, "none"),
-                                                    ("b-sdp", 0.5, "full")])
+                                                    ("b-sdp", 0.5, "full"),
+                                                    ("nb-sdp", 0.5, "none"),
+                                                    ("nb-sdp", 0.5, "full"),
+                                                    ("bb-sdp", 0.5, "none")])
 def test_averaging_inside_the_backward_loop_equals_averaging_after_it(mesh, batches, variant,
                                                                       coverage, remat):
     """Issue 14, item 2: block gradients averaged inside the backward scan (DDP's all-reduce,
-    N-SDP's per-layer holder all_to_alls, B-SDP's leg to the owners) give the parameters of
-    the full-size masked psum after the backward pass (method='reference')."""
+    N-SDP's per-layer holder all_to_alls, B-SDP's leg to the owners, Nb-SDP's per-layer leg to
+    the owners' shards) give the parameters of the full-size masked psum after the backward
+    pass (method='reference'; under backward masking its reduce-scatter)."""
     b = builder(mesh, variant, coverage, remat=remat)
     loop = b._loop_tables
-    assert loop and all(p[0] == "blocks" for p in loop)
+    assert (variant == "bb-sdp") != bool(loop) and all(p[0] == "blocks" for p in loop)
     kinds = {("grouped" if t.grouped else "owners") if t is not None else "mean"
              for t in loop.values()}
-    assert kinds == {"ddp": {"mean"}, "n-sdp": {"grouped"},
-                     "b-sdp": {"owners"}}[variant], kinds
+    assert kinds == {"ddp": {"mean"}, "n-sdp": {"grouped"}, "nb-sdp": {"grouped"},
+                     "b-sdp": {"owners"}, "bb-sdp": set()}[variant], kinds   # (bb: after it)
     ref = builder(mesh, variant, coverage, method="reference", remat=remat)
     assert not ref._loop_tables
     s, losses = run(b, batches)
@@ -307,12 +311,15 @@ def test_averaging_inside_the_backward_loop_equals_averaging_after_it(mesh, batc
 
 def test_averaging_bytes_move_inside_the_backward_loop(mesh):
     """The compiled step issues DDP's and N-SDP's block averaging inside the backward loop, and
-    B-SDP's first all_to_all leg (half of its block bytes); the reference psum runs after."""
+    B-SDP's first all_to_all leg (half of its block bytes), Nb-SDP's leg to the owners' shards
+    (the all-gather of the new parameters follows the update); the reference psum runs
+    after."""
     from sdp_jax import comm
     batch = jax.ShapeDtypeStruct((2 * W, 17), jnp.int32)
     share = {}
     for variant, coverage, method in (("ddp", 1.0, "auto"), ("n-sdp", 0.5, "auto"),
-                                      ("b-sdp", 0.5, "auto"), ("b-sdp", 0.5, "reference")):
+                                      ("b-sdp", 0.5, "auto"), ("b-sdp", 0.5, "reference"),
+                                      ("nb-sdp", 0.5, "auto")):
         text = builder(mesh, variant, coverage, method=method).compiled_train_step(batch).as_text()
         t = comm.comm_bytes_per_device(text, W)
         share[variant, method] = t["in_backward_loop"] / t["total"]
@@ -320,13 +327,16 @@ def test_averaging_bytes_move_inside_the_backward_loop(mesh):
     assert share["n-sdp", "auto"] > 0.7, share     # and the norms (replicated, after)
     assert 0.3 < share["b-sdp", "auto"] < 0.6, share
     assert share["b-sdp", "reference"] == 0.0, share
+    assert 0.15 < share["nb-sdp", "auto"] < 0.5, share   # C / (1 + C) of the blocks' bytes
 
 
 def test_averaging_stays_after_the_loop_where_the_loop_cannot_hold_it(mesh):
-    """FSDP (its own reduce-scatter), periodic parameter averaging, backward masking and the
-    reference psum keep the averaging after the backward pass."""
+    """FSDP (its own reduce-scatter), periodic parameter averaging, block-level backward
+    masking (at loop step i only block i's holders have its gradient) and the reference psum
+    keep the averaging after the backward pass."""
     assert not builder(mesh, "ddp", 1.0, fsdp=True)._loop_tables
     assert not builder(mesh, "b-sdp", 0.5, averaging="parameters", sync_every=2)._loop_tables
     assert not builder(mesh, "bb-sdp", 0.5)._loop_tables
+    assert not builder(mesh, "nb-sdp", 0.5, method="reference")._loop_tables
     assert not builder(mesh, "n-sdp", 0.5, method="reference")._loop_tables
 
