@@ -330,7 +330,7 @@ class SDPStep:
         # the pipeline's projectors, which the Stiefel optimizer needs as matrices).
         self.sharded_update = bool(fsdp or spec.backward)
         self._rows = self._row_tables() if self.sharded_update else {}
-        if fsdp and block_fn is None:   # 1 / holders of every entry (broadcastable), float32
+        if self.sharded_update:   # 1 / holders of every entry (broadcastable), float32
             self._inv_holders = {
                 p: np.float32(1.0 / spec.workers) if spec.leaf_mask(p) is None
                 else (1.0 / np.maximum(spec.leaf_mask(p).sum(0), 1)).astype(np.float32)
@@ -692,8 +692,9 @@ class SDPStep:
         Compact leaves go to the owners of their pieces (the first all_to_all leg of
         :func:`sdp_jax.sync.holder_shards`: ``(W-1)/W`` of the compact bytes per device);
         full-size masked leaves (every leaf with ``method="psum"``, the reference) are masked,
-        scaled by ``1 / holders`` and reduce-scattered (``(W-1)/W`` of their bytes); always-kept leaves outside the blocks (layout ``R`` in
-        the optimizer) are all-reduced. ``done``: {path: the mean already in layout ``S``
+        scaled by ``1 / holders`` and reduce-scattered (``(W-1)/W`` of their bytes);
+        always-kept leaves outside the blocks (layout ``R`` in the optimizer) are all-reduced.
+        ``done``: {path: the mean already in layout ``S``
         (sent to the owners inside the backward loop)}."""
         my = sync.worker_index(AXIS)
         out = dict(done or {})
@@ -710,12 +711,8 @@ class SDPStep:
             if self.compact_layout[p] == "R":   # always-kept, updated whole: the plain mean
                 out[p] = jax.lax.pmean(x, AXIS)
                 continue
-            mask = self.spec.leaf_mask(p)
-            if mask is None:
-                x = x / self.spec.workers
-            else:
-                scale = np.asarray(mask, np.float32) / np.maximum(np.sum(mask, 0), 1)
-                x = x * jnp.asarray(scale, x.dtype)[my]
+            mask, inv = self.spec.leaf_mask(p), jnp.asarray(self._inv_holders[p], x.dtype)
+            x = x * (inv if mask is None else jnp.asarray(mask, x.dtype)[my] * inv)
             rows = self._to_shards(p, x)
             out[p] = jax.lax.psum_scatter(rows, AXIS, scatter_dimension=rows.ndim - 1,
                                           tiled=True)

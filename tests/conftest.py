@@ -58,3 +58,21 @@ def compact_opt_state(builder, state):
         stored = builder.layout.stored(builder.full_params(x, optimizer_layout=True))
         return jax.tree.map(lambda v, s: jax.device_put(v, s.sharding), stored, like)
     return jax.tree.map(compact, state["opt_state"], old, is_leaf=is_moment)
+
+
+def resume_from_old_layout(ck, path, old_state, abstract, refused, config, run_a, run_b):
+    """Replace the checkpoint at ``path`` (run ``run_b``, a copy of ``run_a`` stopped early)
+    by ``old_state`` in an earlier layout; the current layout alone must refuse it (raising
+    ``refused``); then both runs finish and ``run_b``, resumed through ``legacy``, ends with
+    ``run_a``'s final validation loss."""
+    import pytest
+
+    from sdp_jax import loop
+    shutil.rmtree(path)
+    ck.save(path, old_state)
+    ck.wait_until_finished()
+    with pytest.raises(refused):   # the current layout alone does not read it
+        ck.restore(path, abstract)
+    config.stop_at_step = 0
+    want = loop.train(config, str(run_a))["final_val_loss"]
+    assert loop.train(config, str(run_b))["final_val_loss"] == pytest.approx(want, abs=1e-6)

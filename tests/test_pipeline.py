@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import resume_from_old_layout
 from flax import nnx
 from test_train_cli import tiny  # the tiny config with dotted overrides
 
@@ -393,14 +394,8 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     path = b / "checkpoints" / "4" / "state"
     ck = ocp.StandardCheckpointer()
     state = ck.restore(path, abstract)
-    shutil.rmtree(path)
-    ck.save(path, pl.legacy_layout(state, True))
-    ck.wait_until_finished()
-    with pytest.raises(Exception):   # the current layout alone does not read it
-        ck.restore(path, abstract)
-    c.stop_at_step = 0
-    want = loop.train(c, str(a))["final_val_loss"]
-    assert loop.train(c, str(b))["final_val_loss"] == pytest.approx(want, abs=1e-6)
+    resume_from_old_layout(ck, path, pl.legacy_layout(state, True), abstract, Exception, c, a,
+                           b)
 
 
 def test_study_table_and_plot(tmp_path):

@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import compact_opt_state
+from conftest import compact_opt_state, resume_from_old_layout
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import loop
@@ -476,11 +476,5 @@ def test_backward_masking_resumes_a_checkpoint_of_the_compact_optimizer_state(tm
     back = from_old({**state, "opt_state": old_opt})["opt_state"]
     for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(state["opt_state"]), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))   # two holders: exact
-    shutil.rmtree(path)
-    ck.save(path, {**state, "opt_state": old_opt})
-    ck.wait_until_finished()
-    with pytest.raises(ValueError):   # the current layout alone does not read it
-        ck.restore(path, abstract)
-    c.stop_at_step = 0
-    want = loop.train(c, str(a))["final_val_loss"]
-    assert loop.train(c, str(b))["final_val_loss"] == pytest.approx(want, abs=1e-6)
+    resume_from_old_layout(ck, path, {**state, "opt_state": old_opt}, abstract, ValueError, c,
+                           a, b)
