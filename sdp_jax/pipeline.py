@@ -7,7 +7,13 @@ batch is cut into ``M`` microbatches and ``M + P - 1`` ticks are run; at each ti
 applies its blocks to what it received and sends the result to the next stage with
 ``lax.ppermute`` over ``stage``. The backward pass is the transpose of that program (``jax.grad``
 of the whole schedule: all forwards, then all backwards, as in GPipe), so the gradients crossing a
-boundary have the shape of the forward payload: r wide when compressed.
+boundary have the shape of the forward payload: r wide when compressed. With
+``schedule="1f1b"`` a step runs the one-forward-one-backward schedule instead
+(:meth:`Pipeline.one_f_one_b`, PipeDream-Flush): ``M + 2 (P - 1)`` ticks, each running one
+microbatch's forward pass and an earlier one's backward pass, so a stage keeps the activations
+of at most ``2 P - 1`` microbatches instead of all ``M``; the same gradients (tested), the same
+boundary payloads, ``(M + 2 P - 2) / (M + P - 1)`` times GPipe's transfers (the longer
+bubble). Evaluation runs GPipe's forward program under either schedule.
 
 Compression of a boundary (MAPL: Janson, Oyallon, Belilovsky, arXiv 2606.05484; docs/design.md,
 "MAPL-style projectors"): stage ``s`` sends, per token, ``c = (h - anchor_s(token)) A_s``
@@ -34,8 +40,9 @@ full under backward masking; FSDP shards over ``data``), and the step's averagin
 clipping by the norm with every component counted once, activation checkpointing and compute
 dtype apply per stage. With ``bfloat16`` the boundary payload travels in bf16.
 
-Not built here: 1F1B scheduling (GPipe only); FSDP of the boundary parameters of a compressed
-method (refused: the Stiefel optimizer and the orthogonality metric need whole projectors).
+Not built here: interleaved (virtual-stage) 1F1B and zero-bubble schedules; FSDP of the boundary
+parameters of a compressed method (refused: the Stiefel optimizer and the orthogonality metric
+need whole projectors).
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from sdp_jax.models.llama import LlamaConfig
 DATA = "data"
 STAGE = "stage"
 METHODS = ("none", "fixed", "unconstrained", "mapl")
-SCHEDULES = ("gpipe",)
+SCHEDULES = ("gpipe", "1f1b")
 FROZEN = "frozen"
 
 
@@ -65,8 +72,10 @@ class PipelineConfig:
 
     Attributes:
       stages: ``P`` pipeline stages (mesh axis ``stage``); 1 = no pipeline.
-      microbatches: ``M`` GPipe microbatches per worker batch (``batch_per_worker % M == 0``).
-      schedule: ``gpipe`` (the only one built).
+      microbatches: ``M`` microbatches per worker batch (``batch_per_worker % M == 0``).
+      schedule: ``gpipe`` (all forwards, then all backwards: activations of ``M``
+        microbatches) or ``1f1b`` (one forward, one backward: at most ``2 P - 1``; the same
+        gradients; :meth:`Pipeline.one_f_one_b`).
       method: ``none`` | ``fixed`` | ``unconstrained`` | ``mapl`` (module docstring).
       ratio: compression ratio ``d / r`` (``d_model`` divisible by it); ignored by ``none``.
       anchor_rank: ``r_a``, rank of the factorized anchor embeddings (0 = no anchors, and no
@@ -130,8 +139,7 @@ class PipelineConfig:
             raise ValueError(f"pipeline.method={self.method!r}; choose one of "
                              f"{', '.join(METHODS)}.")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline.schedule={self.schedule!r}; only gpipe is built "
-                             "(1F1B is not).")
+            raise ValueError(f"pipeline.schedule={self.schedule!r}; choose gpipe or 1f1b.")
         lr, mom = self.proj_lr, self.proj_momentum
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
                 or lr <= 0:
@@ -284,7 +292,8 @@ class Boundary:
 
 
 class Pipeline:
-    """The GPipe schedule over the mesh axis ``stage``, as the loss of the one step.
+    """The pipeline schedule (GPipe or 1F1B) over the mesh axis ``stage``, as the loss of the
+    one step.
 
     It is the ``loss_fn(kept, tokens, run)`` of :class:`sdp_jax.step.SDPStep` (block-runner
     form) for a mesh ``('data', 'stage')``: the step stores each device's stage of the block
@@ -310,7 +319,11 @@ class Pipeline:
         RVQ the codebook and commitment terms (mean over microbatches, summed over
         boundaries), which ``aux["rvq_loss"]`` reports; ``aux["train_loss"]`` is then the
         next-token loss alone, as evaluation returns it. ``kept`` holds the always-kept leaves and
-        ``boundary`` (:func:`init_boundary`)."""
+        ``boundary`` (:func:`init_boundary`). In training with ``schedule="1f1b"`` the
+        schedule is :meth:`one_f_one_b`; otherwise GPipe, whose backward pass is ``jax.grad``
+        of this forward program."""
+        if self.pipe.schedule == "1f1b" and getattr(run, "train", True):
+            return self.one_f_one_b(kept, tokens, run)
         Pn, M = self.pipe.stages, self.pipe.microbatches
         bnd, bd = kept.get("boundary", {}), self.boundary
         s = lax.axis_index(STAGE)
@@ -318,16 +331,10 @@ class Pipeline:
         b, T = x.shape
         xs = x.reshape(M, b // M, T)
         dtype = self.embed(kept, xs[0, :, :1]).dtype
-        send_tok = self.pipe.compressed and self.pipe.anchor_rank > 0
         id_dtype = token_id_dtype(self.vocab_size)
         perm = [(i, i + 1) for i in range(Pn - 1)]
-        enc_i = jnp.clip(s, 0, max(Pn - 2, 0))
-        dec_i = jnp.clip(s - 1, 0, max(Pn - 2, 0))
-        vary = (DATA, STAGE)
-        init = (lax.pcast(jnp.zeros((b // M, T, self.pipe.width(self.d_model)), dtype), vary,
-                          to="varying"),
-                lax.pcast(jnp.zeros((b // M, T), id_dtype), vary, to="varying"))
-        quant = self.pipe.quantized
+        init = self._zero_payload(b // M, T, dtype)
+        quant, send_tok = self.pipe.quantized, self._send_tok
 
         # RVQ: only the code indices travel forward; the receiver sums its own copy of the
         # codebooks, and the straight-through gradient (r floats) travels back.
@@ -346,20 +353,15 @@ class Pipeline:
 
         def tick(carry, t):
             recv, recv_tok = carry
-            tok0 = xs[jnp.minimum(t, M - 1)]
-            first = s == 0
-            tok = jnp.where(first, tok0, recv_tok.astype(jnp.int32)) if send_tok else tok0
-            h_in = jnp.where(first, self.embed(kept, tok0),
-                             bd.decode(bnd, dec_i, recv, tok).astype(dtype))
+            h_in, tok = self._stage_input(kept, recv, recv_tok, xs[jnp.minimum(t, M - 1)],
+                                          dtype)
             h = run(h_in)
             aux = jnp.zeros((), jnp.float32)
             if Pn > 1:
-                c = bd.encode(bnd, enc_i, h, tok).astype(dtype)
+                c, codes, aux = self._stage_output(kept, h, tok, dtype)
                 if quant:
-                    q, codes, aux = bd.quantize(bnd, enc_i, c)
-                    recv = send_codes(q, codes, bnd["rvq_codebook"][dec_i])
-                    aux = jnp.where((t >= s) & (t - s < M) & (s < Pn - 1),
-                                    aux.astype(jnp.float32), 0.0)
+                    recv = send_codes(c, codes, bnd["rvq_codebook"][self._dec(s)])
+                    aux = jnp.where((t >= s) & (t - s < M) & (s < Pn - 1), aux, 0.0)
                 else:
                     recv = lax.ppermute(c, STAGE, perm)
                 if send_tok:
@@ -374,6 +376,219 @@ class Pipeline:
             return lm, {}
         aux = lax.psum(jnp.sum(auxs) / M, STAGE)
         return lm + aux, {"rvq_loss": aux, "train_loss": lm}
+
+    # ------------------------------------------------------------ shared by both schedules
+    @property
+    def _send_tok(self) -> bool:
+        """Whether token ids travel beside the payload (anchors need them at the receiver)."""
+        return self.pipe.compressed and self.pipe.anchor_rank > 0
+
+    def _enc(self, s):
+        return jnp.clip(s, 0, max(self.pipe.stages - 2, 0))
+
+    def _dec(self, s):
+        return jnp.clip(s - 1, 0, max(self.pipe.stages - 2, 0))
+
+    def _zero_payload(self, mb: int, T: int, dtype):
+        """Zero ``(payload [mb, T, r], token ids [mb, T])``, varying over ``data`` and ``stage``
+        (a scan carry's initial value)."""
+        vary = (DATA, STAGE)
+        return (lax.pcast(jnp.zeros((mb, T, self.pipe.width(self.d_model)), dtype), vary,
+                          to="varying"),
+                lax.pcast(jnp.zeros((mb, T), token_id_dtype(self.vocab_size)), vary,
+                          to="varying"))
+
+    def _stage_input(self, kept, recv, recv_tok, tok0, dtype):
+        """``(h_in [mb, T, d] in dtype, token ids int32 [mb, T])`` of this stage for one
+        microbatch: the embedding of ``tok0`` on the first stage, else the decoded payload
+        ``recv`` (with the received token ids ``recv_tok`` when anchors need them)."""
+        s = lax.axis_index(STAGE)
+        first = s == 0
+        tok = jnp.where(first, tok0, recv_tok.astype(jnp.int32)) if self._send_tok else tok0
+        h_in = jnp.where(first, self.embed(kept, tok0),
+                         self.boundary.decode(kept.get("boundary", {}), self._dec(s), recv,
+                                              tok).astype(dtype))
+        return h_in, tok
+
+    def _stage_output(self, kept, h, tok, dtype):
+        """``(payload [mb, T, r] in dtype, RVQ codes or None, RVQ loss float32)`` this stage
+        sends for its output ``h`` (with RVQ the payload is the straight-through quantized
+        value; the loss is 0 without RVQ)."""
+        bnd, bd = kept.get("boundary", {}), self.boundary
+        i = self._enc(lax.axis_index(STAGE))
+        c = bd.encode(bnd, i, h, tok).astype(dtype)
+        if not self.pipe.quantized:
+            return c, None, jnp.zeros((), jnp.float32)
+        q, codes, aux = bd.quantize(bnd, i, c)
+        return q, codes, aux.astype(jnp.float32)
+
+    # ------------------------------------------------------------------------ 1F1B
+    def one_f_one_b(self, kept: dict, tokens, run):
+        """The loss of :meth:`loss` under the one-forward-one-backward schedule (PipeDream-Flush,
+        Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN Training", arXiv
+        2006.09503, Sec. 3; Megatron-LM's default), with the gradient computed inside the
+        schedule.
+
+        ``M + 2 (P - 1)`` ticks; at tick ``t`` stage ``s`` runs the forward pass of microbatch
+        ``t - s`` and the backward pass of microbatch ``t - 2 (P - 1) + s`` (each when it
+        exists), then sends the payload forward and the payload's gradient back
+        (``lax.ppermute`` over ``stage``, one tick per hop each way). The last stage runs a
+        microbatch's backward pass right after its forward pass. Stage ``s`` therefore keeps
+        the residuals (``jax.vjp``) of at most ``2 (P - 1 - s) + 1`` microbatches (``2 P - 1``
+        slots, whatever ``M``), where GPipe keeps those of all ``M + P - 1`` ticks until its
+        backward pass starts. Residuals that do not depend on the microbatch (the stage's
+        parameters, values computed from them alone outside a loop) are not stored per slot.
+
+        The schedule computes the gradient of every input of the stage itself: ``kept`` and
+        the values ``run`` closes over (:func:`jax.closure_convert`: the stage's block
+        parameters, FSDP shards, ...), accumulated in float32. It returns the loss as the
+        value ``psum(L_s + sum_i <g_i, theta_i - stop_gradient(theta_i)>, stage)``, whose
+        gradient under the step's ``jax.value_and_grad`` is exactly ``g``, so the step's
+        averaging, clipping and optimizer apply unchanged. RVQ: the code indices travel
+        forward, the straight-through gradient back, as under GPipe.
+
+        Args / returns: as :meth:`loss` (training only; evaluation runs GPipe's forward)."""
+        Pn, M = self.pipe.stages, self.pipe.microbatches
+        s = lax.axis_index(STAGE)
+        last = s == Pn - 1
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        b, T = x.shape
+        mb = b // M
+        xs, ys = x.reshape(M, mb, T), y.reshape(M, mb, T)
+        dtype = self.embed(kept, xs[0, :, :1]).dtype
+        quant, send_tok = self.pipe.quantized, self._send_tok
+        id_dtype = token_id_dtype(self.vocab_size)
+        vary = (DATA, STAGE)
+        fwd_perm = [(i, i + 1) for i in range(Pn - 1)]
+        bwd_perm = [(j, i) for i, j in fwd_perm]
+        K = 2 * Pn - 1   # residual slots; microbatch m lives in slot m mod K
+
+        def full_vary(v):
+            have = _vma(v)
+            missing = tuple(a for a in vary if have is not None and a not in have)
+            return lax.pcast(v, missing, to="varying") if missing else v
+
+        recv0, tok0 = self._zero_payload(mb, T, dtype)
+        run_c, consts = jax.closure_convert(
+            run, full_vary(jnp.zeros((mb, T, self.d_model), dtype)))
+        # Differentiated: ``kept`` and the closed-over values the enclosing differentiation
+        # traces (same trace as ``kept``); the others (stop_gradient copies, tables) are
+        # constants of the schedule.
+        # (When JAX does not say, every closed-over value is differentiated: correct, slower.)
+        ref = getattr(jax.tree.leaves(kept)[0], "_trace", None)
+        traced = [ref is None or getattr(c, "_trace", None) is ref for c in consts]
+        live = (kept, [c for c, d in zip(consts, traced) if d])
+        fixed = [c for c, d in zip(consts, traced) if not d]
+        # ``kept`` is made to vary over data and stage, so that its gradient inside the
+        # schedule is this stage's own (the transpose of an implicit pcast would be a psum
+        # over stage, mixing the stages' different microbatches). The closed-over values keep
+        # their types: ``run_c`` replays a program traced with them.
+        theta = (jax.tree.map(full_vary, lax.stop_gradient(kept)),
+                 lax.stop_gradient(live[1]))
+
+        def stage(th, recv, recv_tok, x_m, y_m, valid):
+            kp, cs = th
+            it, fx = iter(cs), iter(fixed)
+            h_in, tok = self._stage_input(kp, recv, recv_tok, x_m, dtype)
+            h = run_c(h_in, *[next(it) if d else next(fx) for d in traced])
+            lm = jnp.where(last & valid, self.head(kp, h, y_m), 0.0) / M
+            c, codes, aux = self._stage_output(kp, h, tok, dtype)
+            aux = jnp.where(valid & ~last, aux, 0.0) / M
+            return (c, lm + aux), (codes, tok, lm, aux)
+
+        def forward(th, recv, recv_tok, x_m, y_m, valid):
+            return jax.vjp(lambda t_, r_: stage(t_, r_, recv_tok, x_m, y_m, valid), th, recv,
+                           has_aux=True)
+
+        # Which residuals depend on the microbatch (these are stored per slot; the others are
+        # the same at every tick and taken from the current one).
+        args = (theta, recv0, tok0, xs[0], ys[0], jnp.asarray(True))
+        jaxpr = jax.make_jaxpr(lambda *a: jax.tree.leaves(forward(*a)[1]))(*args)
+        n_theta = len(jax.tree.leaves(theta))
+        per_mb = _depends_on(jaxpr, [i >= n_theta for i in range(len(jaxpr.jaxpr.invars))])
+        slots = [lax.pcast(jnp.zeros((K,) + v.aval.shape, v.aval.dtype), vary, to="varying")
+                 for v, d in zip(jaxpr.jaxpr.outvars, per_mb) if d]
+        acc = jax.tree.map(lambda v: _vary_like(jnp.zeros(v.shape, jnp.float32), v), theta)
+        zero = full_vary(jnp.zeros((), jnp.float32))
+
+        def tick(carry, t):
+            recv, recv_tok, grad_in, slots, acc, lm_sum, aux_sum = carry
+            mf, mb_ = t - s, t - 2 * (Pn - 1) + s
+            vf, vb = (mf >= 0) & (mf < M), (mb_ >= 0) & (mb_ < M)
+            mfc = jnp.clip(mf, 0, M - 1)
+            (c, _), back, (codes, tok, lm, aux) = forward(theta, recv, recv_tok, xs[mfc],
+                                                          ys[mfc], vf)
+            leaves, tree = jax.tree.flatten(back)
+            # Writing microbatch mf's slot never overwrites a live one: the live microbatches
+            # are mb_ .. mf - 1, fewer than K apart (also for mf outside [0, M)).
+            mine, j = [], 0
+            for leaf, d in zip(leaves, per_mb, strict=True):
+                if d:
+                    slots[j] = lax.dynamic_update_index_in_dim(slots[j], full_vary(leaf),
+                                                               jnp.mod(mf, K), 0)
+                    # (a tick without a backward pass reads its own, finite, residuals)
+                    leaf = lax.dynamic_index_in_dim(slots[j], jnp.mod(jnp.where(vb, mb_, mf), K),
+                                                    0, False)
+                    j += 1
+                mine.append(leaf)
+            back = jax.tree.unflatten(tree, mine)
+            g_out = jnp.where(last | ~vb, jnp.zeros_like(grad_in), grad_in)
+            g_th, g_recv = back((g_out, full_vary(vb.astype(jnp.float32))))
+            # Without a backward pass the cotangents are zero, and so is g_th: a closed-over
+            # value invariant over stage has its gradient summed over the stages inside
+            # back(), whose other stages may be in a tick with a backward pass.
+            acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g_th)
+            lm_sum, aux_sum = lm_sum + full_vary(lm), aux_sum + full_vary(aux)
+            if quant:
+                cb = theta[0]["boundary"]["rvq_codebook"][self._dec(s)]
+                recv = self.boundary.lookup(cb, lax.ppermute(codes, STAGE, fwd_perm))
+                recv = recv.astype(dtype)
+            else:
+                recv = lax.ppermute(c, STAGE, fwd_perm)
+            if send_tok:
+                recv_tok = lax.ppermute(tok.astype(id_dtype), STAGE, fwd_perm)
+            g_recv = jnp.where(vb, full_vary(g_recv), 0).astype(grad_in.dtype)
+            grad_in = lax.ppermute(g_recv, STAGE, bwd_perm)
+            return (recv, recv_tok, grad_in, slots, acc, lm_sum, aux_sum), None
+
+        carry = (recv0, tok0, recv0, slots, acc, zero, zero)
+        (_, _, _, _, grads, lm, aux), _ = lax.scan(tick, carry, jnp.arange(M + 2 * (Pn - 1)))
+        # The gradient g enters the outer differentiation as <g, theta - sg(theta)> (value 0);
+        # a g that is the same on every stage is counted once by the psum over stage.
+        attach = sum(
+            jnp.vdot(g, (p - lax.stop_gradient(p)).astype(jnp.float32))
+            / (1 if STAGE in (_vma(g) or {STAGE}) else Pn)
+            for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(live), strict=True))
+        loss = lax.psum(lm + aux + attach, STAGE)
+        if not quant:
+            return loss, {}
+        return loss, {"rvq_loss": lax.psum(aux, STAGE), "train_loss": lax.psum(lm, STAGE)}
+
+
+def _vma(x):
+    """The mesh axes ``x`` varies over inside ``jax.shard_map`` (None when JAX does not say)."""
+    from sdp_jax import sync  # pylint: disable=g-import-not-at-top
+    return sync.varying_axes(x)
+
+
+def _vary_like(x, ref):
+    """``x`` cast to vary over the mesh axes ``ref`` varies over (inside ``jax.shard_map``)."""
+    axes = tuple(sorted((_vma(ref) or frozenset()) - (_vma(x) or frozenset())))
+    return lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _depends_on(closed_jaxpr, dependent: list) -> list:
+    """For each output of ``closed_jaxpr``, whether it may depend on the inputs flagged in
+    ``dependent`` (one bool per input variable): a forward pass over the equations, where an
+    equation's outputs depend on an input when any of its operands does (conservative for
+    loops and other nested programs)."""
+    from jax.extend.core import Literal  # pylint: disable=g-import-not-at-top
+    jaxpr = closed_jaxpr.jaxpr
+    dep = {v for v, d in zip(jaxpr.invars, dependent) if d}
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in dep for v in eqn.invars):
+            dep.update(eqn.outvars)
+    return [not isinstance(v, Literal) and v in dep for v in jaxpr.outvars]
 
 
 def optimizer(pipe: PipelineConfig, optim, total_steps: int) -> optax.GradientTransformation:

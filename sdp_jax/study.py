@@ -4,6 +4,7 @@
     python -m sdp_jax.study --seeds 0,1 --out /tmp/mapl       # every run with two seeds
     python -m sdp_jax.study --config.steps=100 --config.optim.warmup_steps=10 --out /tmp/mapl
     python -m sdp_jax.study --bytes_only --ratios 4,8,16      # compiled-program bytes only
+    python -m sdp_jax.study --bytes_only --schedules gpipe,1f1b --methods none,mapl --ratios 8
 
 The config is loaded as ``train.py`` loads it (:mod:`sdp_jax.cli`; e.g.
 ``--config.pipeline.rvq_levels=2`` adds residual vector quantization to the compressed payloads).
@@ -17,7 +18,11 @@ reuses its summary; an interrupted study exits with 128 + the signal number, as 
 Bytes per token are read from the compiled train step
 (:func:`sdp_jax.pipeline.boundary_bytes`: forward payload, token ids and backward gradients of one
 boundary, for one worker, divided by that worker's tokens per step; they include the GPipe bubble
-ticks, ``(M + P - 1) / M`` of the useful transfers).
+ticks, ``(M + P - 1) / M`` of the useful transfers under GPipe, ``(M + 2 (P - 1)) / M`` under
+1F1B). The peak bytes per device are the compiled train step's (argument + temporaries + output
+- aliased, :func:`sdp_jax.train_step.memory_stats`). ``--schedules`` runs (or with
+``--bytes_only`` measures) every method under each pipeline schedule (``gpipe``, ``1f1b``;
+default: the config's ``pipeline.schedule``); a 1F1B run's folder ends in ``_1f1b``.
 
 Writes ``OUT/study.json`` (one row per run), ``OUT/study.md`` (the table: means over the seeds,
 and each seed's loss) and ``OUT/study.png`` (the plot); ``--bytes_only`` writes ``OUT/bytes.json``
@@ -26,13 +31,16 @@ and ``OUT/bytes.md``. ``OUT`` defaults to ``runs/mapl_study``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import sys
 
-# = sdp_jax.pipeline.METHODS (tests/test_pipeline.py), not imported so that --help stays fast
+# = sdp_jax.pipeline.METHODS / SCHEDULES (tests/test_pipeline.py), not imported so that --help
+# stays fast
 METHODS = ("none", "fixed", "unconstrained", "mapl")
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def _runs(methods, ratios):
@@ -44,13 +52,16 @@ def _runs(methods, ratios):
     return out
 
 
-def _run_dir(out: str, method: str, ratio: int, seed: int) -> str:
-    return os.path.join(out, "runs", f"seed{seed}", f"{method}_{1 if method == 'none' else ratio}x")
+def _run_dir(out: str, method: str, ratio: int, seed: int, schedule: str = "gpipe") -> str:
+    tail = "" if schedule == "gpipe" else f"_{schedule}"
+    return os.path.join(out, "runs", f"seed{seed}",
+                        f"{method}_{1 if method == 'none' else ratio}x{tail}")
 
 
-def _with(config, method: str, ratio: int, seed: int):
+def _with(config, method: str, ratio: int, seed: int, schedule: str):
     c = config.copy_and_resolve_references()
     with c.unlocked():
+        c.pipeline.schedule = schedule
         c.pipeline.method = method
         c.pipeline.ratio = ratio if method != "none" else c.pipeline.ratio
         c.pipeline.rvq_levels = c.pipeline.rvq_levels if method != "none" else 0
@@ -60,24 +71,27 @@ def _with(config, method: str, ratio: int, seed: int):
 
 def measure_bytes(config) -> dict:
     """Compile the config's pipelined train step (no training) and read its boundary bytes
-    (:func:`sdp_jax.tasks.boundary_bytes`)."""
+    (:func:`sdp_jax.tasks.boundary_bytes`) and, as ``peak_bytes_per_device``, its compiled peak
+    (:func:`sdp_jax.train_step.memory_stats`, bytes)."""
     import jax  # pylint: disable=g-import-not-at-top
 
     from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
     from sdp_jax import loop, tasks  # pylint: disable=g-import-not-at-top
+    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
 
     spec = config_lib.resolve(config, jax.device_count())
     builder = loop.make_step(config, spec, loop.make_mesh(spec))
     compiled = builder.compiled_train_step(spec.family.batch_shapes(config, spec))
-    return tasks.boundary_bytes(config, spec, compiled)
+    return {**tasks.boundary_bytes(config, spec, compiled),
+            "peak_bytes_per_device": ts.memory_stats(compiled)["peak_bytes_per_device"]}
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """One row per (method, ratio) over the seeds: ``val_loss`` / ``val_bpb`` are means,
-    ``val_losses`` the per-seed values (in ``seeds`` order), ``ortho_err`` the largest."""
+    """One row per (method, ratio, schedule) over the seeds: ``val_loss`` / ``val_bpb`` are
+    means, ``val_losses`` the per-seed values (in ``seeds`` order), ``ortho_err`` the largest."""
     out: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["method"], r["ratio"])
+        key = (r["method"], r["ratio"], r.get("schedule", "gpipe"))
         if key not in out:
             out[key] = {**r, "seeds": [], "val_losses": [], "val_bpbs": [], "ortho_errs": []}
         a = out[key]
@@ -96,12 +110,23 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of :func:`aggregate` rows (loss columns blank for bytes-only rows; with
-    several seeds the loss column gives the mean and each seed's value)."""
-    base = next((r for r in rows if r["method"] == "none"), None)
-    header = ("| method | ratio | r | boundary bytes/token | vs none | val loss (nats) | "
-              "val bits/byte | loss vs none | max abs(A'A - I) |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    several seeds the loss column gives the mean and each seed's value). ``vs none`` compares
+    with the ``none`` row of the same schedule; ``vs gpipe`` compares a row's peak with the
+    GPipe row of the same method and ratio."""
+    def sched(r):
+        return r.get("schedule", "gpipe")
+    header = ("| method | ratio | r | schedule | boundary bytes/token | vs none | "
+              "peak MiB/device | vs gpipe | val loss (nats) | val bits/byte | loss vs none | "
+              "max abs(A'A - I) |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        base = next((o for o in rows if o["method"] == "none" and sched(o) == sched(r)), None)
+        gp = next((o for o in rows if (o["method"], o["ratio"], sched(o)) == (
+            r["method"], r["ratio"], "gpipe")), None)
+        peak = r.get("peak_bytes_per_device")
+        peak_s = "" if peak is None else f"{peak / 2**20:.1f}"
+        vs_gp = (f"{peak / gp['peak_bytes_per_device']:.3f}x"
+                 if peak and gp and gp.get("peak_bytes_per_device") else "")
         vs = f"{r['bytes_per_token'] / base['bytes_per_token']:.3f}x" if base else ""
         loss = r.get("val_loss")
         dl = (f"{100 * (loss / base['val_loss'] - 1):+.2f}%"
@@ -115,8 +140,8 @@ def format_table(rows: list[dict]) -> str:
         ratio_s = "-" if r["method"] == "none" else f"{r['ratio']}x"
         name = r["method"] + (f" + RVQ {r['rvq_levels']}" if r.get("rvq_levels") else "")
         lines.append(
-            f"| {name} | {ratio_s} | {r['r']} | {r['bytes_per_token']:.1f} | {vs} | "
-            f"{loss_s} | {bpb_s} | {dl} | {ortho_s} |")
+            f"| {name} | {ratio_s} | {r['r']} | {sched(r)} | {r['bytes_per_token']:.1f} | {vs} | "
+            f"{peak_s} | {vs_gp} | {loss_s} | {bpb_s} | {dl} | {ortho_s} |")
     return "\n".join(lines)
 
 
@@ -143,8 +168,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                 if len(vals) > 1:
                     ax.vlines(r["bytes_per_token"], min(vals), max(vals), color=c, alpha=0.6)
             for r in sel:
-                if m != "none":
-                    ax.annotate(f"{r['ratio']}x", (r["bytes_per_token"], r["val_loss"]),
+                label = ((f"{r['ratio']}x" if m != "none" else "")
+                         + (f" {r['schedule']}" if r.get("schedule", "gpipe") != "gpipe" else ""))
+                if label:
+                    ax.annotate(label.strip(), (r["bytes_per_token"], r["val_loss"]),
                                 textcoords="offset points", xytext=(5, 3), fontsize=8)
     front = sorted((r for r in pts if not any(
         o["bytes_per_token"] <= r["bytes_per_token"] and o["val_loss"] <= r["val_loss"]
@@ -174,7 +201,7 @@ RENAMED = {"bytes-only": "--bytes_only",
 def flag_values(argv: list[str] | None = None):
     """The study's flags: ``--config`` (default ``configs/llama_mapl.py``; fields overridden
     as ``--config.FIELD=VALUE``, :mod:`sdp_jax.cli`), ``--out``, ``--methods``, ``--ratios``,
-    ``--seeds``, ``--bytes_only``."""
+    ``--seeds``, ``--schedules``, ``--bytes_only``."""
     from absl import flags  # pylint: disable=g-import-not-at-top
 
     from sdp_jax import cli  # pylint: disable=g-import-not-at-top
@@ -187,6 +214,8 @@ def flag_values(argv: list[str] | None = None):
     flags.DEFINE_list("ratios", ["4", "8"], "compression ratios d / r", flag_values=fv)
     flags.DEFINE_list("seeds", None, "seeds (initialization and data order), every run once "
                       "per seed; default: the config's seed", flag_values=fv)
+    flags.DEFINE_list("schedules", None, "pipeline schedules (gpipe, 1f1b), every method under "
+                      "each; default: the config's pipeline.schedule", flag_values=fv)
     flags.DEFINE_boolean("bytes_only", False, "compile and measure boundary bytes; train "
                          "nothing", flag_values=fv)
     return fv
@@ -221,6 +250,12 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         err(f"--seeds={','.join(fv.seeds)!r} must be integers like 0,1,2")
     if not seeds or len(set(seeds)) != len(seeds):
         err(f"--seeds={','.join(fv.seeds or [])!r}: give distinct seeds, e.g. 0,1")
+    schedules = ([x for x in fv.schedules if x] if fv.schedules is not None
+                 else [config.pipeline.schedule])
+    if not schedules or len(set(schedules)) != len(schedules) or any(
+            x not in SCHEDULES for x in schedules):
+        err(f"--schedules={','.join(fv.schedules or [])!r}: give distinct schedules from "
+            f"{', '.join(SCHEDULES)}, e.g. gpipe,1f1b")
     import jax  # pylint: disable=g-import-not-at-top
     if config.num_cpu_devices > int(jax.config.jax_num_cpu_devices):  # raised, never lowered
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
@@ -229,10 +264,12 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
 
     configs = {}
     for seed in seeds[:1] if fv.bytes_only else seeds:
-        for m, r in _runs(methods, ratios):  # all validated before any compile or training
-            c = _with(config, m, r, seed)
-            where = _run_dir(fv.out, m, r, seed)
-            run = f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}"
+        for (m, r), sc in itertools.product(_runs(methods, ratios), schedules):
+            # all validated before any compile or training
+            c = _with(config, m, r, seed, sc)
+            where = _run_dir(fv.out, m, r, seed, sc)
+            run = (f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}"
+                   + (f", {sc}" if len(schedules) > 1 else ""))
             try:
                 spec = config_lib.resolve(c, jax.device_count())
             except ValueError as e:
@@ -243,30 +280,31 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             except ValueError as e:
                 err(f"{run}: {e} (The study's run folder is {where}: use another --out, or the "
                     "flags that wrote it.)")
-            configs[m, r, seed] = c
+            configs[m, r, seed, sc] = c
     bench.out_folder(PROG, fv.out)  # validated: now the folder, before any compile
     if check_only:
         return []
     rows, measured = [], {}
-    for (m, r, seed), c in configs.items():
+    for (m, r, seed, sc), c in configs.items():
         d = c.model.d_model
-        row = {"method": m, "ratio": r if m != "none" else 1, "seed": c.seed,
+        row = {"method": m, "ratio": r if m != "none" else 1, "seed": c.seed, "schedule": sc,
                "rvq_levels": c.pipeline.rvq_levels,
                "r": d // r if m != "none" else d, "d_model": d,
                "stages": c.pipeline.stages, "microbatches": c.pipeline.microbatches,
                "workers": c.workers, "steps": c.steps,
                "tokens": c.steps * c.workers * c.batch_per_worker * c.seq_len}
-        if (m, r) not in measured:  # the same program for every seed
-            measured[m, r] = measure_bytes(c)
-        b = measured[m, r]
+        if (m, r, sc) not in measured:  # the same program for every seed
+            measured[m, r, sc] = measure_bytes(c)
+        b = measured[m, r, sc]
         row["bytes_per_token"] = b["per_token"]
         row["bytes_per_step"] = b["per_boundary"]
+        row["peak_bytes_per_device"] = b["peak_bytes_per_device"]
         if not fv.bytes_only:
             loop.log(f"study: training {m}" + (f" at {r}x" if m != "none" else "")
                          + f", seed {seed}")
             s = loop.train(c, _run_dir(fv.out, m, r, seed))
             if not s.get("completed"):
-                print(f"study stopped during {m} {r}x; rerun the same command to resume.",
+                print(f"study stopped during {m} {r}x ({sc}); rerun the same command to resume.",
                       file=sys.stderr)
                 sig = s.get("interrupted_by")
                 sys.exit(128 + int(getattr(signal, sig)) if sig else 1)
