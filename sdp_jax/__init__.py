@@ -11,7 +11,7 @@ and for the loop), ``config`` (the one run-config schema and its one validation 
 ``resolve``), ``loop`` (the one resumable training loop), ``cli`` (the config loader of
 ``train.py``, ``bench`` and ``study``), ``data`` and ``vision_data`` (grain pipelines),
 ``checkpoint`` (orbax), ``models.llama``, ``models.vision`` (ResNet-18, WideResNet-18, Swin-T),
-``pipeline`` (GPipe with compressed boundaries), ``stiefel`` (the Stiefel-manifold optax
+``pipeline`` (GPipe and 1F1B with compressed boundaries), ``stiefel`` (the Stiefel-manifold optax
 transform of MAPL), ``bench`` (compiled memory and FLOPs), ``study`` (validation loss against
 boundary bytes), ``comm`` (collective bytes of a compiled program).
 """

@@ -191,9 +191,10 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     """:func:`measure` for a vision config (ResNet-18, WRN-18, Swin-T): one compile of the
     train step at ``config.batch_per_worker`` images per worker; the same row fields (FSDP
     gathers the whole model at the start of the step, see :class:`sdp_jax.step.SDPStep`;
-    ``remat``: ``none`` or ``full``; the block loop is unrolled,
-    so one compile gives FLOPs too). Near-uniform masks are used when ``W * C`` is not whole for
-    some stage (``uniform`` False)."""
+    ``remat``: ``none`` or ``full``; without checkpointing the blocks are unrolled, so one
+    compile gives FLOPs too; with it a second compile with the block scans unrolled does).
+    Near-uniform masks are used when ``W * C`` is not whole for some stage (``uniform``
+    False)."""
     from sdp_jax import comm
     from sdp_jax import train_step as ts
     from sdp_jax.config import resolve
@@ -213,6 +214,10 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
         uniform = False
     builder = spec.family.step(c, spec, mesh)   # the run's own step (the vision family's)
     compiled = builder.compiled_train_step(spec.family.batch_shapes(c, spec))
+    counted = compiled
+    if flops and remat == "full":   # checkpointed blocks run under scans: count them unrolled
+        counted = spec.family.step(c, spec, mesh, unroll=True).compiled_train_step(
+            spec.family.batch_shapes(c, spec))
     traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
     kinds = spec.plan.summary()["kinds"]
     held = ", ".join(f"{v['per_worker']}/{v['components']} {k}" for k, v in kinds.items()
@@ -229,7 +234,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
             **ts.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
             "comm_in_backward_loop": traffic["in_backward_loop"],
-            "flops_per_device": ts.flops_per_device(compiled) if flops else None,
+            "flops_per_device": ts.flops_per_device(counted) if flops else None,
             "model_flops_per_device": None,
             "params_per_device": builder.per_device_param_count(),
             "compile_s": round(time.time() - t0, 1)}

@@ -75,7 +75,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Pipeline stages on the mesh axis `stage` (W * stages devices), with compressed boundaries
     # (MAPL): see sdp_jax.pipeline.PipelineConfig. stages=1: no pipeline.
     c.pipeline = ml_collections.ConfigDict(dict(
-        stages=1, microbatches=4, schedule="gpipe",
+        stages=1, microbatches=4,
+        schedule="gpipe",         # gpipe | 1f1b (one forward, one backward: less memory)
         method="none",            # none | fixed | unconstrained | mapl
         ratio=4,                  # compression d / r
         anchor_rank=16,           # r_a of the factorized anchor embeddings (0 = none)

@@ -434,10 +434,12 @@ class Pipeline:
         exists), then sends the payload forward and the payload's gradient back
         (``lax.ppermute`` over ``stage``, one tick per hop each way). The last stage runs a
         microbatch's backward pass right after its forward pass. Stage ``s`` therefore keeps
-        the residuals (``jax.vjp``) of at most ``2 (P - 1 - s) + 1`` microbatches (``2 P - 1``
-        slots, whatever ``M``), where GPipe keeps those of all ``M + P - 1`` ticks until its
-        backward pass starts. Residuals that do not depend on the microbatch (the stage's
-        parameters, values computed from them alone outside a loop) are not stored per slot.
+        the residuals (``jax.vjp``) of at most ``2 (P - 1 - s) + 1`` microbatches (a ring of
+        ``min(2 P - 1, M + 1)`` slots beside the current tick's), where GPipe keeps those of
+        all ``M + P - 1`` ticks until its backward pass starts: 1F1B saves memory when ``M``
+        is well above ``P`` (0.52x GPipe's peak at P = 2, M = 8, README) and costs more when
+        ``M <= P``. Residuals that do not depend on the microbatch (the stage's parameters,
+        values computed from them alone, also inside the block scan) are not stored per slot.
 
         The schedule computes the gradient of every input of the stage itself: ``kept`` and
         the values ``run`` closes over (:func:`jax.closure_convert`: the stage's block
@@ -461,7 +463,10 @@ class Pipeline:
         vary = (DATA, STAGE)
         fwd_perm = [(i, i + 1) for i in range(Pn - 1)]
         bwd_perm = [(j, i) for i, j in fwd_perm]
-        K = 2 * Pn - 1   # residual slots; microbatch m lives in slot m mod K
+        # Residual slots: microbatch m lives in slot m mod K. With M + 1 < 2P - 1 slot M takes
+        # the writes of ticks without a forward pass (so K stays at most M + 1).
+        small = M + 1 < 2 * Pn - 1
+        K = M + 1 if small else 2 * Pn - 1
 
         def full_vary(v):
             have = _vma(v)
@@ -474,8 +479,10 @@ class Pipeline:
         # Differentiated: ``kept`` and the closed-over values the enclosing differentiation
         # traces (same trace as ``kept``); the others (stop_gradient copies, tables) are
         # constants of the schedule.
-        # (When JAX does not say, every closed-over value is differentiated: correct, slower.)
-        ref = getattr(jax.tree.leaves(kept)[0], "_trace", None)
+        # (When JAX does not say, every closed-over value is differentiated here. A traced
+        # value left out is still differentiated, by the enclosing differentiation through
+        # the schedule: the same gradient, with GPipe's memory for it.)
+        ref = getattr(next(iter(jax.tree.leaves(kept)), None), "_trace", None)
         traced = [ref is None or getattr(c, "_trace", None) is ref for c in consts]
         live = (kept, [c for c, d in zip(consts, traced) if d])
         fixed = [c for c, d in zip(consts, traced) if not d]
@@ -502,7 +509,9 @@ class Pipeline:
 
         # Which residuals depend on the microbatch (these are stored per slot; the others are
         # the same at every tick and taken from the current one).
-        args = (theta, recv0, tok0, xs[0], ys[0], jnp.asarray(True))
+        # (traced with the types the tick has: everything per microbatch varies over both axes)
+        args = (theta, recv0, tok0, full_vary(xs[0]), full_vary(ys[0]),
+                full_vary(jnp.asarray(True)))
         jaxpr = jax.make_jaxpr(lambda *a: jax.tree.leaves(forward(*a)[1]))(*args)
         n_theta = len(jax.tree.leaves(theta))
         per_mb = _depends_on(jaxpr, [i >= n_theta for i in range(len(jaxpr.jaxpr.invars))])
@@ -520,15 +529,16 @@ class Pipeline:
                                                           ys[mfc], vf)
             leaves, tree = jax.tree.flatten(back)
             # Writing microbatch mf's slot never overwrites a live one: the live microbatches
-            # are mb_ .. mf - 1, fewer than K apart (also for mf outside [0, M)).
+            # are mb_ .. mf - 1, fewer than min(M, 2P - 1) apart (and with K = 2P - 1 also
+            # for mf outside [0, M)). A tick without a backward pass reads what it wrote
+            # (finite values; its cotangents are zero).
+            put = jnp.where(vf, mf, M) if small else jnp.mod(mf, K)
+            get = jnp.where(vb, jnp.mod(mb_, K), put)
             mine, j = [], 0
             for leaf, d in zip(leaves, per_mb, strict=True):
                 if d:
-                    slots[j] = lax.dynamic_update_index_in_dim(slots[j], full_vary(leaf),
-                                                               jnp.mod(mf, K), 0)
-                    # (a tick without a backward pass reads its own, finite, residuals)
-                    leaf = lax.dynamic_index_in_dim(slots[j], jnp.mod(jnp.where(vb, mb_, mf), K),
-                                                    0, False)
+                    slots[j] = lax.dynamic_update_index_in_dim(slots[j], full_vary(leaf), put, 0)
+                    leaf = lax.dynamic_index_in_dim(slots[j], get, 0, False)
                     j += 1
                 mine.append(leaf)
             back = jax.tree.unflatten(tree, mine)
@@ -553,11 +563,16 @@ class Pipeline:
 
         carry = (recv0, tok0, recv0, slots, acc, zero, zero)
         (_, _, _, _, grads, lm, aux), _ = lax.scan(tick, carry, jnp.arange(M + 2 * (Pn - 1)))
-        # The gradient g enters the outer differentiation as <g, theta - sg(theta)> (value 0);
-        # a g that is the same on every stage is counted once by the psum over stage.
+        # The gradient g enters the outer differentiation as <g, theta - sg(theta)> (value 0).
+        # A g the same on every device of an axis (summed over it inside back()) is counted
+        # once: the psum over stage below, and the loss's variation over data, would
+        # otherwise add it once per device of that axis.
+        def once(g):
+            have = _vma(g)
+            return math.prod(lax.axis_size(a) for a in vary
+                             if have is not None and a not in have)
         attach = sum(
-            jnp.vdot(g, (p - lax.stop_gradient(p)).astype(jnp.float32))
-            / (1 if STAGE in (_vma(g) or {STAGE}) else Pn)
+            jnp.vdot(g, (p - lax.stop_gradient(p)).astype(jnp.float32)) / once(g)
             for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(live), strict=True))
         loss = lax.psum(lm + aux + attach, STAGE)
         if not quant:
@@ -577,18 +592,44 @@ def _vary_like(x, ref):
     return lax.pcast(x, axes, to="varying") if axes else x
 
 
-def _depends_on(closed_jaxpr, dependent: list) -> list:
-    """For each output of ``closed_jaxpr``, whether it may depend on the inputs flagged in
-    ``dependent`` (one bool per input variable): a forward pass over the equations, where an
-    equation's outputs depend on an input when any of its operands does (conservative for
-    loops and other nested programs)."""
+def _depends_on(jaxpr, dependent: list) -> list:
+    """For each output of ``jaxpr`` (a Jaxpr or ClosedJaxpr), whether it may depend on the inputs
+    flagged in ``dependent`` (one bool per input variable): a forward pass over the equations.
+    ``scan`` bodies are followed (a carry to a fixed point: a per-block cast of the stage's
+    weights inside the block scan does not depend on the microbatch), and so are nested
+    programs whose inputs and outputs are the equation's (``jit``, ``checkpoint``, custom
+    derivatives); any other equation's outputs depend on an input when an operand does."""
     from jax.extend.core import Literal  # pylint: disable=g-import-not-at-top
-    jaxpr = closed_jaxpr.jaxpr
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     dep = {v for v, d in zip(jaxpr.invars, dependent) if d}
+
+    def has(v):
+        return not isinstance(v, Literal) and v in dep
     for eqn in jaxpr.eqns:
-        if any(not isinstance(v, Literal) and v in dep for v in eqn.invars):
-            dep.update(eqn.outvars)
-    return [not isinstance(v, Literal) and v in dep for v in jaxpr.outvars]
+        ins = [has(v) for v in eqn.invars]
+        if any(ins):
+            dep.update(v for v, d in zip(eqn.outvars, _eqn_depends(eqn, ins)) if d)
+    return [has(v) for v in jaxpr.outvars]
+
+
+def _eqn_depends(eqn, ins: list) -> list:
+    """:func:`_depends_on` of one equation: which outputs may depend on the flagged inputs."""
+    p = eqn.params
+    if eqn.primitive.name == "scan":
+        nc, nk = p["num_consts"], p["num_carry"]
+        carry = ins[nc:nc + nk]
+        while True:   # the carry's flags only grow, so this ends
+            out = _depends_on(p["jaxpr"], ins[:nc] + carry + ins[nc + nk:])
+            grown = [a or b for a, b in zip(carry, out[:nk])]
+            if grown == carry:
+                return carry + out[nk:]
+            carry = grown
+    sub = next((p[k] for k in ("jaxpr", "call_jaxpr") if k in p), None)
+    inner = getattr(sub, "jaxpr", sub)
+    if inner is not None and hasattr(inner, "invars") and len(inner.invars) == len(ins) \
+            and len(inner.outvars) == len(eqn.outvars):
+        return _depends_on(inner, ins)
+    return [True] * len(eqn.outvars)
 
 
 def optimizer(pipe: PipelineConfig, optim, total_steps: int) -> optax.GradientTransformation:

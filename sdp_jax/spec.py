@@ -805,7 +805,8 @@ def stage_balance(coverage: float, depths: list, workers: int, stage_blocks: tup
     total = sum(depths)
     c = coverage
     ok = isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c <= 1
-    whole = ok and abs(round(c * total) - c * total) <= 1e-6
+    # (the coverages the message suggests have 6 decimals: 2/3 given as 0.666667 is whole)
+    whole = ok and abs(round(c * total) - c * total) <= 1e-6 * max(total, 1)
     if not whole or sum(_apportion(c, depths, workers)) != round(c * total):
         valid = [k / total for k in range(1, total + 1)
                  if sum(_apportion(k / total, depths, workers)) == k]

@@ -250,12 +250,15 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         err(f"--seeds={','.join(fv.seeds)!r} must be integers like 0,1,2")
     if not seeds or len(set(seeds)) != len(seeds):
         err(f"--seeds={','.join(fv.seeds or [])!r}: give distinct seeds, e.g. 0,1")
+    # (without --schedules the config's own schedule, which resolve() validates below)
     schedules = ([x for x in fv.schedules if x] if fv.schedules is not None
                  else [config.pipeline.schedule])
-    if not schedules or len(set(schedules)) != len(schedules) or any(
-            x not in SCHEDULES for x in schedules):
-        err(f"--schedules={','.join(fv.schedules or [])!r}: give distinct schedules from "
-            f"{', '.join(SCHEDULES)}, e.g. gpipe,1f1b")
+    if fv.schedules is not None:
+        bad = [x for x in schedules if x not in SCHEDULES]
+        if bad or not schedules or len(set(schedules)) != len(schedules):
+            err(f"--schedules={','.join(fv.schedules)!r}"
+                + (f": unknown {', '.join(map(repr, bad))}" if bad else "")
+                + f"; give distinct schedules from {', '.join(SCHEDULES)}, e.g. gpipe,1f1b")
     import jax  # pylint: disable=g-import-not-at-top
     if config.num_cpu_devices > int(jax.config.jax_num_cpu_devices):  # raised, never lowered
         jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
@@ -302,7 +305,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         if not fv.bytes_only:
             loop.log(f"study: training {m}" + (f" at {r}x" if m != "none" else "")
                          + f", seed {seed}")
-            s = loop.train(c, _run_dir(fv.out, m, r, seed))
+            s = loop.train(c, _run_dir(fv.out, m, r, seed, sc))
             if not s.get("completed"):
                 print(f"study stopped during {m} {r}x ({sc}); rerun the same command to resume.",
                       file=sys.stderr)

@@ -130,9 +130,9 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
     ``optim.grad_clip``, ``init_state(seed)`` from the model's initializer.
 
     With ``pipe`` (:class:`sdp_jax.pipeline.PipelineConfig`, ``stages > 1``) the loss is the
-    GPipe schedule over the mesh axis ``stage`` (``mesh`` from
-    :func:`sdp_jax.pipeline.make_mesh`; ``spec`` the spec of one stage with the boundary
-    parameters, :func:`sdp_jax.train_step.make_plan` with ``pipe``); the parameters gain
+    pipeline schedule (``pipe.schedule``: GPipe or 1F1B) over the mesh axis ``stage``
+    (``mesh`` from :func:`sdp_jax.pipeline.make_mesh`; ``spec`` the spec of one stage with the
+    boundary parameters, :func:`sdp_jax.train_step.make_plan` with ``pipe``); the parameters gain
     ``boundary`` (:func:`sdp_jax.pipeline.init_boundary`), the optimizer routes the projectors
     (:func:`sdp_jax.pipeline.optimizer`), and the metrics gain ``ortho_err`` (max |A^T A - I|
     over the boundaries) when compressed and ``rvq_loss`` with RVQ (also in ``train_loss``).
@@ -293,12 +293,15 @@ class VisionModel:
     Args:
       cfg: :class:`sdp_jax.models.vision.VisionConfig`; spec: the parameters' spec
         (:func:`vision_spec`); dtype: compute dtype of the images (the step casts the
-        parameters); remat: activation checkpointing of every block (``jax.checkpoint``).
+        parameters); remat: activation checkpointing of every block (``jax.checkpoint``);
+        unroll: the checkpointed blocks' scans unrolled (FLOP counting,
+        :func:`sdp_jax.models.vision.forward`).
     """
 
     def __init__(self, cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, dtype=jnp.float32,
-                 remat: bool = False):
+                 remat: bool = False, unroll: bool = False):
         self.cfg, self.spec, self.dtype, self.remat = cfg, spec, jnp.dtype(dtype), remat
+        self.unroll = unroll
         self.stats_spec = vision_stats_spec(cfg, spec)
         self.held = {st.path[0]: spec.kinds[k].held for k, st in spec.stacks.items()
                      if k in spec.kinds}
@@ -314,7 +317,7 @@ class VisionModel:
             my = sync.worker_index()
             slots = {k: jnp.asarray(h)[my] for k, h in self.held.items()}
         return vm.forward(self.cfg, params, stats, images.astype(self.dtype), train, slots,
-                          self.slot0, self.remat and train)
+                          self.slot0, self.remat and train, self.unroll)
 
     def loss(self, params, batch, stats):
         """``(loss nats, {"train_acc": fraction}, new BatchNorm statistics)`` of a worker's
@@ -333,7 +336,7 @@ class VisionModel:
 def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total_steps: int,
                 *, dtype: str = "float32", remat: str = "none", fsdp: bool = False,
                 averaging: str = "gradients", sync_every: int = 1,
-                method: str = "auto") -> step_lib.SDPStep:
+                method: str = "auto", unroll: bool = False) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a vision run: AdamW (or SGD) from ``optim`` with
     weight decay on conv / linear weights only, clipping at ``optim.grad_clip``, the BatchNorm
     statistics as model state (averaged over each layer's holders after every step), metrics
@@ -343,6 +346,8 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     the BatchNorm statistics are not.
 
     ``method``: ``auto`` / ``alltoall`` (holder-only bytes) or ``reference`` (the masked psum).
+    ``unroll``: with ``remat="full"``, the block scans unrolled (the same results; XLA counts a
+    loop body's FLOPs once, so the FLOP count needs it).
 
     Raises:
       ValueError: ``remat`` not ``none`` / ``full``, an unknown ``method``; and everything
@@ -353,7 +358,8 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     if remat not in ("none", "full"):
         raise ValueError(f"remat={remat!r}; vision models take none or full (activation "
                          "checkpointing of every block).")
-    task = VisionModel(cfg, spec, step_lib.DTYPES.get(dtype, jnp.float32), remat == "full")
+    task = VisionModel(cfg, spec, step_lib.DTYPES.get(dtype, jnp.float32), remat == "full",
+                       unroll)
     step = step_lib.SDPStep(
         spec, task.loss, ts.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
         grad_clip=optim.grad_clip, averaging=averaging, sync_every=sync_every, dtype=dtype,
@@ -731,11 +737,12 @@ class VisionFamily(_Family):
         return (self._train(config, spec, config.seed, rows),
                 (test, self._train(config, spec, config.seed + 7919, rows)))
 
-    def step(self, config, spec, mesh) -> step_lib.SDPStep:
+    def step(self, config, spec, mesh, unroll: bool = False) -> step_lib.SDPStep:
+        """The run's step (:func:`vision_step`; ``unroll`` for FLOP counting)."""
         return vision_step(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
                            dtype=config.dtype, remat=config.remat, fsdp=config.fsdp,
                            averaging=config.sdp.average, sync_every=config.sdp.sync_every,
-                           method=config.sdp.method)
+                           method=config.sdp.method, unroll=unroll)
 
     def batch_shapes(self, config, spec):
         m, G = spec.model, spec.global_batch

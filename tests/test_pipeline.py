@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from conftest import resume_from_old_layout
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from test_train_cli import tiny  # the tiny config with dotted overrides
 
 from sdp_jax import checkpoint as ckpt_lib
 from sdp_jax import pipeline as pl
-from sdp_jax import loop, stiefel, study, tasks
+from sdp_jax import loop, stiefel, study, sync, tasks
 from sdp_jax.config import resolve
 from sdp_jax import train_step as ts
 from sdp_jax.models.llama import Llama, LlamaConfig, next_token_loss
@@ -267,10 +268,10 @@ def test_pipeline_bf16_remat_full_coverage_equals_ddp_and_fsdp_equals_plain():
 # less memory. 4 microbatches of 1 example: every stage runs warm-up, steady state and drain.
 @pytest.mark.parametrize("kw", [
     dict(method="mapl", rvq_levels=2, stages=4, cfg=CFG8),   # 3 boundaries: token ids, codes
-    dict(variant="b-sdp", coverage=0.5, workers=4, cfg=CFG8, fsdp=True),
     dict(variant="bb-sdp", coverage=0.5, workers=4, cfg=CFG8),   # frozen copy closed over
-    dict(variant="n-sdp", coverage=0.5, workers=4, cfg=CFG8, dtype="bfloat16", remat="full"),
-], ids=["mapl-rvq-4-stages", "b-sdp-fsdp", "bb-sdp", "n-sdp-bf16-remat"])
+    dict(variant="n-sdp", coverage=0.5, workers=4, cfg=CFG8, fsdp=True, dtype="bfloat16",
+         remat="full"),                                          # FSDP shards closed over
+], ids=["mapl-rvq-4-stages", "bb-sdp", "n-sdp-fsdp-bf16-remat"])
 def test_1f1b_equals_gpipe_after_3_steps(kw):
     bf16 = kw.get("dtype") == "bfloat16"
     gp = _step(**kw, microbatches=4, optim=SGD)
@@ -283,6 +284,44 @@ def test_1f1b_equals_gpipe_after_3_steps(kw):
     x = _batches(gp, 1, b=4)[0]   # evaluation is the same forward program
     np.testing.assert_allclose(float(ob.eval_step_fn()(s2["params"], x)),
                                float(gp.eval_step_fn()(s2["params"], x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("vary", [(), ("data",), ("stage",), ("data", "stage")])
+def test_1f1b_counts_a_weight_shared_by_devices_once(vary):
+    """A value the stage's blocks close over may be the same on every device of an axis (its
+    gradient is then summed over that axis inside the schedule): Pipeline.loss called directly,
+    the weight's gradient under 1F1B equals GPipe's for each of the four variances."""
+    Wn, Pn, d, V = 2, 2, 8, 16
+    mesh = pl.make_mesh(Wn, Pn)
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    kept = {"emb": jax.random.normal(k1, (V, d)), "out": jax.random.normal(k2, (d, V))}
+    w = jax.random.normal(k3, (Pn, d, d)) / 3
+    tok = jax.random.randint(jax.random.key(5), (Wn * 4, 5), 0, V)
+
+    def head(k, h, y):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(h @ k["out"]), y[..., None], -1))
+
+    def grad_of(schedule):
+        pp = pl.Pipeline(pl.PipelineConfig(stages=Pn, microbatches=2, schedule=schedule), d, V,
+                         lambda k, x: k["emb"][x], head)
+
+        def f(kept, w, tok):
+            w = w[0] if "stage" in vary else w[0] + w[1] * 0   # stage-sharded or the same
+            w = jax.lax.pcast(w, ("data",), to="varying") if "data" in vary else w
+
+            def loss(kept, w):
+                run = lambda h: jnp.tanh(h @ w)   # noqa: E731
+                run.train = True
+                return pp.loss(jax.tree.map(lambda x: jax.lax.pcast(x, ("data",),
+                                                                    to="varying"), kept),
+                               tok, run)[0]
+            g = jax.grad(loss, argnums=(0, 1))(kept, w)[1]   # as the step: kept too
+            missing = tuple(a for a in ("data", "stage") if a not in sync.varying_axes(g))
+            return jax.lax.pcast(g, missing, to="varying")[None] if missing else g[None]
+        sm = jax.shard_map(f, mesh=mesh, in_specs=(P(), P("stage") if "stage" in vary else P(),
+                                                   P("data")), out_specs=P(("data", "stage")))
+        return np.asarray(jax.jit(sm)(kept, w if "stage" in vary else w[:1].repeat(Pn, 0), tok))
+    np.testing.assert_allclose(grad_of("1f1b"), grad_of("gpipe"), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kw, most", [(dict(), 0.65),
@@ -461,6 +500,25 @@ def test_study_table_and_plot(tmp_path):
     assert "+3.33%" in table   # mapl's mean vs none
     study.plot(agg, str(tmp_path / "p.png"), "t")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_study_runs_each_schedule_in_its_own_folder(tmp_path, monkeypatch, capsys):
+    """--schedules: every method under each schedule, 1F1B's runs in folders ending in _1f1b,
+    its peak against GPipe's; a bad value is a one-line error before anything runs."""
+    seen = []
+    monkeypatch.setattr(study, "measure_bytes", lambda c: {
+        "per_token": 1.0, "per_boundary": 2.0,
+        "peak_bytes_per_device": (4 if c.pipeline.schedule == "gpipe" else 1) * 2**20})
+    monkeypatch.setattr(loop, "train", lambda c, where: seen.append(
+        (c.pipeline.schedule, where)) or {"completed": True, "final_val_loss": 1.0,
+                                           "final_val_bpb": 1.0, "wall_s": 0.0})
+    study.main(["--methods=none", "--schedules=gpipe,1f1b", f"--out={tmp_path}"])
+    run = tmp_path / "runs" / "seed0"
+    assert seen == [("gpipe", str(run / "none_1x")), ("1f1b", str(run / "none_1x_1f1b"))]
+    assert "| none | - | 128 | 1f1b | 1.0 | 1.000x | 1.0 | 0.250x |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        study.main(["--schedules=gpipe,pipedream", f"--out={tmp_path / 'x'}"], check_only=True)
+    assert "--schedules='gpipe,pipedream': unknown 'pipedream'" in capsys.readouterr().err
 
 
 def test_checkpoints_before_the_pipeline_section_still_resume():
