@@ -363,7 +363,9 @@ def resnet_forward(cfg: VisionConfig, params, stats, x, train: bool, slots=None,
         if proj is not None or s > 0:   # block 0 with its projection shortcut, stride 2
             fn = _ckpt(remat, lambda p, st, h, pr, s=s: resnet_block(
                 cfg, p, st, h, train, s, True, pr))
-            h, out["b0"], out["proj"] = fn(sp["b0"], ss["b0"], h, proj)
+            h, out["b0"], pst = fn(sp["b0"], ss["b0"], h, proj)
+            if pst is not None:
+                out["proj"] = pst
             start = 1
         # the others (stride 1: stage 0's block 0 is one of them) have equal shapes
         h, ys = _run_blocks(lambda ps, h, s=s: resnet_block(cfg, ps[0], ps[1], h, train, s,
@@ -428,8 +430,9 @@ def _first_slot(cfg, p, st, pp, ps, x, train, s, is_down, scale, kind):
 
 
 def _resnet_slots(cfg, sp, ss, h, train, s, ids, first="mixed", remat=False, unroll=False):
-    """A B-SDP stage: ``k`` held blocks in depth order; the others are their shortcuts. (A scan
-    over the slots measured more temporary memory than this unrolled loop, Swin-T B-SDP.)"""
+    """A B-SDP stage: ``k`` held blocks in depth order; the others are their shortcuts. (Without
+    checkpointing a scan over the slots measured more temporary memory than the unrolled loop,
+    Swin-T B-SDP; with it the slots after the first run under a scan, :func:`_run_blocks`.)"""
     slots, sstats = sp["slots"], ss["slots"]
     k = jax.tree.leaves(slots)[0].shape[0]
     scale = block_scale(cfg, s, k)
