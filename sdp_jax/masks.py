@@ -57,8 +57,16 @@ def _check_counts(workers, components) -> None:
             raise ValueError(f"{name}={v!r} must be a positive integer.")
 
 
-def _nearest(values: list[float], target: float, n: int = 3) -> list[float]:
-    return sorted(sorted(values, key=lambda v: (abs(v - target), v))[:n])
+def nearest_coverages(values: list[float], target: float, n: int = 3) -> list[float]:
+    """The ``n`` coverages of ``values`` nearest ``target``, ascending, to 6 decimals (as error
+    messages suggest them; :func:`whole_count` accepts them)."""
+    return sorted(round(v, 6) for v in sorted(values, key=lambda v: (abs(v - target), v))[:n])
+
+
+def whole_count(coverage: float, total: int) -> bool:
+    """Whether ``coverage * total`` is a whole number of components, up to the 6 decimals the
+    error messages give coverages in (2/3 of 384 as 0.666667: 256.000128 is whole)."""
+    return abs(round(coverage * total) - coverage * total) <= 1e-6 * max(total, 1)
 
 
 def components_per_worker(workers: int, components: int, coverage: float, *,
@@ -90,14 +98,15 @@ def components_per_worker(workers: int, components: int, coverage: float, *,
     is_number = isinstance(coverage, (int, float, np.integer, np.floating)) and not isinstance(
         coverage, bool)
     target = float(coverage) if is_number and math.isfinite(coverage) else 0.5
-    hint = f"nearest valid coverages for W={workers}, G={components}: {_nearest(valid, target)}"
+    hint = (f"nearest valid coverages for W={workers}, G={components}: "
+            f"{nearest_coverages(valid, target)}")
     if not is_number:
         raise ValueError(f"coverage C={coverage!r} must be a number; {hint}.")
     c = float(coverage)
     if not (0.0 < c <= 1.0) or math.isnan(c):
         raise ValueError(f"coverage C={coverage!r} must lie in (0, 1]; {hint}.")
     k = round(c * components)
-    if k < 1 or abs(k - c * components) > 1e-6:
+    if k < 1 or not whole_count(c, components):
         raise ValueError(
             f"coverage C={c} gives C*G={c * components:g} components per worker for G={components}, "
             f"which is not a whole number; {hint}.")

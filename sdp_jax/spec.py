@@ -805,19 +805,17 @@ def stage_balance(coverage: float, depths: list, workers: int, stage_blocks: tup
     total = sum(depths)
     c = coverage
     ok = isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c <= 1
-    # (the coverages the message suggests have 6 decimals: 2/3 given as 0.666667 is whole)
-    whole = ok and abs(round(c * total) - c * total) <= 1e-6 * max(total, 1)
+    whole = ok and masks_lib.whole_count(c, total)
     if not whole or sum(_apportion(c, depths, workers)) != round(c * total):
         valid = [k / total for k in range(1, total + 1)
                  if sum(_apportion(k / total, depths, workers)) == k]
         target = min(max(c, 0.0), 1.0) if isinstance(c, (int, float)) and c == c else 0.5
-        near = sorted(sorted(valid, key=lambda v: abs(v - target))[:3])
         least = round(min(valid) * total)
         raise ValueError(
             f"coverage C={c!r} is not realizable for {total} blocks in stages {list(depths)}: "
             f"C * {total} must be a whole number of blocks from {least} (every stage keeps a "
             f"block on each worker) to {total}; nearest valid coverages: "
-            f"{[round(v, 6) for v in near]}.")
+            f"{masks_lib.nearest_coverages(valid, target)}.")
     ks = _apportion(c, depths, workers)
     if stage_blocks:
         given = list(stage_blocks)

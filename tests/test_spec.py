@@ -243,8 +243,13 @@ def test_several_block_stacks_are_stage_balanced_and_padded():
         sdp.build(full, STAGED_RULES[:1], "b-sdp", 4, 0.5, stage_blocks=(1,))
     with pytest.raises(ValueError, match=r"C=0\.25 is not realizable.*nearest valid"):
         sdp.build(full, STAGED_RULES, "b-sdp", 4, 0.25)
-    # a coverage suggested to 6 decimals is accepted: 2/3 of 6 blocks as 0.666667
+    # a coverage suggested to 6 decimals is accepted: 2/3 of 6 blocks, or of 384 neurons, as
+    # 0.666667 (what the messages suggest)
     assert sdp.stage_balance(0.666667, [3, 3], 4) == sdp.stage_balance(2 / 3, [3, 3], 4)
+    assert masks.components_per_worker(8, 384, 0.666667, allow_nonuniform=True) == 256
+    with pytest.raises(ValueError, match=r"nearest valid coverages for W=8, G=384: "
+                                         r"\[0\.664062, 0\.666667, 0\.669271\]"):
+        masks.components_per_worker(8, 384, 0.6655, allow_nonuniform=True)
     with pytest.raises(ValueError, match="block 1 differs from block 0 in shape.*pad=True"):
         sdp.build(full, [sdp.Blocks("s0", key="b{}"), sdp.Blocks("s1", key="b{}")], "b-sdp",
                   4, 0.5)
