@@ -254,6 +254,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     schedules = ([x for x in fv.schedules if x] if fv.schedules is not None
                  else [config.pipeline.schedule])
     if fv.schedules is not None:
+        if config.pipeline.schedule not in SCHEDULES:   # replaced, but a mistake all the same
+            err(f"--config.pipeline.schedule={config.pipeline.schedule!r}: choose "
+                f"{' or '.join(SCHEDULES)} (or leave it to --schedules)")
         bad = [x for x in schedules if x not in SCHEDULES]
         if bad or not schedules or len(set(schedules)) != len(schedules):
             err(f"--schedules={','.join(fv.schedules)!r}"

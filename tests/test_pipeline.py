@@ -13,10 +13,11 @@ from jax.sharding import PartitionSpec as P
 from test_train_cli import tiny  # the tiny config with dotted overrides
 
 from sdp_jax import checkpoint as ckpt_lib
-from sdp_jax import pipeline as pl
+from sdp_jax import config as config_lib
 from sdp_jax import loop, stiefel, study, sync, tasks
-from sdp_jax.config import resolve
+from sdp_jax import pipeline as pl
 from sdp_jax import train_step as ts
+from sdp_jax.config import resolve
 from sdp_jax.models.llama import Llama, LlamaConfig, next_token_loss
 
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, d_ff=64,
@@ -516,6 +517,12 @@ def test_study_runs_each_schedule_in_its_own_folder(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit):
         study.main(["--schedules=gpipe,pipedream", f"--out={tmp_path / 'x'}"], check_only=True)
     assert "--schedules='gpipe,pipedream': unknown 'pipedream'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        study.main(["--schedules=gpipe", "--config.pipeline.schedule=pipedream"], check_only=True)
+    assert "--config.pipeline.schedule='pipedream': choose" in capsys.readouterr().err
+    # the schedule is how, not what: a checkpoint resumes under the other one
+    c = tiny_pipe(**{"pipeline.schedule": "1f1b"})
+    assert "schedule" not in config_lib.trajectory_config(c)["pipeline"]
 
 
 def test_checkpoints_before_the_pipeline_section_still_resume():
