@@ -160,8 +160,6 @@ RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "l
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
-# Pipeline fields of the same kind: GPipe and 1F1B compute the same gradients.
-PIPELINE_EXECUTION = ("schedule",)
 
 
 @dataclasses.dataclass
@@ -372,6 +370,4 @@ def trajectory_config(config) -> dict[str, Any]:
     d.get("data", {}).pop("worker_count", None)
     for k in MODEL_EXECUTION:
         d.get("model", {}).pop(k, None)
-    for k in PIPELINE_EXECUTION:
-        d.get("pipeline", {}).pop(k, None)
     return d
