@@ -469,8 +469,7 @@ class Pipeline:
         K = M + 1 if small else 2 * Pn - 1
 
         def full_vary(v):
-            have = _vma(v)
-            missing = tuple(a for a in vary if have is not None and a not in have)
+            missing = _invariant_axes(v, vary)
             return lax.pcast(v, missing, to="varying") if missing else v
 
         recv0, tok0 = self._zero_payload(mb, T, dtype)
@@ -567,12 +566,9 @@ class Pipeline:
         # A g the same on every device of an axis (summed over it inside back()) is counted
         # once: the psum over stage below, and the loss's variation over data, would
         # otherwise add it once per device of that axis.
-        def once(g):
-            have = _vma(g)
-            return math.prod(lax.axis_size(a) for a in vary
-                             if have is not None and a not in have)
         attach = sum(
-            jnp.vdot(g, (p - lax.stop_gradient(p)).astype(jnp.float32)) / once(g)
+            jnp.vdot(g, (p - lax.stop_gradient(p)).astype(jnp.float32))
+            / math.prod(lax.axis_size(a) for a in _invariant_axes(g, vary))
             for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(live), strict=True))
         loss = lax.psum(lm + aux + attach, STAGE)
         if not quant:
@@ -586,9 +582,16 @@ def _vma(x):
     return sync.varying_axes(x)
 
 
+def _invariant_axes(x, axes) -> tuple:
+    """Those of ``axes`` that ``x`` does not vary over (inside ``jax.shard_map``; none when JAX
+    does not say)."""
+    have = _vma(x)
+    return () if have is None else tuple(a for a in axes if a not in have)
+
+
 def _vary_like(x, ref):
     """``x`` cast to vary over the mesh axes ``ref`` varies over (inside ``jax.shard_map``)."""
-    axes = tuple(sorted((_vma(ref) or frozenset()) - (_vma(x) or frozenset())))
+    axes = _invariant_axes(x, sorted(_vma(ref) or ()))
     return lax.pcast(x, axes, to="varying") if axes else x
 
 
