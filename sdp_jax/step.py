@@ -360,6 +360,7 @@ class SDPStep:
             self.stats_layout, self.stats_specs, self.stats_shapes = self._state_struct()
             self.state_specs["stats"] = self.stats_specs
         self._loop_tables = self._in_loop_tables()
+        self._grad_orders = {}   # sync.cotangent_orders of the gradients (per trace)
         if spec.backward and not fsdp:   # checkpoints of the compact optimizer state
             self.legacy = self.legacy + ((self._compact_opt_abstract, self._opt_from_compact),)
         self._train_steps: dict[bool, Any] = {}
@@ -857,15 +858,19 @@ class SDPStep:
         ``n`` blocks whose leaf ``path`` of block ``i`` (traced) is ``get(path, i, x)`` in the
         compute dtype, ``x`` slice ``i`` of ``xs`` (stacked leaves scanned over: their gradients
         are then stacked, not accumulated in a carry), first passed through ``prepare(x, i)``
-        if given (inside the loop, and inside activation checkpointing)."""
+        if given (inside the loop, and inside activation checkpointing) as ``prepare(x, i, run)``,
+        ``run(x)`` the block applied to the hidden state with those leaves."""
         prefix, paths = self.prefix, [p for p in self.spec.shapes if self._in_block(p)]
 
         def body(h, ix):
             i, x = ix
+
+            def run(x):
+                return self.block_fn(_unflatten({p[len(prefix):]: get(p, i, x) for p in paths}),
+                                     h)
             if prepare is not None:
-                x = prepare(x, i)
-            block = _unflatten({p[len(prefix):]: get(p, i, x) for p in paths})
-            return self.block_fn(block, h), None
+                x = prepare(x, i, run)
+            return run(x), None
         runner = scan_runner(body, (jnp.arange(n), xs), train=train, remat=self.remat,
                              unroll=self.unroll, fsdp=self.fsdp)
         return self.loss_fn(_unflatten({p: self._cast(x) for p, x in kept.items()}), batch,
@@ -875,16 +880,20 @@ class SDPStep:
         """Forward masking: the worker's compact subnetwork alone (flat local leaves); with the
         block runner, block gradients averaged inside the backward loop
         (:meth:`_in_loop_tables`; ``sinks``: :func:`sdp_jax.sync.owner_sinks` of B-SDP's
-        blocks)."""
+        blocks). Records the block gradients' orders (:func:`sdp_jax.sync.cotangent_orders`)
+        in ``self._grad_orders``."""
         if self.block_fn is None:
             return self.loss_fn(_unflatten({p: self._cast(x) for p, x in local.items()}), batch,
                                 *map(_unflatten, stats))
         blocks = {p: x for p, x in local.items() if self._in_block(p)}
         kept = {p: x for p, x in local.items() if not self._in_block(p)}
         n = next(iter(blocks.values())).shape[0]
-        tables = self._loop_tables
-        prepare = ((lambda x, i: sync.mean_in_backward(x, tables, i, AXIS, sinks))
-                   if tables else None)
+        tables, found = self._loop_tables, self._grad_orders
+
+        def prepare(x, i, run):
+            found.update(sync.cotangent_orders(run, x))
+            return sync.mean_in_backward(x, tables, i, AXIS, sinks, orders=found)
+        prepare = prepare if tables else None
         return self._call(kept, n, lambda p, i, x: self._cast(x[p]), batch, xs=blocks,
                           prepare=prepare)
 
@@ -908,7 +917,7 @@ class SDPStep:
         if tables:   # this worker's values of the in-loop leaves, scanned layer by layer
             pruned = lay.prune(frozen, my)
             xs = {"own": {p: pruned[p] for p in tables}, "sink": sinks}
-            prepare = lambda x, i: {   # noqa: E731
+            prepare = lambda x, i, run: {   # noqa: E731
                 "own": sync.mean_in_backward(x["own"], tables, i, AXIS, x["sink"])}
 
         def get(p, g, x):
@@ -1060,6 +1069,7 @@ class SDPStep:
         lay = self.layout
         st = self._state_local(stats)
         extra = () if st is None else (st,)
+        self._grad_orders = {}   # this trace's: filled by _forward_loss
         if self.fsdp and self.block_fn is None:
             loss, aux, g, new = self._value_and_grad(self._gathered_loss, params, batch, *extra)
             return loss, aux, _flatten(g), _flatten(params), new
@@ -1095,7 +1105,8 @@ class SDPStep:
         loss, aux, (g, sums), new = self._value_and_grad(
             lambda both, *a: self._forward_loss(both[0], *a, sinks=both[1]), (diff, sinks),
             batch, *extra)
-        g.update(sync.sinks_to_mean(sums, {p: g[p] for p in owners}, owners, AXIS))
+        g.update(sync.sinks_to_mean(sums, {p: g[p] for p in owners}, owners, AXIS,
+                                    self._grad_orders))
         return loss, aux, g, local, new
 
     def _new_state(self, new: dict):

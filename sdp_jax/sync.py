@@ -517,18 +517,95 @@ def sinks_to_shards(sums: dict, like: dict, tables: dict) -> dict:
     return out
 
 
-def sinks_to_mean(sums: dict, like: dict, tables: dict, axis: str = AXIS) -> dict:
+def sinks_to_mean(sums: dict, like: dict, tables: dict, axis: str = AXIS,
+                  orders: dict | None = None) -> dict:
     """The gradients of :func:`owner_sinks` (the sums over holders, in the owners' shards) ->
     {path: the worker's compact leaf of the holder mean}: divided by the multiplicities, then
     fetched back by the second all_to_all leg of :func:`holder_mean` (after the backward
-    pass)."""
+    pass). ``orders``: the ones :func:`mean_in_backward` sent the rows in (its ``orders``)."""
+    orders = orders or {}
     shards = sinks_to_shards(sums, like, {p: t for p, t in tables.items() if t is not None
                                           and not t.grouped})
-    return shards_to_compact(shards, like, {p: tables[p] for p in shards}, axis)
+    like = {p: to_order(v, orders.get(p), 1) for p, v in like.items()}
+    out = shards_to_compact(shards, like, {p: tables[p] for p in shards}, axis)
+    return {p: from_order(v, orders.get(p), 1) for p, v in out.items()}
+
+
+def cotangent_orders(fn, tree: dict) -> dict:
+    """The axis order in which the backward pass of ``fn`` produces each leaf's cotangent.
+
+    JAX transposes a matmul's weight gradient into the weight's axis order after the matmul
+    (``dot_general``'s transpose rule: the product comes out as ``[output dims, input dims]``,
+    then a ``transpose``). An average over ``axis`` taken after that transpose makes XLA
+    materialise the transposed copy before the all-reduce, and fold the transpose into the
+    matmul's operands, where XLA:CPU then leaves the matmul unfused; ``jax.jit``'s partitioner
+    all-reduces the matmul's own product instead. :func:`mean_in_backward` averages in the order
+    returned here, so that the two transposes cancel and the collectives see the product.
+
+    Traces ``jax.vjp(fn, tree)`` once (no compute) and follows each cotangent back through
+    ``transpose``, ``convert_element_type`` and nested ``jit`` calls to the operation that made
+    it.
+
+    Args:
+      fn: ``tree -> outputs`` (any pytree of arrays), traceable; may close over tracers.
+      tree: {path: array} (may be tracers) to differentiate.
+    Returns:
+      {path: ``perm``, a tuple of ints, with cotangent ``== jnp.transpose(z, perm)`` for the
+      array ``z`` the backward pass computes; only paths whose order is not the identity}.
+    """
+    from jax.extend import core as jcore
+
+    def trace(t):
+        out, vjp = jax.vjp(fn, t)
+        return vjp(jax.tree.map(lambda y: jnp.ones_like(y) if jnp.issubdtype(
+            y.dtype, jnp.inexact) else np.zeros(y.shape, jax.dtypes.float0), out))[0]
+
+    closed = jax.make_jaxpr(trace)(tree)
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    orders = {}
+    for (kp, _), var in zip(paths, closed.jaxpr.outvars):
+        jaxpr, perm = closed.jaxpr, None
+        while isinstance(var, jcore.Var):
+            eqn = next((e for e in jaxpr.eqns if any(v is var for v in e.outvars)), None)
+            if eqn is None:
+                break
+            name = eqn.primitive.name
+            if name == "convert_element_type":
+                var = eqn.invars[0]
+            elif name == "transpose":
+                q = eqn.params["permutation"]
+                perm = tuple(q) if perm is None else tuple(q[i] for i in perm)
+                var = eqn.invars[0]
+            elif isinstance(eqn.params.get("jaxpr"), (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                inner = eqn.params["jaxpr"]
+                inner = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+                var = inner.outvars[[i for i, v in enumerate(eqn.outvars) if v is var][0]]
+                jaxpr = inner
+            else:
+                break
+        if perm is not None and perm != tuple(range(len(perm))):
+            orders[kp[0].key] = perm
+    return orders
+
+
+def to_order(x: jax.Array, perm, lead: int = 0) -> jax.Array:
+    """``x`` (in its leaf's axis order) in the order ``perm`` of :func:`cotangent_orders` (the
+    backward pass's own), after ``lead`` leading axes that stay first (e.g. a compact leaf's
+    slot axis); ``perm`` None: ``x``."""
+    if perm is None:
+        return x
+    return jnp.transpose(x, tuple(range(lead)) + tuple(lead + int(i) for i in np.argsort(perm)))
+
+
+def from_order(z: jax.Array, perm, lead: int = 0) -> jax.Array:
+    """Inverse of :func:`to_order`."""
+    if perm is None:
+        return z
+    return jnp.transpose(z, tuple(range(lead)) + tuple(lead + int(i) for i in perm))
 
 
 def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
-                     sinks: dict | None = None) -> dict:
+                     sinks: dict | None = None, orders: dict | None = None) -> dict:
     """Identity on the values; its transpose averages each leaf's cotangent over the leaf's
     holders inside the backward pass's block loop, as soon as one block's gradient exists
     (where a GPU or TPU can overlap it with the next block's backward compute), instead of
@@ -566,7 +643,7 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
     Raises:
       ValueError: block leaves without ``sinks`` of the same tables.
     """
-    sinks = dict(sinks or {})
+    sinks, orders = dict(sinks or {}), dict(orders or {})
     owners = _owner_groups(tables)
     owners += [g for g in _fused_groups({p: t for p, t in tables.items()
                                          if t is not None and t.grouped}) if g[0] in sinks]
@@ -588,8 +665,10 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
         grouped = {p: v for p, v in ct.items()
                    if tables.get(p) is not None and tables[p].grouped and p not in sunk}
         out = dict(ct)
-        if plain:
-            out.update(to_varying(lax.pmean(plain, axis), axis))
+        if plain:   # averaged in the backward pass's own order (cotangent_orders)
+            red = to_varying(lax.pmean({p: to_order(v, orders.get(p)) for p, v in plain.items()},
+                                       axis), axis)
+            out.update({p: from_order(v, orders.get(p)) for p, v in red.items()})
         if grouped:
             out.update(_group_holder_mean(grouped, {p: tables[p] for p in grouped}, g, axis))
         sent = {}
@@ -600,8 +679,8 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
                     1, t.kc, -1).astype(dtypes[key]), t.workers)[0] for p in paths]
                 sent[key] = _fresh_to_owners(rows, t, g, 0, t.kc, axis)
             else:           # slot g of every worker: one block's rows
-                rows = [_split_rows(ct[p].reshape(1, 1, -1).astype(dtypes[key]), t.workers)[0]
-                        for p in paths]                                   # [1, W, rs]
+                rows = [_split_rows(to_order(ct[p], orders.get(p)).reshape(1, 1, -1).astype(
+                    dtypes[key]), t.workers)[0] for p in paths]           # [1, W, rs]
                 sent[key] = _fresh_to_owners(rows, t, 0, g, 1, axis)
             out.update({p: jnp.zeros_like(ct[p]) for p in paths})
         return out, sent, None

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -115,6 +116,19 @@ def test_reference_is_plain_jit_of_the_same_step():
     full = ddp.full_params(b)
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(full)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    # ... and all-reduces each block's gradients as jit does, inside the backward loop: the
+    # matmuls' own products (sdp_jax.sync.cotangent_orders), not transposed copies in the
+    # weights' axis order
+    batch = jax.ShapeDtypeStruct((8, 17), np.int32)
+
+    def in_loop(builder):   # the operand shapes of the all-reduce of the most leaves
+        text = builder.compiled_train_step(batch).as_text()
+        return max((re.findall(r"f32\[[\d,]+\]", line.split(" all-reduce(")[0])
+                    for line in text.splitlines() if " all-reduce(" in line), key=len)
+    jit_shapes = in_loop(ref)
+    assert in_loop(ddp) == jit_shapes and len(jit_shapes) == 9
+    # w_down's product [d, f] (the weight is [f, d]); w_gate's and w_up's are [f, d]
+    assert jit_shapes[5:8] == ["f32[32,64]", "f32[64,32]", "f32[64,32]"]
 
 
 def test_bench_reference_rows(capsys):

@@ -169,3 +169,28 @@ def test_fsdp_gather_gives_held_rows_and_masked_sum_gradient(mesh):
             ref[tables.held[w, j]] += wts[w, j]
     np.testing.assert_allclose(np.asarray(grad)[:, :r], ref, rtol=1e-6)
     assert np.all(np.asarray(grad)[:, r:] == 0)
+
+
+def test_cotangent_orders_follow_the_weight_gradient_transposes():
+    """The order in which JAX's backward pass makes each weight gradient (a matmul's product
+    [output dims, input dims], then a transpose): through a bf16 cast and a nested jit; a leaf
+    whose gradient needs no transpose is left out. to_order / from_order move a leaf (after a
+    leading slot axis) into that order and back."""
+    import jax.numpy as jnp
+
+    def block(w, x):
+        w = {k: v.astype(jnp.bfloat16) for k, v in w.items()}
+        q = jnp.einsum("btd,dnh->btnh", x, w["wq"])
+        o = jnp.einsum("btnh,nhd->btd", q, w["wo"])
+        return jax.jit(lambda a, b: a @ b)(o, w["up"]) @ w["down"], w["g"] * 2
+    w = {"wq": jnp.ones((8, 2, 4)), "wo": jnp.ones((2, 4, 8)), "up": jnp.ones((8, 16)),
+         "down": jnp.ones((16, 8)), "g": jnp.ones((8,))}
+    orders = sync.cotangent_orders(lambda w: block(w, jnp.ones((2, 3, 8), jnp.bfloat16)), w)
+    assert orders == {"wq": (2, 0, 1), "wo": (1, 2, 0), "up": (1, 0), "down": (1, 0)}
+    # the order is the product's: wq's gradient comes out [n, h, d] before its transpose
+    assert sync.to_order(w["wq"], orders["wq"]).shape == (2, 4, 8)
+    x = np.arange(5 * 8 * 2 * 4, dtype=np.float32).reshape(5, 8, 2, 4)
+    z = sync.to_order(jnp.asarray(x), orders["wq"], lead=1)
+    assert z.shape == (5, 2, 4, 8)
+    np.testing.assert_array_equal(np.asarray(z[3]), np.transpose(x[3], (1, 2, 0)))
+    np.testing.assert_array_equal(np.asarray(sync.from_order(z, orders["wq"], lead=1)), x)
