@@ -28,7 +28,9 @@ devices when no accelerator is present) and compiled:
   side by side in one process.
 * ``--reference``: a row for plain ``jax.jit`` DDP of the same model, loss and optimizer
   (:mod:`sdp_jax.reference`; not the averaging ``--config.sdp.method=reference``) and every
-  row's ratios to it.
+  row's ratios to it; with ``b-sdp`` among the variants also one for plain jit of the model cut
+  to the ``k`` blocks a B-SDP worker runs (what B-SDP's step cannot beat: the embedding, head
+  and loss are not pruned), and B-SDP's step time against it.
 
 ``--paper`` reproduces the memory and communication comparison of Singh et al. (arXiv
 2507.09029, Sec. 5, 1B model on 8 GPUs): DDP, FSDP + AC, B-SDP C = 0.6875 and B-SDP + FSDP + AC
@@ -38,6 +40,7 @@ at ``llama_1b``, bf16, 8 workers; it writes ``paper_table.md``, ``paper_chart.pn
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -61,6 +64,19 @@ PAPER_SETTINGS = (  # label, variant, fsdp, remat
 )
 
 
+def _plan(config, variant, workers, coverage):
+    """(the variant's spec at ``coverage``, whether its masks are uniform)."""
+    from sdp_jax import train_step as ts
+    from sdp_jax.models.llama import LlamaConfig
+
+    model, sdp = LlamaConfig.from_config(config.model), config.sdp
+    try:
+        return ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed), True
+    except ValueError:  # e.g. W*C = 5.5 at 1B: near-uniform masks, as in the paper
+        return ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
+                            allow_nonuniform=True), False
+
+
 def _builder(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unroll=False):
     from sdp_jax import tasks
     from sdp_jax import train_step as ts
@@ -69,13 +85,7 @@ def _builder(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, un
     model = LlamaConfig.from_config(config.model)
     optim = ts.OptimConfig.from_config(config.optim)
     sdp = config.sdp
-    try:
-        plan = ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed)
-        uniform = True
-    except ValueError:  # e.g. W*C = 5.5 at 1B: near-uniform masks, as in the paper
-        plan = ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
-                            allow_nonuniform=True)
-        uniform = False
+    plan, uniform = _plan(config, variant, workers, coverage)
     b = tasks.language_model_step(model, plan, optim, mesh, config.steps, method=sdp.method,
                                   unroll=unroll, fsdp=fsdp, remat=remat, dtype=dtype)
     return b, uniform
@@ -153,29 +163,38 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
                                  if flops else None)}
 
 
-def _reference(config, mesh, remat: str, dtype: str, unroll: bool = False):
+def _reference(config, mesh, remat: str, dtype: str, unroll: bool = False,
+               blocks: int | None = None):
     from sdp_jax import reference
     from sdp_jax import train_step as ts
     from sdp_jax.models.llama import LlamaConfig
-    return reference.JitDDP(LlamaConfig.from_config(config.model),
-                            ts.OptimConfig.from_config(config.optim), mesh, config.steps,
+    model = LlamaConfig.from_config(config.model)
+    if blocks is not None:
+        model = dataclasses.replace(model, n_layers=blocks)
+    return reference.JitDDP(model, ts.OptimConfig.from_config(config.optim), mesh, config.steps,
                             remat=remat, dtype=dtype, unroll=unroll)
 
 
 def measure_reference(config, workers: int, mesh, *, remat: str = "none",
-                      dtype: str = "float32", flops: bool = True) -> dict:
+                      dtype: str = "float32", flops: bool = True,
+                      blocks: int | None = None) -> dict:
     """:func:`measure` for the plain ``jax.jit`` DDP reference (:mod:`sdp_jax.reference`):
-    the same row fields, ``variant`` ``jit-ddp``, ``regime`` ``jit``."""
+    the same row fields, ``variant`` ``jit-ddp``, ``regime`` ``jit``. ``blocks``: the same
+    model cut to that many blocks (the plain-jit model of the subnetwork a B-SDP worker runs;
+    setting ``jit-ddp k/L``, field ``blocks``); None: all of them."""
     from sdp_jax import reference
     from sdp_jax import train_step as ts
-    from sdp_jax.models.llama import LlamaConfig
 
     t0 = time.time()
-    builder = _reference(config, mesh, remat, dtype)
+    builder = _reference(config, mesh, remat, dtype, blocks=blocks)
     figures = _figures(config, builder, workers, flops,
-                       lambda: _reference(config, mesh, remat, dtype, unroll=True))
-    model = LlamaConfig.from_config(config.model)
-    return {"variant": reference.LABEL, "setting": setting_name(reference.LABEL, False, remat),
+                       lambda: _reference(config, mesh, remat, dtype, unroll=True,
+                                          blocks=blocks))
+    model = builder.cfg
+    setting = setting_name(reference.LABEL, False, remat)
+    if blocks is not None:
+        setting += f" {blocks}/{config.model.n_layers}"
+    return {"variant": reference.LABEL, "setting": setting, "blocks": blocks,
             "fsdp": False, "remat": remat, "dtype": dtype, "attention": config.model.attention,
             "regime": "jit", "coverage": 1.0,
             "workers": workers, "held_per_worker": "all", "uniform": True, **figures,
@@ -243,7 +262,8 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
 def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, remat="none",
                dtype="float32", steps: int = 10, warmup: int = 2) -> list[list[float]]:
     """Wall seconds of real train steps on random tokens for several variants, interleaved
-    (one step of each in turn, so that load from other processes hits all of them alike).
+    (one step of each in turn, so that load from other processes hits all of them alike; each
+    round starts with the next variant, so that none always runs first).
 
     Args:
       runs: dicts with ``variant`` (``jit-ddp``: the plain-jit reference) and ``coverage``.
@@ -261,7 +281,7 @@ def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, rema
     from sdp_jax import reference
     for run in runs:
         if run["variant"] == reference.LABEL:
-            builder = _reference(config, mesh, remat, dtype)
+            builder = _reference(config, mesh, remat, dtype, blocks=run.get("blocks"))
         else:
             builder, _ = _builder(config, run["variant"], workers, run["coverage"], mesh,
                                   fsdp=fsdp, remat=remat, dtype=dtype)
@@ -270,8 +290,8 @@ def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, rema
             (workers * config.batch_per_worker, config.seq_len + 1)), jnp.int32),
             builder.batch_sharding())
         jobs.append([builder.train_step_fn(), builder.init_state(seed=0), batch, []])
-    for i in range(warmup + steps):
-        for job in jobs:
+    for i in range(warmup + steps):   # round i starts at job i mod n: no variant always first
+        for job in jobs[i % len(jobs):] + jobs[:i % len(jobs)]:
             step, state, batch, times = job
             t0 = time.perf_counter()
             state, metrics = step(state, batch)
@@ -338,13 +358,29 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """Median over rounds of ``times[i] / base[i]``: step ``i`` of two variants timed in the
+    same round of :func:`time_steps` (one after the other), so that load which changes between
+    rounds cancels in each ratio (a paired comparison).
+
+    Raises:
+      ValueError: the lists differ in length or are empty."""
+    if len(times) != len(base) or not times:
+        raise ValueError(f"paired_ratio: {len(times)} and {len(base)} step times; pass the "
+                         "step_times_s of two rows timed together.")
+    return statistics.median(a / b for a, b in zip(times, base))
+
+
 def reference_lines(rows: list[dict]) -> list[str]:
     """One line per row against the plain-jit DDP row (``jit-ddp``), if present: ratios of
-    peak memory, bytes communicated, FLOPs and (timed) step time, each ours / jit."""
+    peak memory, bytes communicated, FLOPs and (timed) step time, each ours / jit; the step
+    time as :func:`paired_ratio` (and the ratio of the medians beside it)."""
     from sdp_jax import reference
-    ref = next((r for r in rows if r["variant"] == reference.LABEL), None)
+    ref = next((r for r in rows if r["variant"] == reference.LABEL and r.get("blocks") is None),
+               None)
     if ref is None:
         return []
+    sub = next((r for r in rows if r["variant"] == reference.LABEL and r.get("blocks")), None)
     out = []
     for r in rows:
         if r is ref:
@@ -353,9 +389,15 @@ def reference_lines(rows: list[dict]) -> list[str]:
                  f"comm {_ratio(r['comm_bytes_per_device'], ref['comm_bytes_per_device'])}",
                  f"FLOPs {_ratio(r['flops_per_device'], ref['flops_per_device'])}"]
         if "step_time_s" in r and "step_time_s" in ref:
-            parts.append(f"step time {_ratio(r['step_time_s'], ref['step_time_s'])} (median of "
-                         f"{len(r['step_times_s'])} interleaved steps)")
+            parts.append(f"step time {paired_ratio(r['step_times_s'], ref['step_times_s']):.3f} "
+                         f"(median over {len(r['step_times_s'])} rounds of the ratio within a "
+                         f"round; ratio of the medians "
+                         f"{_ratio(r['step_time_s'], ref['step_time_s'])})")
         out.append(f"{r['setting']} / {ref['setting']}: " + ", ".join(parts))
+        if sub is not None and r["variant"] == "b-sdp" and "step_time_s" in sub \
+                and "step_time_s" in r:
+            out.append(f"{r['setting']} / {sub['setting']} (plain jit of a worker's blocks): "
+                       f"step time {paired_ratio(r['step_times_s'], sub['step_times_s']):.3f}")
     return out
 
 
@@ -566,7 +608,8 @@ def flag_values(argv: list[str] | None = None):
     flags.DEFINE_integer("time_steps", 50, "timed steps per variant", flag_values=fv)
     flags.DEFINE_boolean("reference", False, "add a row for plain jax.jit DDP of the same model, "
                          "loss and optimizer (sdp_jax/reference.py), and each row's ratios to "
-                         "it (language models, without FSDP)", flag_values=fv)
+                         "it (language models, without FSDP); with b-sdp also plain jit of the "
+                         "k blocks a B-SDP worker runs", flag_values=fv)
     flags.DEFINE_boolean("paper", False, "the paper's 1B comparison (DDP, FSDP+AC, B-SDP, "
                          "B-SDP+FSDP+AC)", flag_values=fv)
     flags.DEFINE_string("out", os.path.join("runs", "paper"), "output folder of --paper",
@@ -686,7 +729,12 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     if fv.reference:
         rows.append(measure_reference(config, workers, mesh, remat=remat, dtype=dtype,
                                       flops=fv.flops))
-        print(f"  compiled {rows[-1]['variant']} in {rows[-1]['compile_s']}s", flush=True)
+        print(f"  compiled {rows[-1]['setting']} in {rows[-1]['compile_s']}s", flush=True)
+        if "b-sdp" in variants:   # the floor of B-SDP's step: plain jit of k of the L blocks
+            k = _plan(config, "b-sdp", workers, config.sdp.coverage)[0].kinds["block"].k
+            rows.append(measure_reference(config, workers, mesh, remat=remat, dtype=dtype,
+                                          flops=fv.flops, blocks=k))
+            print(f"  compiled {rows[-1]['setting']} in {rows[-1]['compile_s']}s", flush=True)
     for v in variants:
         cov = 1.0 if v == "ddp" else coverage
         row = measure(config, v, workers, cov, mesh, flops=fv.flops, **kw)

@@ -132,10 +132,12 @@ def test_reference_is_plain_jit_of_the_same_step():
 
 
 def test_bench_reference_rows(capsys):
-    rows = bench.main(["--config", TINY, "--variants", "ddp", "--reference", "--noflops",
-                       "--measure_time", "--time_steps", "2"])
-    assert [r["setting"] for r in rows] == ["jit-ddp", "ddp"]
-    jit, ddp = rows
+    rows = bench.main(["--config", TINY, "--variants", "ddp,b-sdp", "--reference", "--noflops",
+                       "--config.sdp.coverage=0.5", "--measure_time", "--time_steps", "2"])
+    assert [r["setting"] for r in rows] == ["jit-ddp", "jit-ddp 2/4", "ddp", "b-sdp"]
+    jit, sub, ddp, bsdp = rows
+    # the plain-jit model of a B-SDP worker's 2 of 4 blocks: B-SDP's parameters per device
+    assert sub["params_per_device"] == bsdp["params_per_device"] < jit["params_per_device"]
     assert jit["regime"] == "jit" and jit["params_per_device"] == ddp["params_per_device"]
     # the same gradient bytes: one all-reduce of every parameter per step
     assert abs(jit["comm_bytes_per_device"] / ddp["comm_bytes_per_device"] - 1) < 0.01
@@ -147,7 +149,17 @@ def test_bench_reference_rows(capsys):
     assert ddp["peak_bytes_per_device"] <= 1.002 * jit["peak_bytes_per_device"]
     out = capsys.readouterr().out
     assert "| jit-ddp | 1 | 4 | all |" in out
-    assert "ddp / jit-ddp: peak " in out and "step time " in out
+    assert "ddp / jit-ddp: peak " in out and "step time " in out and "within a round" in out
+    assert "b-sdp / jit-ddp 2/4 (plain jit of a worker's blocks): step time " in out
+
+
+def test_paired_ratio_cancels_load_that_changes_between_rounds():
+    # round 2 ran while something else loaded the machine (both variants 10x slower), and in
+    # round 3 a step of the first variant was hit alone: the ratio within rounds is 1.1, where
+    # the ratio of the medians would be 5
+    assert bench.paired_ratio([1.1, 11.0, 5.0], [1.0, 10.0, 1.0]) == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="2 and 3 step times"):
+        bench.paired_ratio([1.0, 1.0], [1.0, 1.0, 1.0])
 
 
 def test_paper_table_and_chart(tmp_path):
