@@ -360,8 +360,8 @@ def format_table(rows: list[dict]) -> str:
 
 def paired_ratio(times: list[float], base: list[float]) -> float:
     """Median over rounds of ``times[i] / base[i]``: step ``i`` of two variants timed in the
-    same round of :func:`time_steps` (one after the other), so that load which changes between
-    rounds cancels in each ratio (a paired comparison).
+    same round of :func:`time_steps`, so that load which changes between rounds cancels in each
+    ratio (a paired comparison; it can differ from the ratio of the medians).
 
     Raises:
       ValueError: the lists differ in length or are empty."""

@@ -360,7 +360,6 @@ class SDPStep:
             self.stats_layout, self.stats_specs, self.stats_shapes = self._state_struct()
             self.state_specs["stats"] = self.stats_specs
         self._loop_tables = self._in_loop_tables()
-        self._grad_orders = {}   # sync.cotangent_orders of the gradients (per trace)
         if spec.backward and not fsdp:   # checkpoints of the compact optimizer state
             self.legacy = self.legacy + ((self._compact_opt_abstract, self._opt_from_compact),)
         self._train_steps: dict[bool, Any] = {}
@@ -876,22 +875,32 @@ class SDPStep:
         return self.loss_fn(_unflatten({p: self._cast(x) for p, x in kept.items()}), batch,
                             runner)
 
-    def _forward_loss(self, local: dict, batch, *stats, sinks=None):
+    def _forward_loss(self, local: dict, batch, *stats, sinks=None, orders=None):
         """Forward masking: the worker's compact subnetwork alone (flat local leaves); with the
         block runner, block gradients averaged inside the backward loop
         (:meth:`_in_loop_tables`; ``sinks``: :func:`sdp_jax.sync.owner_sinks` of B-SDP's
-        blocks). Records the block gradients' orders (:func:`sdp_jax.sync.cotangent_orders`)
-        in ``self._grad_orders``."""
+        blocks), in the orders of :func:`sdp_jax.sync.cotangent_orders`, which are recorded in
+        the dict ``orders`` if given (for :func:`sdp_jax.sync.sinks_to_mean`).
+
+        Raises:
+          ValueError: a block traced twice with different gradient orders (its rows would
+            reach the same sinks in two layouts)."""
         if self.block_fn is None:
             return self.loss_fn(_unflatten({p: self._cast(x) for p, x in local.items()}), batch,
                                 *map(_unflatten, stats))
         blocks = {p: x for p, x in local.items() if self._in_block(p)}
         kept = {p: x for p, x in local.items() if not self._in_block(p)}
         n = next(iter(blocks.values())).shape[0]
-        tables, found = self._loop_tables, self._grad_orders
+        tables = self._loop_tables
+        found = {} if orders is None else orders
 
         def prepare(x, i, run):
-            found.update(sync.cotangent_orders(run, x))
+            new = sync.cotangent_orders(run, x)
+            if found and new != found:
+                raise ValueError(f"the blocks were traced twice with different gradient "
+                                 f"orders ({found} and {new}); run each block once per loss "
+                                 f"or average after the loop (--config.sdp.method=reference)")
+            found.update(new)
             return sync.mean_in_backward(x, tables, i, AXIS, sinks, orders=found)
         prepare = prepare if tables else None
         return self._call(kept, n, lambda p, i, x: self._cast(x[p]), batch, xs=blocks,
@@ -1069,7 +1078,6 @@ class SDPStep:
         lay = self.layout
         st = self._state_local(stats)
         extra = () if st is None else (st,)
-        self._grad_orders = {}   # this trace's: filled by _forward_loss
         if self.fsdp and self.block_fn is None:
             loss, aux, g, new = self._value_and_grad(self._gathered_loss, params, batch, *extra)
             return loss, aux, _flatten(g), _flatten(params), new
@@ -1101,12 +1109,11 @@ class SDPStep:
             return loss, aux, g, local, new
         # B-SDP: block gradients reach their owners inside the backward loop, as gradients of
         # zero accumulators (sinks), and come back averaged after it.
-        sinks = sync.owner_sinks({p: local[p] for p in owners}, owners, AXIS)
+        sinks, orders = sync.owner_sinks({p: local[p] for p in owners}, owners, AXIS), {}
         loss, aux, (g, sums), new = self._value_and_grad(
-            lambda both, *a: self._forward_loss(both[0], *a, sinks=both[1]), (diff, sinks),
-            batch, *extra)
-        g.update(sync.sinks_to_mean(sums, {p: g[p] for p in owners}, owners, AXIS,
-                                    self._grad_orders))
+            lambda both, *a: self._forward_loss(both[0], *a, sinks=both[1], orders=orders),
+            (diff, sinks), batch, *extra)
+        g.update(sync.sinks_to_mean(sums, {p: g[p] for p in owners}, owners, AXIS, orders))
         return loss, aux, g, local, new
 
     def _new_state(self, new: dict):

@@ -526,7 +526,7 @@ def sinks_to_mean(sums: dict, like: dict, tables: dict, axis: str = AXIS,
     orders = orders or {}
     shards = sinks_to_shards(sums, like, {p: t for p, t in tables.items() if t is not None
                                           and not t.grouped})
-    like = {p: to_order(v, orders.get(p), 1) for p, v in like.items()}
+    like = {p: to_order(like[p], orders.get(p), 1) for p in shards}
     out = shards_to_compact(shards, like, {p: tables[p] for p in shards}, axis)
     return {p: from_order(v, orders.get(p), 1) for p, v in out.items()}
 
@@ -543,17 +543,29 @@ def cotangent_orders(fn, tree: dict) -> dict:
     returned here, so that the two transposes cancel and the collectives see the product.
 
     Traces ``jax.vjp(fn, tree)`` once (no compute) and follows each cotangent back through
-    ``transpose``, ``convert_element_type`` and nested ``jit`` calls to the operation that made
-    it.
+    ``transpose``, ``convert_element_type`` and calls of nested jaxprs (``jit``,
+    ``closed_call``, ``checkpoint``) to the operation that made it; anything else (a ``scan``
+    whose outputs are stacked, a kernel call, an addition of several uses) ends the walk. The
+    orders only change the layout in which collectives run, never the values; a leaf whose
+    walk finds nothing keeps its own order (at worst a slower program).
 
     Args:
       fn: ``tree -> outputs`` (any pytree of arrays), traceable; may close over tracers.
-      tree: {path: array} (may be tracers) to differentiate.
+      tree: a flat dict {path: array} (may be tracers) to differentiate.
     Returns:
-      {path: ``perm``, a tuple of ints, with cotangent ``== jnp.transpose(z, perm)`` for the
-      array ``z`` the backward pass computes; only paths whose order is not the identity}.
+      {path: ``perm``, a tuple of ``tree[path].ndim`` ints, with cotangent ``==
+      jnp.transpose(z, perm)`` for the array ``z`` the backward pass computes; only paths
+      whose order is not the identity}.
+    Raises:
+      ValueError: ``tree`` is not a flat dict.
     """
     from jax.extend import core as jcore
+
+    if not isinstance(tree, dict) or any(isinstance(v, (dict, list, tuple))
+                                         for v in tree.values()):
+        raise ValueError("cotangent_orders: tree must be a flat dict {path: array}; flatten "
+                         "nested parameters first (e.g. sdp_jax.spec.flatten).")
+    calls = {"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"}
 
     def trace(t):
         out, vjp = jax.vjp(fn, t)
@@ -561,9 +573,9 @@ def cotangent_orders(fn, tree: dict) -> dict:
             y.dtype, jnp.inexact) else np.zeros(y.shape, jax.dtypes.float0), out))[0]
 
     closed = jax.make_jaxpr(trace)(tree)
-    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
     orders = {}
-    for (kp, _), var in zip(paths, closed.jaxpr.outvars):
+    paths = [kp[0].key for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    for path, var in zip(paths, closed.jaxpr.outvars):   # (both in the dict's sorted order)
         jaxpr, perm = closed.jaxpr, None
         while isinstance(var, jcore.Var):
             eqn = next((e for e in jaxpr.eqns if any(v is var for v in e.outvars)), None)
@@ -576,22 +588,27 @@ def cotangent_orders(fn, tree: dict) -> dict:
                 q = eqn.params["permutation"]
                 perm = tuple(q) if perm is None else tuple(q[i] for i in perm)
                 var = eqn.invars[0]
-            elif isinstance(eqn.params.get("jaxpr"), (jcore.ClosedJaxpr, jcore.Jaxpr)):
+            elif name in calls and isinstance(eqn.params.get("jaxpr"),
+                                              (jcore.ClosedJaxpr, jcore.Jaxpr)):
                 inner = eqn.params["jaxpr"]
                 inner = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
-                var = inner.outvars[[i for i, v in enumerate(eqn.outvars) if v is var][0]]
-                jaxpr = inner
+                i = [i for i, v in enumerate(eqn.outvars) if v is var][0]
+                if i >= len(inner.outvars) or inner.outvars[i].aval.shape != var.aval.shape:
+                    break
+                var, jaxpr = inner.outvars[i], inner
             else:
                 break
-        if perm is not None and perm != tuple(range(len(perm))):
-            orders[kp[0].key] = perm
+        if perm is not None and len(perm) == np.ndim(tree[path]) \
+                and perm != tuple(range(len(perm))):
+            orders[path] = perm
     return orders
 
 
 def to_order(x: jax.Array, perm, lead: int = 0) -> jax.Array:
     """``x`` (in its leaf's axis order) in the order ``perm`` of :func:`cotangent_orders` (the
     backward pass's own), after ``lead`` leading axes that stay first (e.g. a compact leaf's
-    slot axis); ``perm`` None: ``x``."""
+    slot axis): shape ``x.shape[:lead] + tuple(x.shape[lead + i] for i in argsort(perm))``,
+    ``len(perm) == x.ndim - lead``; ``perm`` None: ``x``."""
     if perm is None:
         return x
     return jnp.transpose(x, tuple(range(lead)) + tuple(lead + int(i) for i in np.argsort(perm)))
@@ -636,6 +653,10 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
       group: int32 scalar (may be traced): the loop step.
       sinks: :func:`owner_sinks` of the block leaves (needed when ``tables`` has any), and of
         the neuron leaves to be left in the owners' shards (this step's slices).
+      orders: {path: :func:`cotangent_orders`' order of the leaf's cotangent}: a plain mean
+        runs in that order, and a block leaf's rows go to the owners in it (then pass the same
+        ``orders`` to :func:`sinks_to_mean`); grouped leaves ignore it. Values are the same
+        with any orders.
     Returns:
       ``tree`` unchanged. Bytes per device on the wire equal those of :func:`average` for the
       same leaves, issued where each block's gradient is computed; a loss that runs the blocks

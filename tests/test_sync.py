@@ -194,3 +194,11 @@ def test_cotangent_orders_follow_the_weight_gradient_transposes():
     assert z.shape == (5, 2, 4, 8)
     np.testing.assert_array_equal(np.asarray(z[3]), np.transpose(x[3], (1, 2, 0)))
     np.testing.assert_array_equal(np.asarray(sync.from_order(z, orders["wq"], lead=1)), x)
+    # the walk stops at a scan (its outputs are stacked: an order found inside would have one
+    # axis too few) and keeps the leaf's own order; a nested tree is refused
+    def scanned(w, x):
+        return jax.lax.scan(lambda h, s: (h @ s.T, None), x, w["s"])[0] @ w["up"]
+    w2 = {"s": jnp.ones((4, 8, 8)), "up": jnp.ones((8, 16))}
+    assert sync.cotangent_orders(lambda w: scanned(w, jnp.ones((3, 8))), w2) == {"up": (1, 0)}
+    with pytest.raises(ValueError, match="flat dict"):
+        sync.cotangent_orders(lambda w: w["a"]["b"] * 2, {"a": {"b": jnp.ones(3)}})
