@@ -132,12 +132,10 @@ def test_reference_is_plain_jit_of_the_same_step():
 
 
 def test_bench_reference_rows(capsys):
-    rows = bench.main(["--config", TINY, "--variants", "ddp,b-sdp", "--reference", "--noflops",
-                       "--config.sdp.coverage=0.5", "--measure_time", "--time_steps", "2"])
-    assert [r["setting"] for r in rows] == ["jit-ddp", "jit-ddp 2/4", "ddp", "b-sdp"]
-    jit, sub, ddp, bsdp = rows
-    # the plain-jit model of a B-SDP worker's 2 of 4 blocks: B-SDP's parameters per device
-    assert sub["params_per_device"] == bsdp["params_per_device"] < jit["params_per_device"]
+    rows = bench.main(["--config", TINY, "--variants", "ddp", "--reference", "--noflops",
+                       "--measure_time", "--time_steps", "2"])
+    assert [r["setting"] for r in rows] == ["jit-ddp", "ddp"]
+    jit, ddp = rows
     assert jit["regime"] == "jit" and jit["params_per_device"] == ddp["params_per_device"]
     # the same gradient bytes: one all-reduce of every parameter per step
     assert abs(jit["comm_bytes_per_device"] / ddp["comm_bytes_per_device"] - 1) < 0.01
@@ -150,7 +148,35 @@ def test_bench_reference_rows(capsys):
     out = capsys.readouterr().out
     assert "| jit-ddp | 1 | 4 | all |" in out
     assert "ddp / jit-ddp: peak " in out and "step time " in out and "within a round" in out
-    assert "b-sdp / jit-ddp 2/4 (plain jit of a worker's blocks): step time " in out
+
+
+def test_reference_of_a_b_sdp_workers_blocks():
+    """With b-sdp, --reference adds plain jit of the model cut to a worker's k blocks (B-SDP's
+    parameters per device), and B-SDP's paired step-time ratio to it (rows made here)."""
+    import importlib.util
+    module_spec = importlib.util.spec_from_file_location("llama_tiny", TINY)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config()
+    mesh = bench._mesh(4)
+    sub = bench._reference(config, mesh, "none", "float32", blocks=2)
+    bsdp, _ = bench._builder(config, "b-sdp", 4, 0.5, mesh, fsdp=False, remat="none",
+                             dtype="float32")
+    assert sub.cfg.n_layers == 2 and sub.per_device_param_count() == \
+        bsdp.per_device_param_count() < bench._reference(
+            config, mesh, "none", "float32").per_device_param_count()
+
+    def row(setting, times, blocks=None):
+        return {"variant": setting.split()[0], "setting": setting, "blocks": blocks,
+                "peak_bytes_per_device": 1, "comm_bytes_per_device": 1,
+                "flops_per_device": None, "step_times_s": times,
+                "step_time_s": sorted(times)[1]}
+    lines = bench.reference_lines([row("jit-ddp", [2.0, 4.0, 2.0]),
+                                   row("jit-ddp 2/4", [1.0, 2.0, 1.0], blocks=2),
+                                   row("b-sdp", [1.1, 2.2, 1.1])])
+    assert lines[-1] == ("b-sdp / jit-ddp 2/4 (plain jit of a worker's blocks): step time "
+                         "1.100")
+    assert "b-sdp / jit-ddp: " in lines[1] and "step time 0.550" in lines[1]
 
 
 def test_paired_ratio_cancels_load_that_changes_between_rounds():
