@@ -856,9 +856,9 @@ class SDPStep:
         """``loss_fn`` with the block runner: ``kept`` {path: leaf} outside the block subtree;
         ``n`` blocks whose leaf ``path`` of block ``i`` (traced) is ``get(path, i, x)`` in the
         compute dtype, ``x`` slice ``i`` of ``xs`` (stacked leaves scanned over: their gradients
-        are then stacked, not accumulated in a carry), first passed through ``prepare(x, i)``
-        if given (inside the loop, and inside activation checkpointing) as ``prepare(x, i, run)``,
-        ``run(x)`` the block applied to the hidden state with those leaves."""
+        are then stacked, not accumulated in a carry), first passed through
+        ``prepare(x, i, run)`` if given (inside the loop, and inside activation checkpointing;
+        ``run(x)``: the block applied to the hidden state with the leaves ``x``)."""
         prefix, paths = self.prefix, [p for p in self.spec.shapes if self._in_block(p)]
 
         def body(h, ix):

@@ -604,21 +604,22 @@ def cotangent_orders(fn, tree: dict) -> dict:
     return orders
 
 
+def _lead_perm(perm, lead: int) -> tuple:
+    """``perm`` shifted past ``lead`` leading axes that stay in place."""
+    return tuple(range(lead)) + tuple(lead + int(i) for i in perm)
+
+
 def to_order(x: jax.Array, perm, lead: int = 0) -> jax.Array:
     """``x`` (in its leaf's axis order) in the order ``perm`` of :func:`cotangent_orders` (the
     backward pass's own), after ``lead`` leading axes that stay first (e.g. a compact leaf's
     slot axis): shape ``x.shape[:lead] + tuple(x.shape[lead + i] for i in argsort(perm))``,
     ``len(perm) == x.ndim - lead``; ``perm`` None: ``x``."""
-    if perm is None:
-        return x
-    return jnp.transpose(x, tuple(range(lead)) + tuple(lead + int(i) for i in np.argsort(perm)))
+    return x if perm is None else jnp.transpose(x, _lead_perm(np.argsort(perm), lead))
 
 
 def from_order(z: jax.Array, perm, lead: int = 0) -> jax.Array:
     """Inverse of :func:`to_order`."""
-    if perm is None:
-        return z
-    return jnp.transpose(z, tuple(range(lead)) + tuple(lead + int(i) for i in perm))
+    return z if perm is None else jnp.transpose(z, _lead_perm(perm, lead))
 
 
 def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
