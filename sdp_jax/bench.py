@@ -159,8 +159,28 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
     return {**ts.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
             "comm_in_backward_loop": traffic["in_backward_loop"],
-            "flops_per_device": (ts.flops_per_device(unrolled().compiled_train_step(batch_shape))
-                                 if flops else None)}
+            "flops_per_device": _count_flops(unrolled, batch_shape) if flops else None}
+
+
+def _count_flops(unrolled, batch_shape) -> float:
+    """FLOPs per device of one step (XLA's count on the program ``unrolled()`` builds). Where
+    a worker's unheld blocks skip their weight gradients (``bb-sdp`` with activation
+    checkpointing, :func:`sdp_jax.step.held_weight_grads`), XLA counts each block's
+    conditional as its costliest branch; the step is then counted twice, every block taking
+    the held branch (``F_h``) and every block the other (``F_u``), and a worker holding ``k``
+    of ``L`` blocks does ``F_u + (k / L) (F_h - F_u)`` (the blocks are alike and each branch's
+    cost is the same in every block)."""
+    from sdp_jax import train_step as ts
+    from sdp_jax.spec import BLOCK
+
+    def count(b, branch=None):
+        b.count_branch = branch
+        return ts.flops_per_device(b.compiled_train_step(batch_shape))
+    b = unrolled()
+    if not b._skips_unheld():
+        return count(b)
+    held, unheld = count(b, True), count(unrolled(), False)
+    return unheld + b.spec.kinds[BLOCK].k / b.spec.n_blocks * (held - unheld)
 
 
 def _reference(config, mesh, remat: str, dtype: str, unroll: bool = False,

@@ -162,6 +162,66 @@ def remat_block(body: Callable, remat: str, fsdp: bool = False) -> Callable:
     return jax.checkpoint(body, policy=policy, prevent_cse=False)
 
 
+def held_weight_grads(f: Callable, held, own: dict, frozen: dict, always: dict, h,
+                      branch: bool | None = None):
+    """``f({**own, **always}, h)`` where ``held`` (a traced bool scalar), else
+    ``f({**frozen, **always}, h)``, whose backward pass computes the weight gradient of ``own``
+    only where ``held``: a worker's unheld block under backward masking gets the input
+    gradient (``h``'s, which the blocks below need) and no weight-gradient matmul.
+
+    The backward pass recomputes the block from its inputs (a custom VJP whose residuals are
+    the inputs) and runs one of two VJPs under ``lax.cond``: the full one, or the one of ``h``
+    alone with the weights constant. That is the recomputation activation checkpointing does
+    anyway, so :class:`SDPStep` uses it under ``remat="full"`` only (without checkpointing the
+    recomputation would cost more FLOPs, one forward pass of every block, than the skipped
+    weight gradients, ``(1 - C)`` of a third of the block's FLOPs, save).
+
+    Args:
+      f: ``(leaves, h) -> h`` one block: leaves a flat dict of arrays (any dtype), ``h`` the
+        hidden state (any shape and floating dtype; the output has ``h``'s shape and dtype).
+      held: bool scalar; where False the cotangent of ``own`` is zero.
+      own: the differentiable values of the held-masked leaves; ``frozen``: their values where
+        not held (same keys, shapes and dtypes; no cotangent); ``always``: leaves whose
+        gradient is always computed.
+      branch: None (the default); True / False replaces ``held`` by a constant in the backward
+        pass, for counting FLOPs only (:func:`sdp_jax.bench.measure`: XLA's cost analysis
+        counts a conditional as its costliest branch).
+
+    Returns:
+      the block's output, ``h``'s shape and dtype.
+    """
+    def pick(held, own, frozen):
+        return {p: jnp.where(held, own[p], frozen[p]) for p in own}
+
+    @jax.custom_vjp
+    def block(held, own, frozen, always, h):
+        return f({**pick(held, own, frozen), **always}, h)
+
+    def fwd(held, own, frozen, always, h):   # residuals: the block's inputs, one weight copy
+        w = pick(held, own, frozen)
+        return f({**w, **always}, h), (held, w, always, h)
+
+    def bwd(res, dy):
+        held, w, always, h = res
+
+        def weights():
+            _, vjp = jax.vjp(lambda w, a, h: f({**w, **a}, h), w, always, h)
+            return vjp(dy)
+
+        def inputs_only():
+            _, vjp = jax.vjp(lambda a, h: f({**w, **a}, h), always, h)
+            da, dh = vjp(dy)
+            return jax.tree.map(jnp.zeros_like, w), da, dh
+        if branch is None:
+            d_own, d_always, dh = jax.lax.cond(held, weights, inputs_only)
+        else:
+            d_own, d_always, dh = weights() if branch else inputs_only()
+        return None, d_own, None, d_always, dh
+
+    block.defvjp(fwd, bwd)
+    return block(held, own, frozen, always, h)
+
+
 def shardings(mesh, specs):
     """NamedShardings on ``mesh`` of a tree of PartitionSpecs."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
@@ -319,6 +379,9 @@ class SDPStep:
         self.schedule, self.init_fn, self.unroll, self.has_aux = (schedule, init_fn, unroll,
                                                                   has_aux)
         self.total_steps = total_steps
+        # FLOP counting only (sdp_jax.bench): every block takes this branch of
+        # held_weight_grads in the backward pass (wrong gradients; None: each its own)
+        self.count_branch: bool | None = None
         self.layout = lay = layout_lib.of(spec)
         self.prefix = spec.block_path if block_fn is not None else None
         self.full_shapes = {p: ((self.stages * sh[0],) + tuple(sh[1:]) if self._staged(p)
@@ -852,21 +915,29 @@ class SDPStep:
     def _cast(self, x):
         return cast_floating(x, self.dtype)
 
-    def _call(self, kept: dict, n: int, get, batch, train=True, xs=None, prepare=None):
+    def _block(self, leaves: dict, h):
+        """``block_fn`` on one block's leaves ``{full path: value}`` (flat)."""
+        return self.block_fn(_unflatten({p[len(self.prefix):]: x for p, x in leaves.items()}), h)
+
+    def _call(self, kept: dict, n: int, get, batch, train=True, xs=None, prepare=None,
+              apply=None):
         """``loss_fn`` with the block runner: ``kept`` {path: leaf} outside the block subtree;
         ``n`` blocks whose leaf ``path`` of block ``i`` (traced) is ``get(path, i, x)`` in the
         compute dtype, ``x`` slice ``i`` of ``xs`` (stacked leaves scanned over: their gradients
         are then stacked, not accumulated in a carry), first passed through
         ``prepare(x, i, run)`` if given (inside the loop, and inside activation checkpointing;
-        ``run(x)``: the block applied to the hidden state with the leaves ``x``)."""
-        prefix, paths = self.prefix, [p for p in self.spec.shapes if self._in_block(p)]
+        ``run(x)``: the block applied to the hidden state with the leaves ``x``). ``apply(i, x,
+        h)``, if given, computes block ``i``'s output itself (instead of ``get`` and
+        ``prepare``)."""
+        paths = [p for p in self.spec.shapes if self._in_block(p)]
 
         def body(h, ix):
             i, x = ix
+            if apply is not None:
+                return apply(i, x, h), None
 
             def run(x):
-                return self.block_fn(_unflatten({p[len(prefix):]: get(p, i, x) for p in paths}),
-                                     h)
+                return self._block({p: get(p, i, x) for p in paths}, h)
             if prepare is not None:
                 x = prepare(x, i, run)
             return run(x), None
@@ -947,7 +1018,37 @@ class SDPStep:
             return self._cast(jnp.moveaxis(base, 0, a - 1))
 
         kept = {p: x for p, x in mine.items() if not self._in_block(p)}
-        return self._call(kept, spec.n_blocks, get, batch, xs=xs, prepare=prepare)
+        apply = None
+        if self._skips_unheld():   # held blocks alone compute weight gradients
+
+            def apply(g, _, h):
+                s = jnp.asarray(bt.slot)[my, g]
+                at = lambda x, j: jax.lax.dynamic_index_in_dim(x, j, 0, False)  # noqa: E731
+                own, base, always = {}, {}, {}
+                for p, lf in lay.leaves.items():
+                    if not self._in_block(p):
+                        continue
+                    if lf.form == layout_lib.KEPT:
+                        always[p] = at(mine[p], g)
+                    else:
+                        own[p], base[p] = at(mine[p], jnp.maximum(s, 0)), at(frozen[p], g)
+                return held_weight_grads(
+                    lambda leaves, h: self._block({p: self._cast(x) for p, x in leaves.items()},
+                                                  h),
+                    s >= 0, own, base, always, h, branch=self.count_branch)
+        return self._call(kept, spec.n_blocks, get, batch, xs=xs, prepare=prepare, apply=apply)
+
+    def _skips_unheld(self) -> bool:
+        """Whether a worker's unheld blocks skip their weight gradients
+        (:func:`held_weight_grads`): backward masking of whole blocks (``bb-sdp``) with the
+        block runner, full activation checkpointing (which recomputes each block in the
+        backward pass anyway) and no FSDP (whose gathers mask the gradients of unheld blocks
+        instead, :meth:`_fsdp_loss`)."""
+        lay = self.layout
+        return (self.spec.backward and self.block_fn is not None and self.remat == "full"
+                and not self.fsdp and spec_lib.BLOCK in self.spec.kinds
+                and all(lf.form in (layout_lib.KEPT, layout_lib.STACK)
+                        for p, lf in lay.leaves.items() if self._in_block(p)))
 
     def _fsdp_loss(self, shards, batch, train=True):
         """Loss from FSDP shards (layout ``S``): each leaf is gathered, in the compute dtype,

@@ -87,6 +87,31 @@ def test_activation_checkpointing_changes_no_result(mesh, batches, variant, fsdp
     assert_same_model(b0, s0, b1, s1, rtol=1e-5, atol=1e-7)
 
 
+def test_backward_masking_under_checkpointing_skips_unheld_weight_gradients(mesh):
+    """bb-sdp with full activation checkpointing: a worker's unheld blocks get no
+    weight-gradient matmul (a conditional in the backward loop; the same parameters after 3
+    steps as without checkpointing, which computes those gradients and discards them:
+    test_activation_checkpointing_changes_no_result), and fewer FLOPs than DDP's in the
+    bench's count."""
+    from sdp_jax import bench
+    b = builder(mesh, "bb-sdp", remat="full")
+    assert b._skips_unheld() and not builder(mesh, "bb-sdp")._skips_unheld()
+    assert not builder(mesh, "bb-sdp", remat="dots")._skips_unheld()
+    shape = jax.ShapeDtypeStruct((2 * W, 13), jnp.int32)
+    assert "conditional" in b.compiled_train_step(shape).as_text()
+
+    def flops(variant, branch=None):
+        u = builder(mesh, variant, remat="full", unroll=True)
+        u.count_branch = branch
+        return ts.flops_per_device(u.compiled_train_step(shape))
+    held, unheld, ddp = flops("bb-sdp", True), flops("bb-sdp", False), flops("ddp")
+    assert held == pytest.approx(ddp, rel=0.02)   # every block's weight gradient: DDP's work
+    counted = bench._count_flops(lambda: builder(mesh, "bb-sdp", remat="full", unroll=True),
+                                 shape)
+    assert counted == pytest.approx(unheld + 0.5 * (held - unheld))   # 2 of 4 blocks held
+    assert counted < 0.95 * ddp
+
+
 def test_full_remat_saves_activation_memory(mesh):
     cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=128,
                       max_seq_len=64)
