@@ -4,6 +4,7 @@
     python train.py --config configs/resnet18_digits.py --workdir runs/digits   # vision default
     python train.py --config configs/llama_tiny.py --workdir /tmp/run --config.steps=20
     python train.py --config.sdp.variant=b-sdp --config.sdp.coverage=0.5
+    python train.py --config configs/llama_tiny.py --print_config   # the config, not a run
 
 Rerunning the same command with the same --workdir resumes from the latest checkpoint.
 Several processes (TPU pod slice, multi-GPU hosts): see README.md, "Multi-host".
@@ -31,12 +32,17 @@ def define_flags(fv: flags.FlagValues, argv=None) -> flags.FlagValues:
     read from ``argv``, default ``sys.argv``), ``--workdir``, ``--distributed``."""
     cli.flag_values(DEFAULT_CONFIG, argv, PROG, into=fv)
     flags.DEFINE_string("workdir", os.path.join("runs", "default"),
-                        "Directory for checkpoints, metrics.jsonl and summary.json.",
+                        "Directory for checkpoints, config.json, metrics.jsonl, TensorBoard "
+                        "events and summary.json.",
                         flag_values=fv)
     flags.DEFINE_enum("distributed", "auto", ["auto", "true", "false"],
                       "Call jax.distributed.initialize(): auto = when launched as several "
                       "processes (JAX_COORDINATOR_ADDRESS, SLURM or Open MPI with >1 task, or a "
                       "TPU pod slice).", flag_values=fv)
+    flags.DEFINE_boolean("print_config", False,
+                         "Print the run's config (the file with its --config.FIELD overrides) "
+                         "as JSON, as a run writes it to WORKDIR/config.json, after checking "
+                         "it, and exit without training.", flag_values=fv)
     flags.DEFINE_integer("init_timeout", 300,
                          "Seconds every process waits for the others to register with the "
                          "coordinator before giving up (with several processes).",
@@ -61,13 +67,23 @@ def main(argv):
     from sdp_jax import launch
 
     config = flags.FLAGS.config
+    n_cpu = config.num_cpu_devices
+    if isinstance(n_cpu, bool) or not isinstance(n_cpu, int) or n_cpu < 1:
+        cli.error(PROG, f"config.num_cpu_devices={n_cpu!r} must be a positive integer.")
+    if flags.FLAGS.print_config:   # one process, no peers: checked against W devices
+        jax.config.update("jax_num_cpu_devices", n_cpu)
+        from sdp_jax.config import resolve
+        try:
+            resolve(config, max(jax.device_count(), config.workers
+                                * config.get("pipeline", {}).get("stages", 1)))
+        except (ValueError, ImportError) as e:
+            cli.error(PROG, str(e))
+        print(config.to_json(indent=2))
+        return
     try:
         launch.initialize(flags.FLAGS.distributed, flags.FLAGS.init_timeout)
     except ValueError as e:
         cli.error(PROG, str(e))
-    n_cpu = config.num_cpu_devices
-    if isinstance(n_cpu, bool) or not isinstance(n_cpu, int) or n_cpu < 1:
-        cli.error(PROG, f"config.num_cpu_devices={n_cpu!r} must be a positive integer.")
     # Simulated devices when the machine has only a CPU; ignored on GPU and TPU backends.
     jax.config.update("jax_num_cpu_devices", n_cpu)
 

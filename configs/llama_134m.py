@@ -2,7 +2,7 @@
 
 d_model=768, 12 blocks, 12 heads (head dim 64), SwiGLU width 2048, vocab 32000 (the LLaMA
 tokenizer's size; for llm.c GPT-2 shards set --config.model.vocab_size=50304), tied embeddings:
-False. Parameter counts are in README.md (LlamaConfig.param_count()).
+False. Parameter counts are in docs/models.md (LlamaConfig.param_count()).
 """
 
 from sdp_jax.config import paper_scale_config

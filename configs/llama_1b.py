@@ -2,7 +2,7 @@
 
 d_model=2048, 16 blocks, 16 heads (head dim 128), SwiGLU width 8192, vocab 32000 (the LLaMA
 tokenizer's size; for llm.c GPT-2 shards set --config.model.vocab_size=50304), tied embeddings:
-True. Parameter counts are in README.md (LlamaConfig.param_count()).
+True. Parameter counts are in docs/models.md (LlamaConfig.param_count()).
 """
 
 from sdp_jax.config import paper_scale_config

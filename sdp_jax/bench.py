@@ -468,7 +468,7 @@ def paper_chart(rows: list[dict], path: str, title: str = "LLaMA 1B") -> None:
     ours = {r["label"]: r for r in rows}
     labels = [s[0] for s in PAPER_SETTINGS]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, pkey, title in (
+    for ax, key, pkey, panel in (
             (axes[0], "peak_bytes_per_device", "memory_gb", "peak memory per device"),
             (axes[1], "comm_bytes_per_device", "comm_mb", "bytes communicated per device, step")):
         base = ours["DDP"][key]
@@ -485,7 +485,7 @@ def paper_chart(rows: list[dict], path: str, title: str = "LLaMA 1B") -> None:
                     fontsize=8)
         ax.set_xticks(list(x), labels, rotation=15, fontsize=8)
         ax.set_ylabel("ratio to DDP")
-        ax.set_title(title)
+        ax.set_title(panel)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{title}: SDP composed with FSDP and activation checkpointing")
     fig.tight_layout()

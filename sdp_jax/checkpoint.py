@@ -64,6 +64,10 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The steps of the checkpoints kept, ascending."""
+        return sorted(self._mngr.all_steps())
+
     def _damaged(self, step: int, what: str, err: Exception) -> ValueError:
         """The error for a checkpoint whose files cannot be read (truncated, missing): it
         names the step and how to fall back (moving it aside, nothing is deleted)."""
@@ -83,13 +87,17 @@ class CheckpointManager:
         except Exception as e:  # orbax/json/OS errors of a damaged checkpoint
             raise self._damaged(step, "meta", e) from e
 
-    def check_compatible(self, step: int, meta: dict, defaults: dict | None = None) -> None:
+    def check_compatible(self, step: int, meta: dict, defaults: dict | None = None,
+                         may_grow: tuple[str, ...] = (), hints: dict | None = None) -> None:
         """Refuse a checkpoint written by a different run config.
 
         Args:
           defaults: config fields newer than some checkpoints (nested like the config), with
             the value the older runs implicitly used (a field missing from the saved config, at
             any depth, is taken as this).
+          may_grow: top-level numeric config fields that may be larger in this run than in the
+            checkpoint (e.g. ``steps`` of a run whose schedule allows extension).
+          hints: {top-level field: text} appended to that field's line when it differs.
 
         Raises:
           ValueError: listing every differing field, with the fix (another ``--workdir``, or
@@ -112,7 +120,12 @@ class CheckpointManager:
                              f"this run has W = {meta['workers']} (a different W is a "
                              f"different trajectory; resume with --config.workers={saved_w}, "
                              f"with several processes on exactly {saved_w} devices)")
-        diffs = _diff(saved_config, config) + diffs
+        for k in may_grow:
+            if k in saved_config and k in config and config[k] >= saved_config[k]:
+                config = {**config, k: saved_config[k]}
+        diffs = [d + (f" ({hints[d.split(':', 1)[0]]})"
+                      if d.split(":", 1)[0] in (hints or {}) else "")
+                 for d in _diff(saved_config, config)] + diffs
         if diffs:
             shown = "\n  ".join(diffs[:20])
             raise ValueError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import jax
@@ -38,7 +39,9 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     ))
     c.optim = ml_collections.ConfigDict(dict(
         name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
-        grad_clip=1.0))
+        grad_clip=1.0,
+        schedule="cosine",        # cosine | wsd (warm-up, stable, decay: steps may grow on resume)
+        cooldown_fraction=0.2))   # wsd: the last fraction of the steps decays linearly
     c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
     c.remat = "none"            # activation checkpointing per block: none | full | dots (vision: none | full)
     c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
@@ -52,6 +55,7 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.checkpoint_every = 100    # steps between checkpoints (and at the end); 0 = only at the end
     c.keep_checkpoints = 2
     c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
+    c.peak_flops = 0.0          # FLOP/s per device for MFU; 0 = the device's known bf16 peak (none on CPU)
     c.seed = 0
     return c
 
@@ -156,7 +160,7 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
 # still resumes (remat: same results, may change).
 RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
-               "remat")
+               "remat", "peak_flops")
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
@@ -262,6 +266,10 @@ def resolve(config, device_count: int) -> RunSpec:
         _integer(config[name], name, 0)
     _integer(config.data.worker_count, "data.worker_count", 0,
              "0 = read data in the training process")
+    pf = config.peak_flops
+    if isinstance(pf, bool) or not isinstance(pf, (int, float)) or not 0 <= pf < math.inf:
+        raise ValueError(f"config.peak_flops={pf!r} must be a number >= 0 (a device's peak "
+                         "FLOP/s, e.g. 989e12 for an H100's bf16; 0 = known devices only).")
     if config.seed >= 2**31:   # the data pipelines and initializers derive seeds from it
         raise ValueError(f"config.seed={config.seed} must be below 2**31; pick a smaller seed.")
     cov = config.sdp.coverage
@@ -276,9 +284,7 @@ def resolve(config, device_count: int) -> RunSpec:
         pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
     workers = resolve_workers(config, device_count, pipe.stages)
     plan = family.plan(config, model, workers, pipe)
-    total = config.steps
-    if config.flop_matched and config.sdp.variant != "ddp":
-        total = ts.flop_matched_steps(config.steps, plan.coverage)
+    total = total_steps(config, plan.coverage)
     if optim.warmup_steps > total:
         raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
                          f"({total} steps); lower --config.optim.warmup_steps.")
@@ -360,6 +366,17 @@ def canonical_dtype(config) -> None:
     if config.dtype in alias:
         with config.unlocked():
             config.dtype = alias[config.dtype]
+
+
+def total_steps(config, coverage: float, steps: int | None = None) -> int:
+    """The optimizer steps of a run of ``steps`` (default ``config.steps``): ``steps``, or
+    under ``flop_matched`` an SDP run's ``ceil(steps / C)``
+    (:func:`sdp_jax.train_step.flop_matched_steps`)."""
+    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+    steps = config.steps if steps is None else steps
+    if config.flop_matched and config.sdp.variant != "ddp":
+        return ts.flop_matched_steps(steps, coverage)
+    return steps
 
 
 def trajectory_config(config) -> dict[str, Any]:

@@ -8,12 +8,15 @@ fields), and then, written once for every family:
 * refuses, before any compute, a ``workdir`` whose latest checkpoint another config wrote;
 * restores the latest checkpoint (the train state; the data position is the step) or
   initializes;
+* writes the run's config to ``config.json``;
 * trains with a tqdm progress bar, appending one JSON record per logged step to
-  ``metrics.jsonl`` (truncated to the restored step on resume);
+  ``metrics.jsonl`` and TensorBoard event files (:class:`Metrics`; truncated to the restored
+  step on resume);
 * saves orbax checkpoints every ``checkpoint_every`` steps, at ``stop_at_step``, at the end and
   when SIGINT / SIGTERM arrives (a second signal aborts without saving);
 * never checkpoints a non-finite state (:func:`check_finite`);
-* writes ``summary.json``; a finished run rerun only re-reads its summary.
+* writes ``summary.json`` and the run's ``curves.png`` (:mod:`sdp_jax.plot`); a finished run
+  rerun only re-reads its summary.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from sdp_jax import cli
 from sdp_jax import config as config_lib
 from sdp_jax import data as data_lib
 from sdp_jax import step as step_lib
+from sdp_jax import train_step as ts
 from sdp_jax.sync import AXIS
 from sdp_jax.train_step import fmt_bytes, memory_stats
 
@@ -59,16 +63,26 @@ def write_atomically(path: str, text: str) -> None:
 
 
 class Metrics:
-    """Append-only JSONL writer (process 0), truncated to the restored step on resume."""
+    """Process 0's metric writers: ``metrics.jsonl`` (one JSON record per logged step) and
+    TensorBoard event files in the same directory (``tensorboardX``; tags are the record's
+    keys, the config is the text ``config``). On resume both drop what lies after the
+    restored step: the JSONL is truncated, and the event files' later steps are purged.
 
-    def __init__(self, path: str, resume_step: int):
-        self.path = path
+    Args:
+      workdir: the run's directory.
+      resume_step: the restored step (0 for a fresh run).
+      config_text: the run's config (JSON) for TensorBoard's text tab, or None.
+    """
+
+    def __init__(self, workdir: str, resume_step: int, config_text: str | None = None):
+        self.path = os.path.join(workdir, "metrics.jsonl")
         self.on = jax.process_index() == 0
+        self.tb = None
         if not self.on:
             return
         kept = []
-        if os.path.exists(path):
-            with open(path) as f:
+        if os.path.exists(self.path):
+            with open(self.path) as f:
                 for line in f:
                     try:
                         rec = json.loads(line)
@@ -76,12 +90,35 @@ class Metrics:
                         continue
                     if rec.get("step", 0) <= resume_step:
                         kept.append(line if line.endswith("\n") else line + "\n")
-        write_atomically(path, "".join(kept))
+        write_atomically(self.path, "".join(kept))
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        # purge_step: events of a step after the restored one (a killed invocation's, or a
+        # run started afresh in the same folder) are dropped by TensorBoard's readers
+        # (the file name adds the restored step and the pid to tensorboardX's seconds and
+        # host: two invocations within a second would otherwise write one file)
+        self.tb = SummaryWriter(workdir, purge_step=resume_step + 1, flush_secs=30,
+                                filename_suffix=f".step{resume_step}.pid{os.getpid()}")
+        if config_text is not None:   # indented: TensorBoard renders text as markdown
+            self.tb.add_text("config", "    " + config_text.replace("\n", "\n    "),
+                             resume_step)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        """One TensorBoard scalar (process 0)."""
+        if self.tb is not None and math.isfinite(value):
+            self.tb.add_scalar(tag, value, step)
 
     def write(self, rec: dict):
+        """Append ``rec`` (with ``step``) to the JSONL and its numbers to TensorBoard."""
         if self.on:
             with open(self.path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.scalar(k, float(v), rec["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
 
 
 class StopOnSignal:
@@ -186,8 +223,14 @@ def check_state_finite(state, step: int, manager) -> None:
         "--config.optim.grad_clip > 0) and start in a new --workdir.")
 
 
-def previous_wall(summary_path: str, start: int) -> float:
-    """Wall seconds of the invocations before a resumed one (0 for a fresh run)."""
+def previous_wall(summary_path: str, start: int, manager=None) -> float:
+    """Wall seconds of the invocations before a resumed one (0 for a fresh run): the
+    ``wall_s`` its checkpoint at ``start`` recorded (so a run killed without writing a
+    summary still counts), else the summary's of a run that ended at ``start``."""
+    if manager is not None and start:
+        wall = manager.read_meta(start).get("wall_s")
+        if wall is not None:
+            return float(wall)
     if os.path.exists(summary_path):
         with open(summary_path) as f:
             prev = json.load(f)
@@ -220,9 +263,23 @@ def check_workdir_is_dir(workdir: str) -> None:
                              + " as a run writes it; use another --workdir.")
 
 
-def open_checkpoints(config, workdir: str, meta: dict, defaults: dict | None = None):
+def compatibility(config, spec: config_lib.RunSpec) -> dict:
+    """Keyword arguments of :meth:`sdp_jax.checkpoint.CheckpointManager.check_compatible` for
+    a run: the family's added fields, and ``steps`` allowed to grow under the ``wsd``
+    schedule (extending a run; under ``cosine`` the refusal names that option)."""
+    wsd = spec.optim.schedule == "wsd"
+    return {"defaults": spec.family.added_fields(), "may_grow": ("steps",) if wsd else (),
+            "hints": {} if wsd else {"steps": "the cosine schedule is fitted to steps; a run "
+                                              "trained with --config.optim.schedule=wsd may be "
+                                              "extended"}}
+
+
+def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = None,
+                     spec: config_lib.RunSpec | None = None):
     """Create ``workdir`` and its checkpoint manager; refuse (before compute) a latest
-    checkpoint written under another config or other masks.
+    checkpoint written under another config or other masks (``compat``: the keyword
+    arguments of :func:`compatibility`). Logs an extension (``steps`` grown under ``wsd``;
+    ``spec``: the run's, for its lengths).
 
     Returns:
       ``(manager, latest step or None)``.
@@ -237,14 +294,24 @@ def open_checkpoints(config, workdir: str, meta: dict, defaults: dict | None = N
     latest = manager.latest_step()
     if latest is not None:
         try:
-            manager.check_compatible(latest, meta, defaults=defaults)
+            manager.check_compatible(latest, meta, **(compat or {}))
+            before = (manager.read_meta(latest).get("config", {}).get("steps")
+                      if spec is not None else None)
         except ValueError:
             manager.close()
             raise
+        if before is not None and before < config.steps:
+            old, new = (config_lib.total_steps(config, spec.plan.coverage, n)
+                        for n in (before, config.steps))
+            log(f"extending the run from {old} to {new} optimizer steps (wsd schedule: the "
+                f"stable rate until the last {config.optim.cooldown_fraction:g} of them)"
+                + (f"; the checkpoint at step {latest} is past the cool-down start of the "
+                   f"{old}-step schedule, so the rate steps back up to the stable one"
+                   if latest > ts.cooldown_start(spec.optim, old) else ""))
     return manager, latest
 
 
-def restore_or_init(manager, latest, builder, seed: int):
+def restore_or_init(manager, latest, builder, seed: int, announce: bool = True):
     """The latest checkpoint's state, or a fresh one.
 
     A checkpoint in an earlier layout of the same run (``builder.legacy``: pairs of functions
@@ -272,7 +339,8 @@ def restore_or_init(manager, latest, builder, seed: int):
         manager.close()
         raise
     start = int(state["step"])
-    log(f"resumed from {manager.directory} at step {start}")
+    if announce:
+        log(f"resumed from {manager.directory} at step {start}")
     return state, start
 
 
@@ -325,8 +393,7 @@ def check_workdir(config, workdir: str, spec: config_lib.RunSpec | None = None) 
     try:
         latest = manager.latest_step()
         if latest is not None:
-            manager.check_compatible(latest, _meta(config, spec),
-                                     defaults=spec.family.added_fields())
+            manager.check_compatible(latest, _meta(config, spec), **compatibility(config, spec))
     finally:
         manager.close()
 
@@ -341,8 +408,11 @@ def train(config, workdir: str) -> dict[str, Any]:
     Writes ``workdir/metrics.jsonl`` (one record per logged step: ``step``, ``train_loss``,
     ``grad_norm``, ``lr``, the family's metrics and rate: language models ``tokens_per_s`` and,
     on evaluation steps, ``val_loss`` nats/token and for byte-level data ``val_bpb``
-    bits/byte; vision ``train_acc``, ``images_per_s``, ``test_loss`` nats and ``test_acc``),
-    ``workdir/checkpoints/`` (orbax) and ``workdir/summary.json``.
+    bits/byte; vision ``train_acc``, ``images_per_s``, ``test_loss`` nats and ``test_acc``;
+    language models also ``model_flops_per_s_per_device`` and, where the device's peak is
+    known, ``mfu``), TensorBoard events beside it, ``workdir/config.json``,
+    ``workdir/checkpoints/`` (orbax; each records the run's wall seconds so far),
+    ``workdir/summary.json`` and, when the run is complete, ``workdir/curves.png``.
 
     Returns:
       the summary dict (``interrupted_by``: the signal's name when a signal stopped it).
@@ -354,6 +424,8 @@ def train(config, workdir: str) -> dict[str, Any]:
       FloatingPointError: a non-finite loss or norm (that state is not saved).
     """
     t_start = time.time()
+    import matplotlib  # noqa: F401  (the writers of the end: a broken install fails now)
+    import tensorboardX  # noqa: F401
     spec = config_lib.resolve(config, jax.device_count())
     family = spec.family
     check_workdir_is_dir(workdir)
@@ -362,7 +434,10 @@ def train(config, workdir: str) -> dict[str, Any]:
     rows = data_lib.sharding_rows(step_lib.batch_sharding(mesh), spec.global_batch)
     train_at, eval_data = family.data(config, spec, rows, log)   # bad data fails before compile
     meta = _meta(config, spec)
-    manager, latest = open_checkpoints(config, workdir, meta, defaults=family.added_fields())
+    manager, latest = open_checkpoints(config, workdir, meta, compatibility(config, spec),
+                                       spec)
+    if jax.process_index() == 0:   # the run's resolved config, for people and tools
+        write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=2))
     path = os.path.join(workdir, "summary.json")
     if latest is not None and latest >= spec.total_steps and os.path.exists(path):
         manager.close()   # nothing to train: keep the run's own figures, compile nothing
@@ -390,7 +465,7 @@ def train(config, workdir: str) -> dict[str, Any]:
 
     # Restore before compiling: an unreadable checkpoint is reported before any compute.
     state, start = restore_or_init(manager, latest, builder, config.seed)
-    prev_wall = previous_wall(path, start)  # a resumed run adds the earlier time
+    prev_wall = previous_wall(path, start, manager)  # a resumed run adds the earlier time
     train_iter = train_at(start)   # the data position is the step (any process layout)
     t0 = time.time()
     shapes = family.batch_shapes(config, spec)
@@ -427,13 +502,21 @@ def train(config, workdir: str) -> dict[str, Any]:
             "params_total": family.param_count(spec),
             "params_per_device": builder.per_device_param_count(),
             "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
-            "platform": devices[0].platform, **from_compiled}
+            "platform": devices[0].platform, "item": family.rate_key.split("_per_s")[0],
+            "items_per_step": items, "model_flops_per_step": (
+                None if per_item is None else per_item * items),
+            **from_compiled}
 
     total = spec.total_steps
+    per_item = family.model_flops_per_item(config, spec)
+    items = family.items_per_step(config, spec)
     state, step, last_eval, interrupted, last_rec = _loop(
-        config, workdir, family, one_step, evaluate, family.items_per_step(config, spec),
+        config, workdir, family, one_step, evaluate, items,
         state=state, start=start, total=total, manager=manager, meta=meta,
-        train_iter=train_iter)
+        train_iter=train_iter, wall=lambda: prev_wall + time.time() - t_start,
+        flops_per_item=None if per_item is None else per_item / len(devices),
+        peak=ts.peak_flops(devices[0].device_kind, config.peak_flops),
+        once={"peak_bytes_per_device": mem["peak_bytes_per_device"]})
     if jax.process_count() > 1:   # every process waits for the others' last writes
         multihost_utils.sync_global_devices("sdp_jax.loop.train: end")
     done = step >= total
@@ -444,18 +527,28 @@ def train(config, workdir: str) -> dict[str, Any]:
     if jax.process_index() == 0:
         write_atomically(path, json.dumps(out, indent=2))
     if done:
+        if jax.process_index() == 0:
+            from sdp_jax import plot  # pylint: disable=g-import-not-at-top
+            try:
+                plot.curves([workdir])
+            except (ValueError, OSError, RuntimeError) as e:   # the run itself is complete
+                log(f"warning: curves.png not drawn ({type(e).__name__}: {e})")
         log(f"done: {out['steps']} steps in {out['wall_s']:.0f}s; {family.done_line(out)}; "
-            f"summary in {path}")
+            f"summary in {path}, curves in {os.path.join(workdir, 'curves.png')}")
     else:
         log_stopped(step, total, interrupted)
     return out
 
 
 def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int, *, state,
-          start: int, total: int, manager, meta: dict, train_iter):
+          start: int, total: int, manager, meta: dict, train_iter, wall, flops_per_item=None,
+          peak=None, once=None):
     """The loop: steps ``start + 1 ..`` up to ``total`` (or ``config.stop_at_step``), with
     evaluation every ``config.eval_every`` steps and at the end, logging every
-    ``config.log_every`` steps, checkpoints every ``config.checkpoint_every`` steps.
+    ``config.log_every`` steps, checkpoints every ``config.checkpoint_every`` steps (each
+    recording ``wall()``, the run's wall seconds so far). ``flops_per_item``: model FLOPs per
+    token (image) per device, giving ``model_flops_per_s_per_device`` and, with ``peak``
+    (FLOP/s), ``mfu``; ``once``: scalars written to TensorBoard at ``start``.
 
     Returns:
       ``(state, last step, last evaluation, interrupted signal names, last record)``.
@@ -463,7 +556,9 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
       FloatingPointError: a non-finite loss or norm (nothing saved for that state).
     """
     stop = total if config.stop_at_step <= 0 else min(total, config.stop_at_step)
-    metrics_log = Metrics(os.path.join(workdir, "metrics.jsonl"), start)
+    metrics_log = Metrics(workdir, start, config.to_json(indent=2))
+    for tag, value in (once or {}).items():
+        metrics_log.scalar(tag, float(value), start)
     last_eval: dict[str, float] = {}
     last_rec: dict = {}
     bar = progress(total, start)
@@ -487,6 +582,11 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                 if step % config.log_every == 0 or is_eval or step == stop or interrupted:
                     rec[family.rate_key] = items_per_step * n_window / max(
                         time.time() - t_window, 1e-9)
+                    if flops_per_item is not None:
+                        flops = rec["model_flops_per_s_per_device"] = (
+                            rec[family.rate_key] * flops_per_item)
+                        if peak:
+                            rec["mfu"] = flops / peak
                     t_window, n_window = time.time(), 0
                     if is_eval:
                         last_eval = evaluate(state)
@@ -494,13 +594,20 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                         check_finite(rec, step, manager)
                     rec["step"] = step
                     metrics_log.write(rec)
-                    bar.set_postfix(family.postfix(rec), refresh=False)
-                bar.update(1)
+                    post = family.postfix({**last_eval, **rec})   # the last evaluation stays
+                    if "mfu" in rec:
+                        post["mfu"] = f"{rec['mfu']:.1%}"
+                    bar.set_postfix(post, refresh=False)
+                if step < stop:
+                    bar.update(1)
+                else:   # shown once, by close()
+                    bar.n = step
                 every = config.checkpoint_every
                 if (every and step % every == 0) or step == stop or interrupted:
                     check_state_finite(state, step, manager)   # no checkpoint holds NaN
-                    manager.save(step, state, meta)
+                    manager.save(step, state, {**meta, "wall_s": wall()})
         finally:
             bar.close()
+            metrics_log.close()
             manager.close()  # waits for the last save
     return state, step, last_eval, interrupted, last_rec

@@ -437,9 +437,10 @@ class Pipeline:
         the residuals (``jax.vjp``) of at most ``2 (P - 1 - s) + 1`` microbatches (a ring of
         ``min(2 P - 1, M + 1)`` slots beside the current tick's), where GPipe keeps those of
         all ``M + P - 1`` ticks until its backward pass starts: 1F1B saves memory when ``M``
-        is well above ``P`` (0.52x GPipe's peak at P = 2, M = 8, README) and costs more when
-        ``M <= P``. Residuals that do not depend on the microbatch (the stage's parameters,
-        values computed from them alone, also inside the block scan) are not stored per slot.
+        is well above ``P`` (0.52x GPipe's peak at P = 2, M = 8, docs/pipelines.md) and costs
+        more when ``M <= P``. Residuals that do not depend on the microbatch (the stage's
+        parameters, values computed from them alone, also inside the block scan) are not
+        stored per slot.
 
         The schedule computes the gradient of every input of the stage itself: ``kept`` and
         the values ``run`` closes over (:func:`jax.closure_convert`: the stage's block
@@ -660,9 +661,7 @@ def optimizer(pipe: PipelineConfig, optim, total_steps: int) -> optax.GradientTr
             lambda path, _: not any(n in k for k in names(path) for n in ("norm", "boundary")),
             params)
     adamw = ts.make_optimizer(optim, total_steps, decay_mask=decay)
-    sched = optax.warmup_cosine_decay_schedule(
-        0.0, pipe.proj_lr, min(optim.warmup_steps, max(total_steps - 1, 0)),
-        max(total_steps, optim.warmup_steps + 1), pipe.proj_lr * optim.min_lr_ratio)
+    sched = ts.lr_schedule(dataclasses.replace(optim, lr=pipe.proj_lr), total_steps)
     proj = stiefel.stiefel_sgd(sched, pipe.proj_momentum, pipe.polar_steps)
     return optax.partition({stiefel.PROJECTOR: proj, FROZEN: optax.set_to_zero(),
                             stiefel.OTHER: adamw}, label)

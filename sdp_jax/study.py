@@ -300,6 +300,8 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
                "workers": c.workers, "steps": c.steps,
                "tokens": c.steps * c.workers * c.batch_per_worker * c.seq_len}
         if (m, r, sc) not in measured:  # the same program for every seed
+            loop.log(f"study: compiling {m}" + (f" at {r}x" if m != "none" else "")
+                     + f" ({sc}) for its boundary bytes")
             measured[m, r, sc] = measure_bytes(c)
         b = measured[m, r, sc]
         row["bytes_per_token"] = b["per_token"]

@@ -40,6 +40,8 @@ AXIS_ = sync.AXIS
 LOSS_CHUNKS = 8  # sequence pieces of the head and loss under activation checkpointing
 # config.sdp.method -> the step's averaging method
 METHODS = {"auto": "alltoall", "alltoall": "alltoall", "reference": "psum"}
+# optim fields newer than the first checkpoints, with the values those runs used (every family)
+OPTIM_ADDED = {"optim": {"schedule": "cosine", "cooldown_fraction": 0.2}}
 
 
 def step_method(method: str, name: str = "method") -> str:
@@ -491,7 +493,8 @@ class _Family:
       record(plan): what a checkpoint stores to recognise the masks (docs/design.md
         invariant 7);
       added_fields(): config fields newer than some checkpoints, with the value older runs used;
-      data(config, spec, rows, log): ``(train, evaluation data)`` of this process: ``train(s)``
+      data(config, spec, rows, log, train=True): ``(train, evaluation data)`` of this
+        process (``train=False``: what evaluation needs alone): ``train(s)``
         is the training iterator from step ``s + 1`` on, ``rows`` the ``(first, count)`` rows
         of every global batch the process loads (:func:`sdp_jax.data.sharding_rows`); it logs
         the data's description first and raises for bad data before returning;
@@ -499,7 +502,8 @@ class _Family:
       batch_shapes(config, spec): the global batch as ``jax.ShapeDtypeStruct`` (a tuple for
         several arrays, as the train iterator yields them);
       items_per_step(config, spec): tokens or images per step; param_count(spec): the full
-        model's parameters;
+        model's parameters; model_flops_per_item(config, spec): training FLOPs per token or
+        image of a worker's subnetwork (None: unknown);
       describe(config, spec): extra log lines of the family's settings;
       compiled(config, spec, compiled): ``(log lines, summary fields)`` read from the compiled
         train step;
@@ -566,14 +570,18 @@ class LanguageModelFamily(_Family):
         runs used."""
         from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
         return {"fsdp": False, "dtype": "float32",
-                "pipeline": dict(pl.PipelineConfig().__dict__)}
+                "pipeline": dict(pl.PipelineConfig().__dict__), **OPTIM_ADDED}
 
-    def data(self, config, spec, rows, log):
-        """``(start -> train iterator, validation batches)`` of this process's ``rows``."""
+    def data(self, config, spec, rows, log, train: bool = True):
+        """``(start -> train iterator, validation batches)`` of this process's ``rows``
+        (``train=False``: ``(None, validation batches)``, the training set not read)."""
         from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
         kw = dict(seq_len=config.seq_len, global_batch=spec.global_batch,
                   vocab_size=spec.model.vocab_size, rows=rows)
         log(data_lib.describe(config.data))   # a bad path fails here, before any compile
+        if not train:
+            return None, data_lib.make_val_batches(config.data,
+                                                   num_batches=config.eval_batches, **kw)
         data_lib.train_dataset(config.data, seed=config.seed, **kw)   # bad sizes fail here
         return (lambda start: data_lib.make_train_iterator(config.data, start=start,
                                                            seed=config.seed, **kw),
@@ -591,6 +599,18 @@ class LanguageModelFamily(_Family):
 
     def items_per_step(self, config, spec) -> int:
         return spec.global_batch * config.seq_len
+
+    def model_flops_per_item(self, config, spec) -> float:
+        """Training FLOPs per token of the subnetwork a worker runs
+        (:func:`sdp_jax.train_step.model_flops_per_token`): ``k`` blocks per stage under
+        forward block masking, ``C`` of every block's width under N-SDP, the whole model under
+        backward masking."""
+        from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+        plan, forward = spec.plan, spec.plan.regime == "forward"
+        blocks = (plan.kinds[spec_lib.BLOCK].k * spec.pipe.stages
+                  if forward and spec_lib.BLOCK in plan.kinds else None)
+        width = plan.coverage if forward and spec_lib.BLOCK not in plan.kinds else 1.0
+        return ts.model_flops_per_token(spec.model, config.seq_len, blocks, width)
 
     def param_count(self, spec) -> int:
         return spec.model.param_count()["total"]
@@ -713,7 +733,7 @@ class VisionFamily(_Family):
     def added_fields(self) -> dict:
         """Config fields newer than some vision checkpoints, with the value older runs used."""
         return {"sdp": {"average": "gradients", "sync_every": 1, "method": "auto"},
-                "fsdp": False}
+                "fsdp": False, **OPTIM_ADDED}
 
     def _train(self, config, spec, seed, rows):
         """``start -> iterator`` over this process's ``rows`` of the training batches."""
@@ -724,7 +744,7 @@ class VisionFamily(_Family):
         vision_data.train_dataset(config.data, **kw)   # bad sizes fail here
         return lambda start: vision_data.make_train_iterator(config.data, start=start, **kw)
 
-    def data(self, config, spec, rows, log):
+    def data(self, config, spec, rows, log, train: bool = True):
         """``(start -> train iterator, (test batches, BatchNorm batches))`` of this process's
         ``rows``; the BatchNorm batches (``start -> iterator``, another seed) re-estimate the
         full model's statistics."""
@@ -751,6 +771,10 @@ class VisionFamily(_Family):
 
     def items_per_step(self, config, spec) -> int:
         return spec.global_batch
+
+    def model_flops_per_item(self, config, spec) -> None:
+        """No closed-form count for the vision models: no FLOPs/s or MFU is reported."""
+        return None
 
     def param_count(self, spec) -> int:
         return vm.param_count(spec.model)

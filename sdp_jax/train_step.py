@@ -21,17 +21,25 @@ from sdp_jax.spec import VARIANTS, SDPSpec  # noqa: F401  (VARIANTS re-exported)
 
 AXIS = sync.AXIS
 DTYPES = step_lib.DTYPES
+SCHEDULES = ("cosine", "wsd")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warm-up and cosine decay (Loshchilov & Hutter 2019) and global-norm
-    clipping. ``lr`` is the peak learning rate; it decays to ``lr * min_lr_ratio``."""
+    """AdamW with linear warm-up, a decay schedule and global-norm clipping. ``lr`` is the
+    peak learning rate; it decays to ``lr * min_lr_ratio``. ``schedule``: ``cosine`` (cosine
+    decay over the whole run, Loshchilov & Hutter 2017) or ``wsd`` (warm-up, stable, decay:
+    the peak rate held until the last ``cooldown_fraction`` of the steps, then a linear
+    cool-down; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed
+    Training Durations", Sec. 3), whose runs can be extended (``steps`` may grow on
+    resume)."""
 
     name: str = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    schedule: str = "cosine"
+    cooldown_fraction: float = 0.2
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -41,6 +49,9 @@ class OptimConfig:
     def __post_init__(self):
         if self.name not in ("adamw", "sgd"):
             raise ValueError(f"optim.name={self.name!r}; choose adamw or sgd.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule={self.schedule!r}; choose "
+                             f"{' or '.join(SCHEDULES)} (--config.optim.schedule=...).")
 
         def check(name, ok, rule):
             v = getattr(self, name)
@@ -60,18 +71,39 @@ class OptimConfig:
         check("b2", lambda v: 0 <= v < 1, "in [0, 1)")
         check("eps", lambda v: v > 0, "> 0")
         check("grad_clip", lambda v: v >= 0, ">= 0 (0 = no clipping)")
+        check("cooldown_fraction", lambda v: 0 < v <= 1, "in (0, 1]")
 
     @classmethod
     def from_config(cls, cfg) -> "OptimConfig":
         return fields.from_section(cls, cfg, "optim")
 
 
-def lr_schedule(optim: OptimConfig, total_steps: int):
-    """optax schedule: linear warm-up to ``lr`` over ``warmup_steps``, cosine to the floor."""
+def cooldown_start(optim: OptimConfig, total_steps: int) -> int:
+    """The step after which a ``wsd`` schedule of ``total_steps`` leaves its stable phase
+    (``total_steps - round(cooldown_fraction * total_steps)``, never inside the warm-up)."""
     warm = min(optim.warmup_steps, max(total_steps - 1, 0))
+    return max(total_steps - round(optim.cooldown_fraction * total_steps), warm)
+
+
+def lr_schedule(optim: OptimConfig, total_steps: int):
+    """optax schedule (step -> learning rate): linear warm-up from 0 to ``lr`` over
+    ``warmup_steps``, then ``cosine`` decay to ``lr * min_lr_ratio`` at ``total_steps``, or
+    (``wsd``) ``lr`` held until :func:`cooldown_start` and a linear cool-down to the floor at
+    ``total_steps``. Up to its cool-down a ``wsd`` schedule does not depend on
+    ``total_steps``, which is why such a run may be extended."""
+    warm = min(optim.warmup_steps, max(total_steps - 1, 0))
+    floor = optim.lr * optim.min_lr_ratio
+    if optim.schedule == "wsd":
+        stable = cooldown_start(optim, total_steps)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, optim.lr, warm) if warm else optax.constant_schedule(
+                optim.lr),
+             optax.constant_schedule(optim.lr),
+             optax.linear_schedule(optim.lr, floor, max(total_steps - stable, 1))],
+            [warm, stable])
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=optim.lr, warmup_steps=warm,
-        decay_steps=max(total_steps, warm + 1), end_value=optim.lr * optim.min_lr_ratio)
+        decay_steps=max(total_steps, warm + 1), end_value=floor)
 
 
 def _decay_mask(params):
@@ -151,14 +183,32 @@ def flops_per_device(compiled) -> float:
     return float((ca or {}).get("flops", 0.0))
 
 
-def model_flops_per_token(cfg: LlamaConfig, seq_len: int, blocks: int | None = None) -> float:
+def model_flops_per_token(cfg: LlamaConfig, seq_len: int, blocks: int | None = None,
+                          width: float = 1.0) -> float:
     """Training FLOPs per token, ``6 * N + 12 * L * T * d`` (Kaplan et al. 2020, Sec. 2.1, with the
-    attention term of PaLM, Chowdhery et al. 2022, App. B); ``blocks`` defaults to ``L``."""
+    attention term of PaLM, Chowdhery et al. 2022, App. B); ``blocks`` defaults to ``L``;
+    ``width``: the fraction of each block's neurons and heads that runs (N-SDP's coverage)."""
     blocks = cfg.n_layers if blocks is None else blocks
     c = cfg.param_count()
-    n = c["per_block"] * blocks + c["always_kept"] - cfg.vocab_size * cfg.d_model * (
+    n = c["per_block"] * blocks * width + c["always_kept"] - cfg.vocab_size * cfg.d_model * (
         0 if cfg.tie_embeddings else 1)  # the input embedding lookup is no matmul
-    return 6.0 * n + 12.0 * blocks * seq_len * cfg.d_model
+    return 6.0 * n + 12.0 * blocks * seq_len * cfg.d_model * width
+
+
+# Dense bf16 peak FLOP/s per chip by ``device_kind`` (vendors' data sheets; SXM parts for
+# NVIDIA), the denominator of MFU; the first matching entry wins.
+PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("TPU v6", 918e12),
+              ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5", 459e12),
+              ("TPU v4", 275e12))
+
+
+def peak_flops(device_kind: str, given: float = 0.0) -> float | None:
+    """A device's peak FLOP/s for MFU: ``given`` if positive (``config.peak_flops``), else
+    :data:`PEAK_FLOPS`'s entry for ``device_kind`` (e.g. ``"NVIDIA H100 80GB HBM3"``), else
+    None (a CPU: no MFU)."""
+    if given > 0:
+        return float(given)
+    return next((f for name, f in PEAK_FLOPS if name in device_kind), None)
 
 
 def flop_matched_steps(ddp_steps: int, coverage: float) -> int:

@@ -18,7 +18,7 @@ import shlex
 import pytest
 from absl import flags
 
-from sdp_jax import bench, cli, study
+from sdp_jax import bench, cli, plot, study, trained
 from sdp_jax.config import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +32,9 @@ NOT_PARSED = {
     ("tfds", "build"): "TFDS's own command, with network; the reader is tested on files the "
                        "test writes (tests/test_vision_data.py)",
     ("cd",): "a shell built-in",
+    ("python", "-m", "sdp_jax.harness"): "lm-evaluation-harness's own command line (its flags); "
+                                         "tests/test_trained.py runs the adapter through the "
+                                         "harness on a local task",
 }
 RUN_ELSEWHERE = {"examples/custom_model.py": "tests/test_custom_model.py"}
 # Commands the README shows as refused, with what the refusal says.
@@ -158,6 +161,18 @@ def test_documented_command_is_valid(sandbox, path, cmd):
         assert bench.main(cmd[3:], check_only=True) == []
     elif cmd[1:3] == ["-m", "sdp_jax.study"]:
         assert study.main(cmd[3:], check_only=True) == []
+    elif cmd[1:3] in (["-m", "sdp_jax.evaluate"], ["-m", "sdp_jax.generate"],
+                      ["-m", "sdp_jax.export"]):
+        # the tool's own flags parse here (its config overrides need a run's config.json);
+        # tests/test_trained.py runs each tool on a trained run
+        tool = importlib.import_module(cmd[2])
+        trained.tool_flags(tool.define)([cmd[2]] + [a for a in cmd[3:]
+                                                    if not a.startswith("--config.")])
+        assert f"{cmd[2].split('.')[1]}.main" in open(
+            os.path.join(ROOT, "tests", "test_trained.py")).read()
+    elif cmd[1:3] == ["-m", "sdp_jax.plot"]:   # drawn from real runs in its own test
+        assert plot.main(cmd[3:], check_only=True) is None
+        assert "plot.main" in open(os.path.join(ROOT, "tests", "test_train_cli.py")).read()
     else:
         test = RUN_ELSEWHERE[cmd[1]]
         assert os.path.isfile(os.path.join(ROOT, cmd[1]))

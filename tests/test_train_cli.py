@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -41,13 +42,51 @@ def test_cli_trains_tiny_and_writes_outputs(tmp_path):
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), "--config",
          os.path.join(ROOT, "configs", "llama_tiny.py"), "--workdir", str(wd),
-         "--config.steps=4", "--config.sdp.variant=b-sdp", "--config.sdp.coverage=0.5"],
+         "--config.steps=4", "--config.sdp.variant=b-sdp", "--config.sdp.coverage=0.5",
+         "--config.peak_flops=1e12"],
         capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done: 4 steps" in out.stdout
     recs = read_jsonl(wd / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert all("train_loss" in r for r in recs) and "val_loss" in recs[-1]
+    # model FLOPs of a worker's 2 of 4 blocks, per device, and MFU against the given peak
+    from sdp_jax import train_step as ts
+    cfg = tiny(**{"sdp.variant": "b-sdp", "sdp.coverage": 0.5})
+    spec = resolve(cfg, 4)
+    per_token = ts.model_flops_per_token(spec.model, cfg.seq_len, 2)
+    assert per_token < ts.model_flops_per_token(spec.model, cfg.seq_len)
+    for r in recs:
+        assert r["model_flops_per_s_per_device"] == pytest.approx(
+            r["tokens_per_s"] * per_token / 4, rel=1e-6)
+        assert r["mfu"] == pytest.approx(r["model_flops_per_s_per_device"] / 1e12, rel=1e-6)
+    # the resolved config beside the run, equal to what --print_config prints
+    saved = json.loads((wd / "config.json").read_text())
+    assert saved["steps"] == 4 and saved["sdp"]["variant"] == "b-sdp"
+    assert saved["peak_flops"] == 1e12 and saved["optim"]["schedule"] == "cosine"
+    printed = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+         os.path.join(ROOT, "configs", "llama_tiny.py"), "--workdir", str(tmp_path / "none"),
+         "--config.steps=4", "--config.sdp.variant=b-sdp", "--config.sdp.coverage=0.5",
+         "--config.peak_flops=1e12", "--print_config"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    assert json.loads(printed.stdout) == saved and not (tmp_path / "none").exists()
+    # TensorBoard's own reader: every logged scalar at its steps, and the config as text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(wd))
+    events.Reload()
+    tags = events.Tags()
+    for tag in ("train_loss", "grad_norm", "lr", "tokens_per_s", "model_flops_per_s_per_device",
+                "mfu", "val_loss", "val_bpb"):
+        assert tag in tags["scalars"], tags
+    assert [e.step for e in events.Scalars("train_loss")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("train_loss")] == pytest.approx(
+        [r["train_loss"] for r in recs])
+    assert [e.step for e in events.Scalars("val_loss")] == [r["step"] for r in recs
+                                                             if "val_loss" in r]
+    assert events.Scalars("peak_bytes_per_device")[0].value > 0
+    assert "config" in " ".join(tags["tensors"])
     summary = json.loads((wd / "summary.json").read_text())
     for key in ("variant", "coverage", "workers", "steps", "final_val_loss", "wall_s",
                 "peak_bytes_per_device"):
@@ -77,12 +116,28 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
     assert s1["steps"] == 3 and not s1["completed"]
     # ... resumed with 2 grain worker processes (a changed data.worker_count used to fail
     # with KeyError: 'next_index'; the data position is now the step)
+    os.remove(tmp_path / "resumed" / "summary.json")   # as if killed before writing it ...
+    from tensorboardX import SummaryWriter   # ... after logging a step it never checkpointed
+    with SummaryWriter(str(tmp_path / "resumed")) as stale:
+        stale.add_scalar("train_loss", 99.0, 5)
+    first = ckpt_lib.CheckpointManager(str(tmp_path / "resumed" / "checkpoints")).read_meta(3)
+    assert 0 < first["wall_s"] <= s1["wall_s"]
+    t0 = time.time()
     s2 = loop.train(tiny(**common, **{"data.worker_count": 2}), str(tmp_path / "resumed"))
     assert s2["steps"] == 6 and s2["completed"]
+    # both invocations: the first's time from its checkpoint, as the summary was gone
+    assert s2["wall_s"] >= first["wall_s"] + 0.9 * (time.time() - t0) - 1.0
+    assert s2["wall_s"] - first["wall_s"] <= time.time() - t0
 
     full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
     resumed = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, 7))
+    # TensorBoard: each step once across both invocations' event files
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "resumed"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train_loss")] == list(range(1, 7))
+    assert 99.0 not in [e.value for e in events.Scalars("train_loss")]   # purged
     np.testing.assert_allclose([r["train_loss"] for r in resumed],
                                [r["train_loss"] for r in full], rtol=1e-6)
     np.testing.assert_allclose(resumed[-1]["val_loss"], full[-1]["val_loss"], rtol=1e-6)
@@ -168,6 +223,44 @@ def test_checkpoint_from_other_config_is_refused(tmp_path):
     msg = str(e.value)
     assert "model.d_model: checkpoint has 32, this run has 64" in msg and "--workdir" in msg
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before  # nothing overwritten
+    with pytest.raises(ValueError, match="steps: checkpoint has 2, this run has 3 .*"
+                                         r"--config\.optim\.schedule=wsd may be extended"):
+        loop.train(tiny(steps=3, eval_every=2), wd)   # cosine: no extension
+
+
+def test_wsd_run_extends_as_if_planned_longer(tmp_path):
+    """Under the warm-up-stable-decay schedule ``steps`` may grow on resume: a 4-step run
+    stopped at step 2 (before its cool-down) and extended to 6 steps is the 6-step run."""
+    common = {"optim.schedule": "wsd", "optim.warmup_steps": 1, "eval_every": 0,
+              "checkpoint_every": 0}
+    full = loop.train(tiny(steps=6, **common), str(tmp_path / "full"))
+    wd = str(tmp_path / "extended")
+    loop.train(tiny(steps=4, stop_at_step=2, **common), wd)
+    out = loop.train(tiny(steps=6, **common), wd)
+    assert out["completed"] and out["steps"] == 6
+    np.testing.assert_allclose(
+        [r["train_loss"] for r in read_jsonl(tmp_path / "extended" / "metrics.jsonl")],
+        [r["train_loss"] for r in read_jsonl(tmp_path / "full" / "metrics.jsonl")], rtol=1e-6)
+    np.testing.assert_allclose(out["final_val_loss"], full["final_val_loss"], rtol=1e-6)
+    with pytest.raises(ValueError, match="steps: checkpoint has 6, this run has 5"):
+        loop.train(tiny(steps=5, **common), wd)   # grows only
+    # every finished run drew its curves; python -m sdp_jax.plot compares the two
+    from matplotlib.image import imread
+
+    from sdp_jax import plot
+    for run in ("full", "extended"):
+        assert imread(tmp_path / run / "curves.png").shape[2] in (3, 4)
+    out = plot.main([str(tmp_path / "full"), str(tmp_path / "extended"), "--out",
+                     str(tmp_path / "cmp")])
+    assert out == str(tmp_path / "cmp" / "curves.png")
+    wide = imread(out)   # three panels: steps, tokens, FLOPs
+    assert wide.shape[1] > 2.5 * imread(tmp_path / "full" / "curves.png").shape[0]
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["items_per_step"] == 4 * 2 * 32 and summary["item"] == "tokens"
+    assert summary["model_flops_per_step"] > 0
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(tmp_path)])   # not a run directory
+    assert e.value.code == 2
 
 
 @pytest.mark.parametrize("overrides,fragment", [

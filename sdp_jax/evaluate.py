@@ -1,0 +1,52 @@
+"""Evaluate a trained run's full model (the run's own evaluation, no training iterator).
+
+    python -m sdp_jax.evaluate --workdir runs/default                  # the latest checkpoint
+    python -m sdp_jax.evaluate --workdir runs/default --step 400       # a kept checkpoint
+    python -m sdp_jax.evaluate --export runs/default/export            # an export, loaded back
+    python -m sdp_jax.evaluate --workdir runs/default --config.data.source=text \\
+        --config.data.train_files='mytexts/*.txt'                      # other data
+
+Prints one JSON object: the evaluation (language models ``val_loss`` nats/token and, for
+byte-level data, ``val_bpb`` bits/byte; vision ``test_loss``, ``test_acc``), ``step`` and
+``workdir`` or ``export``. ``--config.FIELD=VALUE`` overrides the run's config.json (its
+evaluation data, ``eval_batches``...; the model and masks must stay the checkpoint's).
+"""
+
+from __future__ import annotations
+
+import json
+
+from sdp_jax import trained as trained_lib
+
+PROG = "python -m sdp_jax.evaluate"
+
+
+def define(fv) -> None:
+    """This tool's own flags on ``fv`` (besides --workdir and the config's)."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    flags.DEFINE_integer("step", 0, "the checkpoint's step (0 = the latest)",
+                         flag_values=fv)
+    flags.DEFINE_string("export", None, "a folder python -m sdp_jax.export wrote "
+                        "(instead of --workdir)", flag_values=fv)
+
+
+def main(argv=None) -> dict:
+    """The command line; returns the printed result."""
+    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
+    fv, config = trained_lib.command(PROG, __doc__, argv, define)
+    try:
+        if fv.export:
+            run = trained_lib.from_export(fv.export, config)
+        else:
+            run = trained_lib.load(fv.workdir, config, fv.step)
+        out = trained_lib.evaluation(run)
+    except (ValueError, ImportError) as e:
+        cli.error(PROG, str(e))
+    out = {**out, "step": run.step,
+           **({"export": fv.export} if fv.export else {"workdir": fv.workdir})}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

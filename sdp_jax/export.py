@@ -1,0 +1,43 @@
+"""Export a trained language-model run's full model as safetensors, with its config beside it.
+
+    python -m sdp_jax.export --workdir runs/default --out runs/default/export
+    python -m sdp_jax.evaluate --export runs/default/export       # loaded back and evaluated
+
+Writes ``OUT/model.safetensors`` (flat keys such as ``blocks.attn.wq``; the block leaves
+stacked ``[L, ...]``; float32; every component as the workers that hold it keep it) and
+``OUT/config.json``. An existing export is never overwritten.
+"""
+
+from __future__ import annotations
+
+from sdp_jax import trained as trained_lib
+
+PROG = "python -m sdp_jax.export"
+
+
+def define(fv) -> None:
+    """This tool's own flags on ``fv`` (besides --workdir and the config's)."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    flags.DEFINE_integer("step", 0, "the checkpoint's step (0 = the latest)",
+                         flag_values=fv)
+    flags.DEFINE_string("out", None, "the export's folder", flag_values=fv)
+
+
+def main(argv=None) -> str:
+    """The command line; returns the written file's path."""
+    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
+    fv, config = trained_lib.command(PROG, __doc__, argv, define)
+    if not fv.out:
+        cli.error(PROG, "give --out=DIR, the export's folder")
+    try:
+        trained_lib._language_model(config, "export")   # pylint: disable=protected-access
+        trained_lib.export_target(fv.out)   # refused before the checkpoint is read
+        path = trained_lib.export(trained_lib.load(fv.workdir, config, fv.step), fv.out)
+    except ValueError as e:
+        cli.error(PROG, str(e))
+    print(f"wrote {path} and its config.json")
+    return path
+
+
+if __name__ == "__main__":
+    main()

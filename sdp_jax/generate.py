@@ -1,0 +1,72 @@
+"""Sample text from a trained language-model run's full model.
+
+    python -m sdp_jax.generate --workdir runs/default --prompt "def " --length 200
+    python -m sdp_jax.generate --workdir runs/default --prompt "import " --temperature 0.8 \\
+        --top_k 40 --seed 1
+
+``--prompt`` is text for byte-level runs (every data source but llm.c shards); runs on token
+shards take ``--prompt_ids 1,2,3`` and print token ids. The same seed, prompt and checkpoint
+give the same sample.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sdp_jax import trained as trained_lib
+
+PROG = "python -m sdp_jax.generate"
+
+
+def define(fv) -> None:
+    """This tool's own flags on ``fv`` (besides --workdir and the config's)."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    flags.DEFINE_integer("step", 0, "the checkpoint's step (0 = the latest)",
+                         flag_values=fv)
+    flags.DEFINE_string("prompt", None, "the prompt's text (byte-level runs)",
+                        flag_values=fv)
+    flags.DEFINE_list("prompt_ids", None, "the prompt's token ids (token-shard runs)",
+                      flag_values=fv)
+    flags.DEFINE_integer("length", 100, "new tokens to sample", flag_values=fv)
+    flags.DEFINE_float("temperature", 1.0, "softmax temperature (0 = greedy)",
+                       flag_values=fv)
+    flags.DEFINE_integer("top_k", 0, "sample among the k likeliest tokens (0 = all)",
+                         flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+
+
+def main(argv=None) -> str | list[int]:
+    """The command line; prints and returns the sample (text, or token ids)."""
+    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
+    fv, config = trained_lib.command(PROG, __doc__, argv, define)
+    try:
+        trained_lib._language_model(config, "generate")   # pylint: disable=protected-access
+    except ValueError as e:
+        cli.error(PROG, str(e))
+    text = trained_lib.byte_level(config)
+    if (fv.prompt is None) == (fv.prompt_ids is None):
+        cli.error(PROG, "give --prompt=TEXT (byte-level runs) or --prompt_ids=1,2,3")
+    if fv.prompt is not None and not text:
+        cli.error(PROG, "this run trained on token shards (data.source=llmc): give "
+                        "--prompt_ids=1,2,3 (the tokenizer is not part of sdp_jax)")
+    try:
+        prompt = (list(fv.prompt.encode("utf-8")) if fv.prompt is not None
+                  else [int(t) for t in fv.prompt_ids])
+    except ValueError:
+        cli.error(PROG, f"--prompt_ids={','.join(fv.prompt_ids)!r} must be integers")
+    try:
+        trained_lib.sample(config, {}, prompt, fv.length, temperature=fv.temperature,
+                           top_k=fv.top_k, seed=fv.seed, check_only=True)
+        run = trained_lib.load(fv.workdir, config, fv.step)
+        ids = trained_lib.sample(config, run.full_params(), prompt, fv.length,
+                                 temperature=fv.temperature, top_k=fv.top_k, seed=fv.seed)
+    except ValueError as e:
+        cli.error(PROG, str(e))
+    out = trained_lib.decode(prompt + ids) if fv.prompt is not None else ids
+    print(out if isinstance(out, str) else ",".join(map(str, out)))
+    sys.stdout.flush()
+    return out
+
+
+if __name__ == "__main__":
+    main()

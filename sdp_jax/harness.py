@@ -1,0 +1,162 @@
+"""Downstream evaluation through lm-evaluation-harness (``pip install -e '.[eval]'``).
+
+:class:`SDPJaxLM` serves a trained byte-level language-model run (its latest checkpoint, or
+an export of :mod:`sdp_jax.export`) to the harness as the model ``sdp_jax``: ``loglikelihood``
+(multiple-choice tasks: the paper's ARC-Easy, BoolQ, HellaSwag, OpenBookQA, SciQ),
+``loglikelihood_rolling`` (perplexity tasks) and greedy ``generate_until``. This module runs
+the harness's own command line with that model registered:
+
+    python -m sdp_jax.harness --model sdp_jax --model_args workdir=runs/default \\
+        --tasks arc_easy,boolq,hellaswag,openbookqa,sciq --batch_size 16
+
+(the harness downloads the tasks' datasets, or reads them from its cache; any of its flags
+apply). From Python: ``lm_eval.simple_evaluate(model=SDPJaxLM(workdir=...), tasks=[...])``.
+Tokens are UTF-8 bytes, as in training; a run on llm.c token shards has no tokenizer here and
+is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError:   # the optional extra is missing: the class below says so when built
+    LM = object
+
+    def register_model(*_):
+        return lambda cls: cls
+
+MODEL_NAME = "sdp_jax"
+
+
+@register_model(MODEL_NAME)
+class SDPJaxLM(LM):
+    """A trained sdp_jax run as an lm-evaluation-harness model (one device, full model).
+
+    Args:
+      workdir: a training run's folder (its latest checkpoint, or ``step``).
+      export: instead, a folder :mod:`sdp_jax.export` wrote.
+      step: the checkpoint's step (0: the latest).
+      batch_size: sequences per forward pass (each padded to the run's ``seq_len``).
+
+    Raises:
+      ImportError: lm-eval is not installed (with the install command).
+      ValueError: neither or both of ``workdir`` / ``export``; a run that is not a byte-level
+        language model.
+    """
+
+    def __init__(self, workdir: str | None = None, export: str | None = None, step: int = 0,
+                 batch_size: int | str = 8, **_):
+        if LM is object:
+            raise ImportError("the lm-eval adapter needs lm-evaluation-harness: "
+                              "pip install -e '.[eval]'")
+        super().__init__()
+        import jax  # pylint: disable=g-import-not-at-top
+        import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+        from flax import nnx  # pylint: disable=g-import-not-at-top
+
+        from sdp_jax import trained  # pylint: disable=g-import-not-at-top
+        from sdp_jax.tasks import LanguageModel  # pylint: disable=g-import-not-at-top
+        if (workdir is None) == (export is None):
+            raise ValueError("give model_args workdir=RUN_DIR or export=EXPORT_DIR (one).")
+        if export is not None:
+            config, params = trained.read_export(export)
+        else:
+            config = trained.read_config(workdir)
+            params = trained.load(workdir, config, int(step)).full_params()
+        cfg = trained._language_model(config, "the lm-eval adapter")  # noqa: SLF001
+        if not trained.byte_level(config):
+            raise ValueError("this run trained on llm.c token shards: its tokenizer is not "
+                             "part of sdp_jax, so the harness's text cannot be encoded.")
+        self.cfg, self.config = cfg, config
+        self.window = trained.context(config)
+        self.batch = max(1, int(batch_size) if str(batch_size).isdigit() else 8)
+        self.params = jax.tree.map(jnp.asarray, params)
+        graphdef = LanguageModel(cfg).graphdef
+
+        @jax.jit
+        def logprobs(params, tokens):
+            logits = nnx.merge(graphdef, params)(tokens).astype(jnp.float32)
+            return jax.nn.log_softmax(logits, axis=-1)
+        self._logprobs = logprobs
+
+    # ------------------------------------------------------------------ tokens
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        """UTF-8 bytes, the training tokens of byte-level runs."""
+        return list(text.encode("utf-8"))
+
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """``(sum of log p(continuation | context) in nats, whether every continuation token
+        is the most likely one)`` per ``(context ids, continuation ids)``; the input is cut
+        to its last ``seq_len`` tokens (the continuation's tail if it alone is longer)."""
+        out = []
+        for start in range(0, len(pairs), self.batch):
+            chunk = pairs[start:start + self.batch]
+            buf = np.zeros((self.batch, self.window), np.int32)
+            spans = []
+            for row, (ctx, cont) in enumerate(chunk):
+                seq = (ctx + cont)[-(self.window + 1):]
+                n = min(len(cont), len(seq) - 1)
+                buf[row, :len(seq) - 1] = seq[:-1]
+                spans.append((len(seq) - 1 - n, len(seq) - 1, seq[len(seq) - n:]))
+            lp = np.asarray(self._logprobs(self.params, buf))
+            for row, (a, b, target) in enumerate(spans):
+                rows = lp[row, a:b]
+                picked = rows[np.arange(len(target)), target]
+                out.append((float(picked.sum()), bool(np.all(rows.argmax(-1) == target))))
+        return out
+
+    # ------------------------------------------------------------------ lm-eval's API
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        """lm-eval: ``(context, continuation)`` requests -> ``(log-likelihood, is greedy)``.
+        An empty context conditions on a newline (the document separator of training)."""
+        pairs = [(self.encode(ctx) or self.encode("\n"), self.encode(cont))
+                 for ctx, cont in (r.args for r in requests)]
+        return self.score(pairs)
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        """lm-eval: the log-likelihood of each whole string: disjoint windows of ``seq_len``
+        predicted tokens, each conditioned on what fits before it in the model's ``seq_len``
+        positions (the first on a newline, the document separator of training)."""
+        out = []
+        for (text,) in (r.args for r in requests):
+            ids = self.encode(text)
+            pairs = [(([10] + ids)[max(0, s - self.window + 1):s + 1], ids[s:s + self.window])
+                     for s in range(0, len(ids), self.window)]
+            out.append(sum(ll for ll, _ in self.score(pairs)))
+        return out
+
+    def generate_until(self, requests) -> list[str]:
+        """lm-eval: greedy continuation of each context, up to ``max_gen_toks`` (default 64)
+        bytes, cut at the first of the ``until`` strings."""
+        from sdp_jax import trained  # pylint: disable=g-import-not-at-top
+        out = []
+        for ctx, kw in (r.args for r in requests):
+            until = kw.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            ids = trained.sample(self.config, self.params, self.encode(ctx) or [10],
+                                 int(kw.get("max_gen_toks", 64)), temperature=0)
+            text = trained.decode(ids)
+            cut = min([text.find(u) for u in until if u and u in text] or [len(text)])
+            out.append(text[:cut])
+        return out
+
+
+def main(argv=None) -> None:
+    """The harness's own command line (``lm_eval``), with the model ``sdp_jax`` registered."""
+    if LM is object:
+        print("python -m sdp_jax.harness: error: lm-evaluation-harness is not installed: "
+              "pip install -e '.[eval]'", file=sys.stderr)
+        sys.exit(2)
+    from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
+    sys.argv = ["lm_eval"] + (sys.argv[1:] if argv is None else list(argv))
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Use a trained run: its config and latest (or a chosen) checkpoint, evaluated, sampled from or
+exported, without the training data iterator.
+
+The command lines are thin wrappers over this module:
+
+    python -m sdp_jax.evaluate --workdir runs/default                 # full-model validation loss
+    python -m sdp_jax.generate --workdir runs/default --prompt "def " --length 200
+    python -m sdp_jax.export --workdir runs/default --out runs/default/export
+
+Each reads ``WORKDIR/config.json`` (written by :func:`sdp_jax.loop.train` when a run starts)
+and accepts ``--config.FIELD=VALUE`` overrides of it (e.g. ``--config.data.source=text
+--config.data.val_files=...`` to evaluate on other data). The checkpoint must come from the
+same trajectory config (:meth:`sdp_jax.checkpoint.CheckpointManager.check_compatible`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+EXPORT_FILE = "model.safetensors"
+
+
+@dataclasses.dataclass
+class Trained:
+    """A run restored for use: ``config`` (ConfigDict), ``spec`` (:class:`sdp_jax.config.
+    RunSpec`), ``builder`` (:class:`sdp_jax.step.SDPStep`), ``state`` (its train state on the
+    mesh) and ``step`` (the checkpoint's step; None for an export)."""
+    config: Any
+    spec: Any
+    builder: Any
+    state: dict
+    step: int | None
+
+    def full_params(self) -> dict:
+        """The full model's parameters (nested dict of host float32 numpy arrays), each
+        component from its first holder (:meth:`sdp_jax.step.SDPStep.full_params`)."""
+        return self.builder.full_params(self.state["params"])
+
+
+def read_config(workdir: str):
+    """``workdir/config.json`` as a locked ``ml_collections.ConfigDict``.
+
+    Raises:
+      ValueError: no config.json (a run from before it was written, or not a run folder)."""
+    import ml_collections  # pylint: disable=g-import-not-at-top
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} does not exist: give a run's --workdir (runs write "
+                         "config.json when they start; rerun an older run's training command "
+                         "once to write it).")
+    with open(path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    config.lock()
+    return config
+
+
+def _builder(config):
+    import jax  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
+    spec = config_lib.resolve(config, jax.device_count())
+    return spec, loop.make_step(config, spec, loop.make_mesh(spec))
+
+
+def load(workdir: str, config=None, step: int = 0) -> Trained:
+    """The run in ``workdir`` at checkpoint ``step`` (0: the latest).
+
+    Args:
+      config: the run's config (default :func:`read_config`), e.g. with overrides.
+
+    Raises:
+      ValueError: no config.json or no checkpoint, a missing step (naming those kept), a
+        checkpoint of another config, or an unreadable one (before any compute)."""
+    from sdp_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
+    saved = read_config(workdir)
+    config = saved if config is None else config
+    path = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(path):
+        raise ValueError(f"{workdir!r} has no checkpoints/" + (
+            ": it is an export; give it as --export" if os.path.isfile(
+                os.path.join(workdir, EXPORT_FILE)) else "; train first."))
+    spec, builder = _builder(config)
+    # The checkpoint must be of this trajectory; other evaluation data is not another one.
+    checked = copy.deepcopy(config)
+    with checked.unlocked():
+        checked.data = copy.deepcopy(saved.data)
+    manager = ckpt_lib.CheckpointManager(path, keep=config.keep_checkpoints)
+    try:
+        steps = manager.all_steps()
+        if not steps:
+            raise ValueError(f"{workdir!r} has no checkpoint yet; train first.")
+        if step and step not in steps:
+            raise ValueError(f"--step={step}: {workdir!r} keeps the checkpoints of steps "
+                             f"{steps}; choose one of them (0 = the latest).")
+        at = step or max(steps)
+        manager.check_compatible(at, loop._meta(checked, spec),  # pylint: disable=protected-access
+                                 **loop.compatibility(checked, spec))
+    except ValueError:
+        manager.close()
+        raise
+    state, _ = loop.restore_or_init(manager, at, builder, config.seed, announce=False)
+    manager.close()
+    return Trained(config, spec, builder, state, at)
+
+
+def evaluation(trained: Trained, log=None) -> dict:
+    """The run's own evaluation (:meth:`family.evaluator`) of the trained state on the
+    config's evaluation data: ``{val_loss[, val_bpb]}`` (nats/token, bits/byte) for language
+    models, ``{test_loss, test_acc}`` for vision. Reads only the evaluation data (and, for
+    vision, the training images of BatchNorm re-estimation); no training iterator."""
+    import jax  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+    config, spec, builder = trained.config, trained.spec, trained.builder
+    log = log or (lambda _: None)
+    rows = data_lib.sharding_rows(step_lib.batch_sharding(builder.mesh), spec.global_batch)
+    _, eval_data = spec.family.data(config, spec, rows, log, train=False)
+    sharding = builder.batch_sharding()
+
+    def put(x, shape):
+        return jax.make_array_from_process_local_data(sharding, x, shape.shape)
+    return spec.family.evaluator(config, spec, builder, eval_data, put, log)(trained.state)
+
+
+def _language_model(config, what: str):
+    """The LLaMA config of a run that ``what`` (generate, export) serves.
+
+    Raises:
+      ValueError: a vision run, or a pipeline with compressed boundaries (its full model is
+        not a plain LLaMA)."""
+    from sdp_jax.models.llama import LlamaConfig  # pylint: disable=g-import-not-at-top
+    if config.model.get("name", "llama") != "llama":
+        raise ValueError(f"{what} serves language-model runs; {config.model.name} is a vision "
+                         "model (python -m sdp_jax.evaluate evaluates it).")
+    if config.pipeline.stages > 1 and config.pipeline.method != "none":
+        raise ValueError(f"{what}: this run's stage boundaries are compressed "
+                         f"(pipeline.method={config.pipeline.method}), so its full model is "
+                         "not a plain LLaMA; python -m sdp_jax.evaluate evaluates it.")
+    return LlamaConfig.from_config(config.model)
+
+
+def export(trained: Trained, out: str) -> str:
+    """Write the full model (each component from its first holder, :meth:`Trained.full_params`:
+    under gradient averaging every holder keeps the same values; under parameter averaging a
+    checkpoint between two averagings holds diverged copies, and worker order decides) to
+    ``out/model.safetensors`` (flat keys ``embed``,
+    ``blocks.attn.wq``…, block leaves stacked ``[L, ...]``, float32) with the run's config
+    beside it (``out/config.json``, and in the file's metadata). Returns the file's path.
+
+    Raises:
+      ValueError: a run :func:`_language_model` does not serve; ``out`` holds an export
+        already (never overwritten: choose another folder)."""
+    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
+    _language_model(trained.config, "export")
+    path = export_target(out)
+    os.makedirs(out, exist_ok=True)
+    flat = flatten_export(trained.full_params())
+    text = trained.config.to_json(indent=2)
+    save_file(flat, path + ".tmp", metadata={"sdp_jax_config": text,
+                                             "step": str(trained.step)})
+    os.replace(path + ".tmp", path)
+    loop.write_atomically(os.path.join(out, "config.json"), text)
+    return path
+
+
+def flatten_export(params: dict) -> dict:
+    """A nested parameter dict as the export's flat ``{"blocks.attn.wq": float32 array}``."""
+    from sdp_jax.spec import flatten  # pylint: disable=g-import-not-at-top
+    return {".".join(map(str, p)): np.ascontiguousarray(x, np.float32)
+            for p, x in flatten(params).items()}
+
+
+def export_target(out: str) -> str:
+    """``out/model.safetensors``, where :func:`export` writes.
+
+    Raises:
+      ValueError: it exists (an export is never overwritten) or ``out`` is a file."""
+    path = os.path.join(out, EXPORT_FILE)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out={out!r} is a file; give a folder.")
+    if any(os.path.exists(os.path.join(out, n)) for n in ("checkpoints", "metrics.jsonl")):
+        raise ValueError(f"--out={out!r} is a training run's folder; give another folder "
+                         "(e.g. OUT/export).")
+    if os.path.exists(path):
+        raise ValueError(f"{path!r} exists; choose another --out (an export is never "
+                         "overwritten).")
+    return path
+
+
+def read_export(out: str) -> tuple[Any, dict]:
+    """``(config, full parameters)`` of an :func:`export` folder (nested dict of numpy).
+
+    Raises:
+      ValueError: no export in ``out``."""
+    from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax.spec import unflatten  # pylint: disable=g-import-not-at-top
+    path = os.path.join(out, EXPORT_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{out!r} has no {EXPORT_FILE}: give a folder python -m "
+                         "sdp_jax.export wrote.")
+    flat = load_file(path)
+    return read_config(out), unflatten({tuple(k.split(".")): v for k, v in flat.items()})
+
+
+def from_export(out: str, config=None) -> Trained:
+    """An :func:`export` loaded back into the run's step (every worker starts from the
+    exported full model), for :func:`evaluation`. ``config``: the export's config with
+    overrides (default: as exported)."""
+    saved, params = read_export(out)
+    config = saved if config is None else config
+    spec, builder = _builder(config)
+    return Trained(config, spec, builder, builder.init(params), None)
+
+
+def sample(config, params: dict, prompt: list[int], length: int, *, temperature: float = 1.0,
+           top_k: int = 0, seed: int = 0, check_only: bool = False) -> list[int]:
+    """``length`` new token ids after ``prompt`` from the full model (one device; each new
+    token recomputes the last :func:`context` tokens: no KV cache).
+
+    Args:
+      params: the full model's parameters (:meth:`Trained.full_params`).
+      temperature: softmax temperature (0: the most likely token every time).
+      top_k: sample among the ``k`` likeliest tokens only (0: all).
+      seed: the sampling key (the same seed, prompt and model give the same tokens).
+      check_only: validate the arguments only (returns ``[]``).
+
+    Raises:
+      ValueError: an empty prompt, a token id outside the vocabulary, ``length < 1``,
+        ``temperature < 0`` or ``top_k < 0`` (before any compute)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    cfg = _language_model(config, "generate")
+    if not prompt:
+        raise ValueError("the prompt is empty; give at least one token.")
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                         f"[0, {cfg.vocab_size}).")
+    if length < 1 or temperature < 0 or not 0 <= top_k <= cfg.vocab_size:
+        raise ValueError(f"length={length}, temperature={temperature}, top_k={top_k}: need "
+                         "length >= 1, temperature >= 0 (0 = greedy), 0 <= top_k <= "
+                         f"{cfg.vocab_size} (0 = all).")
+    if check_only:
+        return []
+    window = context(config)
+    next_token = _next_token(cfg, float(temperature), int(top_k))
+    params = jax.tree.map(jnp.asarray, params)
+    tokens, key = list(prompt), jax.random.key(seed)
+    for i in range(length):
+        ctx = tokens[-window:]
+        buf = np.zeros((1, window), np.int32)
+        buf[0, :len(ctx)] = ctx
+        tokens.append(int(next_token(params, buf, len(ctx) - 1, jax.random.fold_in(key, i))))
+    return tokens[len(prompt):]
+
+
+@functools.lru_cache(maxsize=8)
+def _next_token(cfg, temperature: float, top_k: int):
+    """Jitted ``(params, tokens [1, S] int32, last position, key) -> next token id`` of the
+    LLaMA ``cfg`` (compiled once per model and sampling setting)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax.tasks import LanguageModel  # pylint: disable=g-import-not-at-top
+    graphdef = LanguageModel(cfg).graphdef
+
+    @jax.jit
+    def next_token(params, buf, last, key):
+        logits = nnx.merge(graphdef, params)(buf)[0, last].astype(jnp.float32)
+        if top_k:
+            logits = jnp.where(logits < jax.lax.top_k(logits, top_k)[0][-1], -jnp.inf, logits)
+        if temperature == 0:
+            return jnp.argmax(logits)
+        return jax.random.categorical(key, logits / temperature)
+    return next_token
+
+
+def context(config) -> int:
+    """The tokens a model sees at once: the run's ``seq_len`` (the positions it was trained
+    on; ``model.max_seq_len`` may be longer)."""
+    return int(config.seq_len)
+
+
+def decode(ids: list[int]) -> str:
+    """Byte-level token ids as text (invalid UTF-8, and ids past 255 of a larger vocabulary,
+    shown as U+FFFD)."""
+    return b"".join(bytes([t]) if t < 256 else "\ufffd".encode() for t in ids).decode(
+        "utf-8", errors="replace")
+
+
+def byte_level(config) -> bool:
+    """Whether the run's tokens are bytes (every data source but llm.c shards)."""
+    return config.data.get("source") != "llmc"
+
+
+# ---------------------------------------------------------------------------- command lines
+
+def tool_flags(define):
+    """A use command's ``FlagValues`` without the config: ``--workdir`` and ``define(fv)``'s
+    (the documentation check parses documented commands with it)."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    fv = flags.FlagValues()
+    flags.DEFINE_string("workdir", None, "a training run's folder", flag_values=fv)
+    define(fv)
+    return fv
+
+
+def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
+    """Parse a use command's flags: ``--workdir`` (or ``--export`` where ``define`` adds it),
+    the tool's own (``define(fv)``), and ``--config.FIELD=VALUE`` overrides of the run's
+    config.json. Simulated CPU devices are set from the config before JAX starts. Returns
+    ``(flag values, config)``; mistakes exit with one line (status 2)."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
+    argv = [prog] + (sys.argv[1:] if argv is None else list(argv))
+    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
+        print(doc.strip())
+        sys.exit(0)
+    sources = []
+    for i, a in enumerate(argv):
+        for name in ("--workdir", "--export"):
+            if a.startswith(name + "="):
+                sources.append((name, a.split("=", 1)[1]))
+            elif a == name and i + 1 < len(argv):
+                sources.append((name, argv[i + 1]))
+    if len(sources) > 1:
+        cli.error(prog, f"give one of {' / '.join(n + '=' + v for n, v in sources)}, once")
+    source = sources[0] if sources else None
+    if source is None:
+        cli.error(prog, "give --workdir=RUN_DIR (a training run's folder)"
+                  + (" or --export=DIR" if "--export" in doc else ""))
+    try:
+        config = read_config(source[1])
+    except ValueError as e:
+        cli.error(prog, str(e))
+    fv = tool_flags(define)
+    config_flags.DEFINE_config_dict("config", config, "the run's config.json; override "
+                                    "fields as --config.FIELD=VALUE", flag_values=fv,
+                                    lock_config=True, sys_argv=argv)
+    try:
+        rest = fv(argv)
+    except flags.Error as e:
+        cli.error(prog, f"{e}; see {prog} --help")
+    if len(rest) > 1:
+        cli.error(prog, f"unexpected arguments {rest[1:]}; flags look like --workdir=DIR")
+    import jax  # pylint: disable=g-import-not-at-top
+    try:   # simulated devices, as the run had (before JAX starts; ignored on GPU and TPU)
+        jax.config.update("jax_num_cpu_devices", int(fv.config.num_cpu_devices))
+    except RuntimeError:
+        pass   # JAX already started (an in-process caller): its devices stay
+    return fv, fv.config

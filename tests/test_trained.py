@@ -1,0 +1,158 @@
+"""Using a trained run (issue 15 item 4): evaluate, generate and export from its folder, without
+the training iterator; an export loads back to the same validation loss."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+# the harness's datasets library reads the test's local JSON only: never the network
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from sdp_jax import evaluate, export, generate, loop, trained
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+import llama_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    c = llama_tiny.get_config()
+    c.steps, c.eval_every, c.checkpoint_every = 4, 0, 2
+    c.sdp.variant, c.sdp.coverage = "b-sdp", 0.5
+    wd = str(tmp_path_factory.mktemp("trained") / "run")
+    return wd, loop.train(c, wd)
+
+
+def test_evaluate_reproduces_the_runs_final_loss(run, tmp_path, capsys):
+    wd, summary = run
+    out = evaluate.main(["--workdir", wd])
+    assert out["step"] == 4
+    np.testing.assert_allclose(out["val_loss"], summary["final_val_loss"], rtol=1e-6)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+    earlier = evaluate.main([f"--workdir={wd}", "--step=2"])   # a kept checkpoint
+    assert earlier["step"] == 2 and earlier["val_loss"] > out["val_loss"]
+    fewer = evaluate.main([f"--workdir={wd}", "--config.eval_batches=1"])   # an override
+    assert fewer["val_loss"] != out["val_loss"]
+    text = tmp_path / "other.txt"   # other evaluation data: not another trajectory
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 600)
+    other = evaluate.main([f"--workdir={wd}", "--config.data.source=text",
+                           f"--config.data.train_files={text}", f"--config.data.val_files={text}"])
+    assert other["step"] == 4 and other["val_loss"] != out["val_loss"]
+    for argv, fragment in ((["--workdir", wd, "--step=3"], "keeps the checkpoints of steps"),
+                           (["--workdir", wd, "--export", wd], "give one of"),
+                           (["--workdir", os.path.dirname(wd)], "config.json"),
+                           (["--workdir", wd, "--config.model.d_model=64"],
+                            "model.d_model: checkpoint has 32"),
+                           ([], "give --workdir")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(argv)
+        assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_generate_is_deterministic_for_a_seed(run, capsys):
+    wd, _ = run
+    args = ["--workdir", wd, "--prompt", "def ", "--length", "12"]
+    a = generate.main(args + ["--seed", "1"])
+    assert a == generate.main(args + ["--seed", "1"])
+    assert a.startswith("def ")
+    c = trained.read_config(wd)
+    params = trained.load(wd, c).full_params()
+    ids = trained.sample(c, params, list(b"def "), 12, seed=1)
+    assert len(ids) == 12 and all(0 <= t < 256 for t in ids)
+    assert ids != trained.sample(c, params, list(b"def "), 12, seed=2)
+    greedy = trained.sample(c, params, list(b"x"), 5, temperature=0)
+    assert greedy == trained.sample(c, params, list(b"x"), 5, temperature=0, seed=9)
+    assert trained.sample(c, params, list(b"x"), 5, top_k=1, seed=4) == greedy
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        generate.main(["--workdir", wd, "--prompt", "x", "--temperature=-1"])
+    assert "temperature >= 0" in capsys.readouterr().err
+
+
+def test_export_loads_back_to_the_same_validation_loss(run, tmp_path, capsys):
+    wd, summary = run
+    out = str(tmp_path / "export")
+    path = export.main(["--workdir", wd, "--out", out])
+    assert os.path.isfile(path) and os.path.isfile(os.path.join(out, "config.json"))
+    config, params = trained.read_export(out)
+    full = trained.load(wd).full_params()
+    for (k, x), y in zip(sorted(trained.flatten_export(full).items()),
+                         [v for _, v in sorted(trained.flatten_export(params).items())]):
+        np.testing.assert_array_equal(x, y, err_msg=k)
+    back = evaluate.main(["--export", out])
+    np.testing.assert_allclose(back["val_loss"], summary["final_val_loss"], rtol=1e-6)
+    before = os.path.getmtime(path)
+    with pytest.raises(SystemExit):
+        export.main(["--workdir", wd, "--out", out])
+    assert "never overwritten" in capsys.readouterr().err and os.path.getmtime(path) == before
+
+
+def test_lm_eval_adapter_scores_a_local_two_choice_task(run, tmp_path):
+    """lm-evaluation-harness runs a two-choice task the test writes (local JSON, no download)
+    on the adapter; its choice is the likelier continuation as the full model scores it
+    directly (one document whose target is the likelier choice, one whose target is not:
+    accuracy 1/2), and loglikelihood equals that direct score."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import jax
+    from flax import nnx
+    from lm_eval.tasks import TaskManager
+
+    from sdp_jax.harness import SDPJaxLM
+    from sdp_jax.tasks import LanguageModel
+    wd, _ = run
+    model = SDPJaxLM(workdir=wd, batch_size=4)
+    cfg, params = model.cfg, model.params
+
+    def direct(ctx: str, cont: str) -> float:   # unpadded full-model forward pass
+        ids = list((ctx + cont).encode())
+        lp = jax.nn.log_softmax(nnx.merge(LanguageModel(cfg).graphdef, params)(
+            np.asarray([ids[:-1]], np.int32))[0], -1)
+        n = len(cont.encode())
+        return float(sum(lp[len(ids) - 1 - n + i, t] for i, t in enumerate(ids[-n:])))
+
+    docs = [("def f(x):\n    return", [" x", " }{"]), ("import", [" os", "))("])]
+    rows = []
+    for i, (q, choices) in enumerate(docs):
+        scores = [direct(q, c) for c in choices]
+        likelier = int(np.argmax(scores))
+        rows.append({"q": q, "choices": choices, "label": likelier if i == 0 else 1 - likelier})
+        got = [ll for ll, _ in model.score([(list(q.encode()), list(c.encode()))
+                                            for c in choices])]
+        np.testing.assert_allclose(got, scores, rtol=1e-4)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "tiny_choice.yaml").write_text(
+        "task: tiny_choice\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\ntarget_delimiter: ''\n"
+        "metric_list:\n  - metric: acc\n")
+    out = lm_eval.simple_evaluate(model=model, tasks=["tiny_choice"],
+                                  task_manager=TaskManager(include_path=str(tmp_path)))
+    assert out["results"]["tiny_choice"]["acc,none"] == pytest.approx(0.5)
+    # past the trained context (seq_len tokens) only the last ones condition; the rolling
+    # log-likelihood of a string is the sum over its windows; generation stops at `until`
+    long_ctx = "x = 1\n" * 40
+    assert model.window == 32 and len(long_ctx) > model.window
+    np.testing.assert_allclose(model.score([(list(long_ctx.encode()), list(b" y"))])[0][0],
+                               direct(long_ctx[-31:], " y"), rtol=1e-4)
+
+    class Req:
+        def __init__(self, *args):
+            self.args = args
+    s = "abc" * 20   # 60 bytes: two windows
+    rolling = model.loglikelihood_rolling([Req(s)])[0]
+    # windows of 32 predicted bytes, each seeing only the model's 32 positions: the second
+    # (28 bytes) is conditioned on the 5 bytes before it that still fit
+    np.testing.assert_allclose(rolling, direct("\n", s[:32]) + direct(s[27:32], s[32:]),
+                               rtol=1e-4)
+    free = model.generate_until([Req("def ", {"max_gen_toks": 8})])[0]
+    assert free and len(free) <= 8
+    stop = free[len(free) // 2]
+    cut = model.generate_until([Req("def ", {"until": [stop], "max_gen_toks": 8})])[0]
+    assert cut == free[:free.index(stop)]
