@@ -3,6 +3,7 @@
     python -m sdp_jax.generate --workdir runs/default --prompt "def " --length 200
     python -m sdp_jax.generate --workdir runs/default --prompt "import " --temperature 0.8 \\
         --top_k 40 --seed 1
+    python -m sdp_jax.generate --export runs/default/export --prompt "def "
 
 ``--prompt`` is text for byte-level runs (every data source but llm.c shards); runs on token
 shards take ``--prompt_ids 1,2,3`` and print token ids. The same seed, prompt and checkpoint
@@ -33,6 +34,8 @@ def define(fv) -> None:
     flags.DEFINE_integer("top_k", 0, "sample among the k likeliest tokens (0 = all)",
                          flag_values=fv)
     flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+    flags.DEFINE_string("export", None, "a folder python -m sdp_jax.export wrote "
+                        "(instead of --workdir)", flag_values=fv)
 
 
 def main(argv=None) -> str | list[int]:
@@ -57,8 +60,9 @@ def main(argv=None) -> str | list[int]:
     try:
         trained_lib.sample(config, {}, prompt, fv.length, temperature=fv.temperature,
                            top_k=fv.top_k, seed=fv.seed, check_only=True)
-        run = trained_lib.load(fv.workdir, config, fv.step)
-        ids = trained_lib.sample(config, run.full_params(), prompt, fv.length,
+        params = (trained_lib.read_export(fv.export)[1] if fv.export
+                  else trained_lib.load(fv.workdir, config, fv.step).full_params())
+        ids = trained_lib.sample(config, params, prompt, fv.length,
                                  temperature=fv.temperature, top_k=fv.top_k, seed=fv.seed)
     except ValueError as e:
         cli.error(PROG, str(e))

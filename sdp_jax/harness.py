@@ -67,6 +67,7 @@ class SDPJaxLM(LM):
             config, params = trained.read_export(export)
         else:
             config = trained.read_config(workdir)
+            trained.simulate_devices(config)   # restoring needs the run's W devices
             params = trained.load(workdir, config, int(step)).full_params()
         cfg = trained._language_model(config, "the lm-eval adapter")  # noqa: SLF001
         if not trained.byte_level(config):

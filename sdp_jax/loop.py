@@ -254,6 +254,9 @@ def check_workdir_is_dir(workdir: str) -> None:
     ``metrics.jsonl``) exists with the wrong kind (a file for a directory or the reverse)."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ValueError(f"--workdir {workdir!r} exists and is not a directory; choose another.")
+    if os.path.exists(os.path.join(workdir, "model.safetensors")):
+        raise ValueError(f"--workdir {workdir!r} holds an export (model.safetensors); train in "
+                         "another folder.")
     for name, want_dir in (("checkpoints", True), ("summary.json", False),
                            ("metrics.jsonl", False)):
         path = os.path.join(workdir, name)

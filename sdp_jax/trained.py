@@ -171,6 +171,7 @@ def export(trained: Trained, out: str) -> str:
     text = trained.config.to_json(indent=2)
     save_file(flat, path + ".tmp", metadata={"sdp_jax_config": text,
                                              "step": str(trained.step)})
+    os.chmod(path + ".tmp", 0o644)
     os.replace(path + ".tmp", path)
     loop.write_atomically(os.path.join(out, "config.json"), text)
     return path
@@ -194,6 +195,10 @@ def export_target(out: str) -> str:
     if any(os.path.exists(os.path.join(out, n)) for n in ("checkpoints", "metrics.jsonl")):
         raise ValueError(f"--out={out!r} is a training run's folder; give another folder "
                          "(e.g. OUT/export).")
+    parts = os.path.abspath(out).split(os.sep)
+    if "checkpoints" in parts[:-1] or parts[-1] == "checkpoints":
+        raise ValueError(f"--out={out!r} is inside a run's checkpoints/, whose old steps are "
+                         "deleted as the run goes on; give a folder outside it.")
     if os.path.exists(path):
         raise ValueError(f"{path!r} exists; choose another --out (an export is never "
                          "overwritten).")
@@ -212,7 +217,11 @@ def read_export(out: str) -> tuple[Any, dict]:
     if not os.path.isfile(path):
         raise ValueError(f"{out!r} has no {EXPORT_FILE}: give a folder python -m "
                          "sdp_jax.export wrote.")
-    flat = load_file(path)
+    try:
+        flat = load_file(path)
+    except Exception as e:  # noqa: BLE001 (safetensors' errors of a damaged file)
+        raise ValueError(f"{path!r} cannot be read ({type(e).__name__}: "
+                         f"{str(e)[:200]}); export the run again into a new folder.") from e
     return read_config(out), unflatten({tuple(k.split(".")): v for k, v in flat.items()})
 
 
@@ -250,7 +259,7 @@ def sample(config, params: dict, prompt: list[int], length: int, *, temperature:
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                          f"[0, {cfg.vocab_size}).")
-    if length < 1 or temperature < 0 or not 0 <= top_k <= cfg.vocab_size:
+    if length < 1 or not 0 <= temperature < float("inf") or not 0 <= top_k <= cfg.vocab_size:
         raise ValueError(f"length={length}, temperature={temperature}, top_k={top_k}: need "
                          "length >= 1, temperature >= 0 (0 = greedy), 0 <= top_k <= "
                          f"{cfg.vocab_size} (0 = all).")
@@ -329,6 +338,8 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
     from sdp_jax import cli  # pylint: disable=g-import-not-at-top
+    if argv is None:   # the command line: a signal ends it with one line, never a traceback
+        cli.exit_on_signals()
     argv = [prog] + (sys.argv[1:] if argv is None else list(argv))
     if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
         print(doc.strip())
@@ -349,20 +360,31 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     try:
         config = read_config(source[1])
     except ValueError as e:
-        cli.error(prog, str(e))
+        cli.error(prog, f"{source[1]!r} has no config.json: give a folder python -m "
+                        "sdp_jax.export wrote." if source[0] == "--export" else str(e))
     fv = tool_flags(define)
-    config_flags.DEFINE_config_dict("config", config, "the run's config.json; override "
-                                    "fields as --config.FIELD=VALUE", flag_values=fv,
-                                    lock_config=True, sys_argv=argv)
     try:
+        config_flags.DEFINE_config_dict("config", config, "the run's config.json; override "
+                                        "fields as --config.FIELD=VALUE", flag_values=fv,
+                                        lock_config=True, sys_argv=argv)
         rest = fv(argv)
     except flags.Error as e:
         cli.error(prog, f"{e}; see {prog} --help")
+    except (AttributeError, KeyError, TypeError, ValueError) as e:   # a config override
+        cli._config_error(prog, e)  # pylint: disable=protected-access
     if len(rest) > 1:
         cli.error(prog, f"unexpected arguments {rest[1:]}; flags look like --workdir=DIR")
-    import jax  # pylint: disable=g-import-not-at-top
-    try:   # simulated devices, as the run had (before JAX starts; ignored on GPU and TPU)
-        jax.config.update("jax_num_cpu_devices", int(fv.config.num_cpu_devices))
-    except RuntimeError:
-        pass   # JAX already started (an in-process caller): its devices stay
+    if source[0] == "--export" and fv["step"].present:
+        cli.error(prog, "--step chooses a checkpoint of --workdir; an export has one step")
+    simulate_devices(fv.config)
     return fv, fv.config
+
+
+def simulate_devices(config) -> None:
+    """Simulate ``config.num_cpu_devices`` CPU devices, as the run had, when JAX has not
+    started yet (ignored on GPU and TPU; an in-process caller keeps its devices)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    try:
+        jax.config.update("jax_num_cpu_devices", int(config.num_cpu_devices))
+    except RuntimeError:
+        pass

@@ -69,9 +69,13 @@ def test_generate_is_deterministic_for_a_seed(run, capsys):
     assert greedy == trained.sample(c, params, list(b"x"), 5, temperature=0, seed=9)
     assert trained.sample(c, params, list(b"x"), 5, top_k=1, seed=4) == greedy
     capsys.readouterr()
+    for bad in ("--temperature=-1", "--temperature=nan"):
+        with pytest.raises(SystemExit):
+            generate.main(["--workdir", wd, "--prompt", "x", bad])
+        assert "temperature >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        generate.main(["--workdir", wd, "--prompt", "x", "--temperature=-1"])
-    assert "temperature >= 0" in capsys.readouterr().err
+        evaluate.main(["--workdir", wd, "--config.nonexistent=1"])
+    assert "unknown config field" in capsys.readouterr().err
 
 
 def test_export_loads_back_to_the_same_validation_loss(run, tmp_path, capsys):
@@ -86,6 +90,20 @@ def test_export_loads_back_to_the_same_validation_loss(run, tmp_path, capsys):
         np.testing.assert_array_equal(x, y, err_msg=k)
     back = evaluate.main(["--export", out])
     np.testing.assert_allclose(back["val_loss"], summary["final_val_loss"], rtol=1e-6)
+    args = ["--prompt", "def ", "--length", "6", "--seed", "2"]
+    assert generate.main(["--export", out] + args) == generate.main(["--workdir", wd] + args)
+    capsys.readouterr()
+    for argv, fragment in ((["--workdir", wd, "--out", os.path.join(wd, "checkpoints", "x")],
+                            "inside a run's checkpoints/"),
+                           (["--workdir", wd, "--out", wd], "training run's folder")):
+        with pytest.raises(SystemExit):
+            export.main(argv)
+        assert fragment in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate.main(["--export", out, "--step", "2"])
+    assert "an export has one step" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="holds an export"):   # never trained into
+        loop.train(trained.read_config(out), out)
     before = os.path.getmtime(path)
     with pytest.raises(SystemExit):
         export.main(["--workdir", wd, "--out", out])
