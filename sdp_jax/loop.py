@@ -278,11 +278,11 @@ def compatibility(config, spec: config_lib.RunSpec) -> dict:
 
 
 def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = None,
-                     spec: config_lib.RunSpec | None = None):
+                     spec: config_lib.RunSpec | None = None, lock: WorkdirLock | None = None):
     """Create ``workdir`` and its checkpoint manager; refuse (before compute) a latest
     checkpoint written under another config or other masks (``compat``: the keyword
     arguments of :func:`compatibility`). Logs an extension (``steps`` grown under ``wsd``;
-    ``spec``: the run's, for its lengths).
+    ``spec``: the run's, for its lengths; ``lock``: taken once the workdir exists).
 
     Returns:
       ``(manager, latest step or None)``.
@@ -292,6 +292,8 @@ def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = Non
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cannot create --workdir {workdir!r}: {e}; choose another.") from e
+    if lock is not None:
+        lock.acquire()
     manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                          keep=config.keep_checkpoints)
     latest = manager.latest_step()
@@ -401,6 +403,46 @@ def check_workdir(config, workdir: str, spec: config_lib.RunSpec | None = None) 
         manager.close()
 
 
+class WorkdirLock:
+    """One run per workdir: process 0 holds an exclusive ``flock`` on ``WORKDIR/.lock`` (with
+    its host and pid in it) while it trains. The kernel releases it when the process ends,
+    even by SIGKILL, so a lock is never stale. Filesystems without ``flock`` run unlocked."""
+
+    def __init__(self, workdir: str):
+        self.path, self.file = os.path.join(workdir, ".lock"), None
+
+    def acquire(self) -> None:
+        """Take the lock (process 0; ``workdir`` exists).
+
+        Raises:
+          ValueError: another process holds it (naming its host and pid)."""
+        import fcntl  # pylint: disable=g-import-not-at-top
+        import socket  # pylint: disable=g-import-not-at-top
+        if jax.process_index() != 0 or self.file is not None:
+            return
+        f = open(self.path, "a+")  # noqa: SIM115 (held open while the run lasts)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise ValueError(f"--workdir {os.path.dirname(self.path)!r} is in use by another "
+                             f"run ({holder}); wait for it to end, or use another --workdir.")
+        except OSError:   # no flock on this filesystem: unlocked
+            f.close()
+            return
+        f.truncate(0)
+        f.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+        f.flush()
+        self.file = f
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()   # closing the descriptor releases the flock
+            self.file = None
+
+
 def train(config, workdir: str) -> dict[str, Any]:
     """Train (or resume) the run ``config`` (any model family; pipelined or not) in ``workdir``.
 
@@ -426,6 +468,15 @@ def train(config, workdir: str) -> dict[str, Any]:
       ImportError: a dataset's optional dependency is missing.
       FloatingPointError: a non-finite loss or norm (that state is not saved).
     """
+    lock = WorkdirLock(workdir)   # one run per workdir (:class:`WorkdirLock`)
+    try:
+        return _train(config, workdir, lock)
+    finally:
+        lock.release()
+
+
+def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
+    """:func:`train`, with ``lock`` taken once ``workdir`` exists."""
     t_start = time.time()
     import matplotlib  # noqa: F401  (the writers of the end: a broken install fails now)
     import tensorboardX  # noqa: F401
@@ -438,7 +489,7 @@ def train(config, workdir: str) -> dict[str, Any]:
     train_at, eval_data = family.data(config, spec, rows, log)   # bad data fails before compile
     meta = _meta(config, spec)
     manager, latest = open_checkpoints(config, workdir, meta, compatibility(config, spec),
-                                       spec)
+                                       spec, lock)
     if jax.process_index() == 0:   # the run's resolved config, for people and tools
         write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=2))
     path = os.path.join(workdir, "summary.json")

@@ -228,6 +228,20 @@ def test_checkpoint_from_other_config_is_refused(tmp_path):
         loop.train(tiny(steps=3, eval_every=2), wd)   # cosine: no extension
 
 
+def test_a_workdir_in_use_is_refused(tmp_path):
+    """Two runs in one workdir interleaved their metrics and hung on orbax's lock: the second
+    is refused, naming the holder, before any compute; the lock goes with its holder."""
+    wd = tmp_path / "run"
+    wd.mkdir()
+    other = loop.WorkdirLock(str(wd))
+    other.acquire()
+    with pytest.raises(ValueError, match=f"in use by another run .*pid {os.getpid()}"):
+        loop.train(tiny(steps=2), str(wd))
+    assert not (wd / "checkpoints").exists() or not os.listdir(wd / "checkpoints")
+    other.release()
+    assert loop.train(tiny(steps=2, eval_every=2), str(wd))["completed"]
+
+
 def test_wsd_run_extends_as_if_planned_longer(tmp_path):
     """Under the warm-up-stable-decay schedule ``steps`` may grow on resume: a 4-step run
     stopped at step 2 (before its cool-down) and extended to 6 steps is the 6-step run."""
