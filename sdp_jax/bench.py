@@ -177,7 +177,7 @@ def _count_flops(unrolled, batch_shape) -> float:
         b.count_branch = branch
         return ts.flops_per_device(b.compiled_train_step(batch_shape))
     b = unrolled()
-    if not b._skips_unheld():
+    if not b.skips_unheld():
         return count(b)
     held, unheld = count(b, True), count(unrolled(), False)
     return unheld + b.spec.kinds[BLOCK].k / b.spec.n_blocks * (held - unheld)

@@ -30,7 +30,7 @@ def main(argv=None) -> str:
     if not fv.out:
         cli.error(PROG, "give --out=DIR, the export's folder")
     try:
-        trained_lib._language_model(config, "export")   # pylint: disable=protected-access
+        trained_lib.language_model(config, "export")
         trained_lib.export_target(fv.out)   # refused before the checkpoint is read
         path = trained_lib.export(trained_lib.load(fv.workdir, config, fv.step), fv.out)
     except ValueError as e:

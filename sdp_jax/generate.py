@@ -43,7 +43,7 @@ def main(argv=None) -> str | list[int]:
     from sdp_jax import cli  # pylint: disable=g-import-not-at-top
     fv, config = trained_lib.command(PROG, __doc__, argv, define)
     try:
-        trained_lib._language_model(config, "generate")   # pylint: disable=protected-access
+        trained_lib.language_model(config, "generate")
     except ValueError as e:
         cli.error(PROG, str(e))
     text = trained_lib.byte_level(config)

@@ -69,7 +69,7 @@ class SDPJaxLM(LM):
             config = trained.read_config(workdir)
             trained.simulate_devices(config)   # restoring needs the run's W devices
             params = trained.load(workdir, config, int(step)).full_params()
-        cfg = trained._language_model(config, "the lm-eval adapter")  # noqa: SLF001
+        cfg = trained.language_model(config, "the lm-eval adapter")
         if not trained.byte_level(config):
             raise ValueError("this run trained on llm.c token shards: its tokenizer is not "
                              "part of sdp_jax, so the harness's text cannot be encoded.")

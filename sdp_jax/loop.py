@@ -371,6 +371,22 @@ def make_mesh(spec: config_lib.RunSpec):
     return mesh
 
 
+def process_rows(mesh, spec: config_lib.RunSpec) -> tuple[int, int]:
+    """``(first, count)``: the rows of every global batch this process loads
+    (:func:`sdp_jax.data.sharding_rows` of the batch's sharding on ``mesh``)."""
+    return data_lib.sharding_rows(step_lib.batch_sharding(mesh), spec.global_batch)
+
+
+def batch_putter(builder):
+    """``put(host rows, global ShapeDtypeStruct) -> global array`` of this process's rows of
+    a batch, sharded as ``builder``'s batches are (every process calls it alike)."""
+    sharding = builder.batch_sharding()
+
+    def put(x, shape):
+        return jax.make_array_from_process_local_data(sharding, x, shape.shape)
+    return put
+
+
 def make_step(config, spec: config_lib.RunSpec, mesh):
     """The :class:`sdp_jax.step.SDPStep` of a run config (``spec`` from
     :func:`sdp_jax.config.resolve`, ``mesh`` from :func:`make_mesh`)."""
@@ -485,7 +501,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
     check_workdir_is_dir(workdir)
     mesh = make_mesh(spec)
     devices = list(mesh.devices.flat)
-    rows = data_lib.sharding_rows(step_lib.batch_sharding(mesh), spec.global_batch)
+    rows = process_rows(mesh, spec)
     train_at, eval_data = family.data(config, spec, rows, log)   # bad data fails before compile
     meta = _meta(config, spec)
     manager, latest = open_checkpoints(config, workdir, meta, compatibility(config, spec),
@@ -530,11 +546,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
     lines, from_compiled = family.compiled(config, spec, compiled)
     for line in lines:
         log(line)
-    sharding = builder.batch_sharding()
-
-    def put(x, shape):
-        return jax.make_array_from_process_local_data(sharding, x, shape.shape)
-
+    put = batch_putter(builder)
     evaluate = family.evaluator(config, spec, builder, eval_data, put, log)
     step_fns = {True: compiled}
 

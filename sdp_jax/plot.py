@@ -66,13 +66,13 @@ def draw(runs: list[dict], path: str) -> str:
         raise ValueError(f"the runs evaluate different losses ({', '.join(sorted(found))}): "
                          "plot language and vision runs separately.")
     key, unit = next(((k, u) for k, u in EVAL_KEYS if k in found), EVAL_KEYS[0])
-    axes = [("step", "optimizer steps", 1)]
+    axes = [("step", "optimizer steps")]
     if all(r["items_per_step"] for r in runs):
-        axes.append(("items", f"{runs[0]['item']} (all workers)", None))
+        axes.append(("items", f"{runs[0]['item']} (all workers)"))
     if all(r["model_flops_per_step"] for r in runs):
-        axes.append(("flops", "training FLOPs (all workers)", None))
+        axes.append(("flops", "training FLOPs (all workers)"))
     fig, panels = plt.subplots(1, len(axes), figsize=(4.6 * len(axes), 3.8), squeeze=False)
-    for ax, (name, label, _) in zip(panels[0], axes):
+    for ax, (name, label) in zip(panels[0], axes):
         for i, run in enumerate(runs):
             scale = {"step": 1, "items": run["items_per_step"],
                      "flops": run["model_flops_per_step"]}[name]

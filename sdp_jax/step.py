@@ -1019,7 +1019,7 @@ class SDPStep:
 
         kept = {p: x for p, x in mine.items() if not self._in_block(p)}
         apply = None
-        if self._skips_unheld():   # held blocks alone compute weight gradients
+        if self.skips_unheld():   # held blocks alone compute weight gradients
 
             def apply(g, _, h):
                 s = jnp.asarray(bt.slot)[my, g]
@@ -1038,7 +1038,7 @@ class SDPStep:
                     s >= 0, own, base, always, h, branch=self.count_branch)
         return self._call(kept, spec.n_blocks, get, batch, xs=xs, prepare=prepare, apply=apply)
 
-    def _skips_unheld(self) -> bool:
+    def skips_unheld(self) -> bool:
         """Whether a worker's unheld blocks skip their weight gradients
         (:func:`held_weight_grads`): backward masking of whole blocks (``bb-sdp``) with the
         block runner, full activation checkpointing (which recomputes each block in the

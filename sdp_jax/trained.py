@@ -118,22 +118,16 @@ def evaluation(trained: Trained, log=None) -> dict:
     config's evaluation data: ``{val_loss[, val_bpb]}`` (nats/token, bits/byte) for language
     models, ``{test_loss, test_acc}`` for vision. Reads only the evaluation data (and, for
     vision, the training images of BatchNorm re-estimation); no training iterator."""
-    import jax  # pylint: disable=g-import-not-at-top
-
-    from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
     config, spec, builder = trained.config, trained.spec, trained.builder
     log = log or (lambda _: None)
-    rows = data_lib.sharding_rows(step_lib.batch_sharding(builder.mesh), spec.global_batch)
+    rows = loop.process_rows(builder.mesh, spec)
     _, eval_data = spec.family.data(config, spec, rows, log, train=False)
-    sharding = builder.batch_sharding()
-
-    def put(x, shape):
-        return jax.make_array_from_process_local_data(sharding, x, shape.shape)
-    return spec.family.evaluator(config, spec, builder, eval_data, put, log)(trained.state)
+    return spec.family.evaluator(config, spec, builder, eval_data, loop.batch_putter(builder),
+                                 log)(trained.state)
 
 
-def _language_model(config, what: str):
+def language_model(config, what: str):
     """The LLaMA config of a run that ``what`` (generate, export) serves.
 
     Raises:
@@ -159,12 +153,12 @@ def export(trained: Trained, out: str) -> str:
     beside it (``out/config.json``, and in the file's metadata). Returns the file's path.
 
     Raises:
-      ValueError: a run :func:`_language_model` does not serve; ``out`` holds an export
+      ValueError: a run :func:`language_model` does not serve; ``out`` holds an export
         already (never overwritten: choose another folder)."""
     from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
     from sdp_jax import loop  # pylint: disable=g-import-not-at-top
-    _language_model(trained.config, "export")
+    language_model(trained.config, "export")
     path = export_target(out)
     os.makedirs(out, exist_ok=True)
     flat = flatten_export(trained.full_params())
@@ -252,7 +246,7 @@ def sample(config, params: dict, prompt: list[int], length: int, *, temperature:
         ``temperature < 0`` or ``top_k < 0`` (before any compute)."""
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    cfg = _language_model(config, "generate")
+    cfg = language_model(config, "generate")
     if not prompt:
         raise ValueError("the prompt is empty; give at least one token.")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]

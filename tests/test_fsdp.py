@@ -95,8 +95,8 @@ def test_backward_masking_under_checkpointing_skips_unheld_weight_gradients(mesh
     than with every block's weight gradients (DDP's work)."""
     from sdp_jax import bench
     b = builder(mesh, "bb-sdp", remat="full")
-    assert b._skips_unheld() and not builder(mesh, "bb-sdp")._skips_unheld()
-    assert not builder(mesh, "bb-sdp", remat="dots")._skips_unheld()
+    assert b.skips_unheld() and not builder(mesh, "bb-sdp").skips_unheld()
+    assert not builder(mesh, "bb-sdp", remat="dots").skips_unheld()
     shape = jax.ShapeDtypeStruct((2 * W, 13), jnp.int32)
     assert "conditional" in b.compiled_train_step(shape).as_text()
 
