@@ -27,7 +27,9 @@ from ml_collections import config_flags
 
 
 def flag_values(default_config: str, argv: list[str] | None = None, prog: str = "", *,
-                into: flags.FlagValues | None = None) -> flags.FlagValues:
+                into: flags.FlagValues | None = None, name: str = "config",
+                help_text: str = "Run config (a get_config() file); override any field as "
+                "--config.FIELD=VALUE.") -> flags.FlagValues:
     """``into`` (default: a new ``FlagValues``) with ``--config`` (a ``get_config()`` file,
     locked: an override of a field that does not exist is an error) defined; its overrides
     are read from ``argv`` (the command line :func:`parse` will get; default ``sys.argv``).
@@ -35,9 +37,7 @@ def flag_values(default_config: str, argv: list[str] | None = None, prog: str = 
     mistake exits as in :func:`parse` (one line naming ``prog``, status 2)."""
     fv = flags.FlagValues() if into is None else into
     try:
-        config_flags.DEFINE_config_file("config", default_config,
-                                        "Run config (a get_config() file); override any field "
-                                        "as --config.FIELD=VALUE.", flag_values=fv,
+        config_flags.DEFINE_config_file(name, default_config, help_text, flag_values=fv,
                                         lock_config=True, sys_argv=argv)
     except Exception as e:  # noqa: BLE001 (ml_collections' errors, as in parse)
         _config_error(prog or os.path.basename(sys.argv[0]), e)
@@ -87,11 +87,11 @@ def error(prog: str, message: str) -> NoReturn:
     sys.exit(2)
 
 
-def _config_path(argv) -> str | None:
+def _config_path(argv, name: str = "config") -> str | None:
     for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
+        if arg.startswith(f"--{name}="):
             return arg.split("=", 1)[1]
-        if arg == "--config" and i + 1 < len(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
             return argv[i + 1]
     return None
 
@@ -111,12 +111,17 @@ def parse(fv: flags.FlagValues, argv: list[str], prog: str, doc: str = "",
     if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
         print((doc.strip() + "\n\n" if doc else "") + fv.get_help())
         sys.exit(0)
-    path = _config_path(argv)
-    if path is not None and not os.path.isfile(path.split(":", 1)[0]):
-        error(prog, f"config file {path!r} does not exist; see configs/ for the provided ones.")
+    names = sorted({n for n in fv if isinstance(   # --config and its kin (study_sdp)
+        fv[n].parser, config_flags.config_flags.ConfigFileFlagParser)})
+    for name in names:
+        path = _config_path(argv, name)
+        if path is not None and not os.path.isfile(path.split(":", 1)[0]):
+            error(prog, f"config file {path!r} (--{name}) does not exist; see configs/ for the "
+                  "provided ones.")
     try:
         rest = fv(argv)
-        _check_config(fv.config, fv["config"].config_filename, prog)
+        for name in names:
+            _check_config(fv[name].value, fv[name].config_filename, prog)
         return rest
     except flags.UnrecognizedFlagError as e:
         hint = (renamed or {}).get(e.flagname)

@@ -29,7 +29,7 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.sdp = ml_collections.ConfigDict(dict(
         variant="ddp",            # ddp | b-sdp | n-sdp | bb-sdp | nb-sdp
         coverage=1.0,             # C: fraction of blocks / neurons / heads each worker holds
-        scheme="cyclic",          # cyclic | random
+        scheme="cyclic",          # cyclic | random | grouped (disconnected: allow_disconnected)
         mask_seed=0,              # seed of the random scheme
         allow_nonuniform=False,   # accept W*C not whole (near-uniform multiplicities)
         allow_disconnected=False, # accept a mask graph with spectral gap 0
@@ -56,6 +56,7 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.keep_checkpoints = 2
     c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
     c.peak_flops = 0.0          # FLOP/s per device for MFU; 0 = the device's known bf16 peak (none on CPU)
+    c.align_every = 0           # steps between gradient-alignment measurements; 0 = off
     c.seed = 0
     return c
 
@@ -160,7 +161,7 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
 # still resumes (remat: same results, may change).
 RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
-               "remat", "peak_flops")
+               "remat", "peak_flops", "align_every")
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
@@ -261,7 +262,7 @@ def resolve(config, device_count: int) -> RunSpec:
     for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
                  "num_cpu_devices") + family.positive_fields:
         _integer(config[name], name, 1)
-    for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed") \
+    for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed", "align_every") \
             + family.non_negative_fields:
         _integer(config[name], name, 0)
     _integer(config.data.worker_count, "data.worker_count", 0,
@@ -282,6 +283,12 @@ def resolve(config, device_count: int) -> RunSpec:
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
     if pipe.stages > 1:
         pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
+    if config.align_every and (pipe.stages > 1 or config.fsdp or not family.aligns):
+        what = ("pipelines" if pipe.stages > 1 else "FSDP" if config.fsdp
+                else f"{family.kind} models")
+        raise ValueError(f"config.align_every={config.align_every}: the gradient alignment "
+                         f"is not built for {what} (it needs the full model and its loss on "
+                         "every device); set --config.align_every=0.")
     workers = resolve_workers(config, device_count, pipe.stages)
     plan = family.plan(config, model, workers, pipe)
     total = total_steps(config, plan.coverage)

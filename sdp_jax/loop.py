@@ -550,11 +550,24 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
     evaluate = family.evaluator(config, spec, builder, eval_data, put, log)
     step_fns = {True: compiled}
 
+    align = None
+    if config.align_every:   # compiled now, so that no step's time includes it
+        t0 = time.time()
+        sharded = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=builder.batch_sharding()), shapes)
+        align = builder.alignment_fn().lower(builder.abstract_state(), sharded).compile()
+        log(f"compiled the gradient alignment (every {config.align_every} steps) in "
+            f"{time.time() - t0:.1f}s")
+
     def one_step(state, batch, step):
         sync_now = builder.is_sync_step(step)   # periodic parameter averaging
         if sync_now not in step_fns:
             step_fns[sync_now] = builder.train_step_fn(sync_now)
-        return step_fns[sync_now](state, jax.tree.map(put, batch, shapes))
+        batch = jax.tree.map(put, batch, shapes)
+        # measured on the step's own parameters and batch, before the step (which donates them)
+        cosines = align(state, batch) if align and step % config.align_every == 0 else {}
+        state, m = step_fns[sync_now](state, batch)
+        return state, {**m, **cosines}
 
     def summary(step, last_eval, last_rec, wall):
         return {
@@ -611,7 +624,8 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
           peak=None, once=None):
     """The loop: steps ``start + 1 ..`` up to ``total`` (or ``config.stop_at_step``), with
     evaluation every ``config.eval_every`` steps and at the end, logging every
-    ``config.log_every`` steps, checkpoints every ``config.checkpoint_every`` steps (each
+    ``config.log_every`` steps (and at every gradient-alignment measurement,
+    ``config.align_every``), checkpoints every ``config.checkpoint_every`` steps (each
     recording ``wall()``, the run's wall seconds so far). ``flops_per_item``: model FLOPs per
     token (image) per device, giving ``model_flops_per_s_per_device`` and, with ``peak``
     (FLOP/s), ``mfu``; ``once``: scalars written to TensorBoard at ``start``.
@@ -645,7 +659,8 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                 interrupted = agreed_stop(received)
                 is_eval = step == total or (config.eval_every > 0
                                             and step % config.eval_every == 0)
-                if step % config.log_every == 0 or is_eval or step == stop or interrupted:
+                if (step % config.log_every == 0 or is_eval or step == stop or interrupted
+                        or "grad_alignment" in rec):
                     rec[family.rate_key] = items_per_step * n_window / max(
                         time.time() - t_window, 1e-9)
                     if flops_per_item is not None:

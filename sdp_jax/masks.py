@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-SCHEMES = ("cyclic", "random")
+SCHEMES = ("cyclic", "random", "grouped")
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,12 +175,36 @@ def random_mask(workers: int, components: int, k: int, seed: int) -> np.ndarray:
     return m
 
 
+def grouped_mask(workers: int, components: int, k: int) -> np.ndarray:
+    """Grouped mask, the poorly connected extreme: the components split into ``n = G / k``
+    disjoint sets and the workers into ``n`` equal groups; group ``i`` holds set ``i``. Uniform
+    (every component held by ``W / n`` workers) but the mask graph falls apart into ``n``
+    groups that share nothing: spectral gap 0 (Singh et al., arXiv 2507.09029, Sec. 4), so a
+    run needs ``allow_disconnected``. With ``k = G`` it is the full mask.
+
+    Returns:
+      bool array ``[W, G]`` with row sums ``k``.
+    Raises:
+      ValueError: ``k`` does not divide ``G`` or ``G / k`` does not divide ``W``.
+    """
+    if components % k or workers % (components // k):
+        raise ValueError(f"the grouped scheme needs C*G={k} to divide G={components} and "
+                         f"G/(C*G) to divide W={workers}; use scheme cyclic or random, or a "
+                         "coverage such as 1/2 with an even W.")
+    n = components // k
+    m = np.zeros((workers, components), dtype=bool)
+    for w in range(workers):
+        i = w * n // workers
+        m[w, i * k:(i + 1) * k] = True
+    return m
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskRecipe:
     """Everything that determines a mask matrix: (scheme, W, G, C, seed) (docs/design.md, invariant 7).
 
     Attributes:
-      scheme: ``"cyclic"`` or ``"random"``.
+      scheme: ``"cyclic"``, ``"random"`` or ``"grouped"`` (:func:`grouped_mask`).
       workers: ``W``.
       components: ``G`` (blocks for B-SDP).
       coverage: ``C`` in (0, 1].
@@ -217,6 +241,8 @@ class MaskRecipe:
             return np.ones((self.workers, self.components), dtype=bool)
         if self.scheme == "cyclic":
             return cyclic_mask(self.workers, self.components, k)
+        if self.scheme == "grouped":
+            return grouped_mask(self.workers, self.components, k)
         # A balanced random draw can, rarely, disconnect the workers; redraw deterministically.
         for attempt in range(64):
             m = random_mask(self.workers, self.components, k, seed=self.seed * 1000 + attempt)

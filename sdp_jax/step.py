@@ -427,6 +427,7 @@ class SDPStep:
             self.legacy = self.legacy + ((self._compact_opt_abstract, self._opt_from_compact),)
         self._train_steps: dict[bool, Any] = {}
         self._eval_step = None
+        self._alignment = None
         if block_fn is not None:
             self._eval_tables()
 
@@ -946,12 +947,15 @@ class SDPStep:
         return self.loss_fn(_unflatten({p: self._cast(x) for p, x in kept.items()}), batch,
                             runner)
 
-    def _forward_loss(self, local: dict, batch, *stats, sinks=None, orders=None):
+    def _forward_loss(self, local: dict, batch, *stats, sinks=None, orders=None,
+                      average=True):
         """Forward masking: the worker's compact subnetwork alone (flat local leaves); with the
         block runner, block gradients averaged inside the backward loop
         (:meth:`_in_loop_tables`; ``sinks``: :func:`sdp_jax.sync.owner_sinks` of B-SDP's
         blocks), in the orders of :func:`sdp_jax.sync.cotangent_orders`, which are recorded in
-        the dict ``orders`` if given (for :func:`sdp_jax.sync.sinks_to_mean`).
+        the dict ``orders`` if given (for :func:`sdp_jax.sync.sinks_to_mean`). With
+        ``average=False`` the gradients stay the worker's own, and ``local`` may be any stack
+        of blocks, e.g. the full model's (:meth:`alignment_fn`).
 
         Raises:
           ValueError: a block traced twice with different gradient orders (its rows would
@@ -962,7 +966,7 @@ class SDPStep:
         blocks = {p: x for p, x in local.items() if self._in_block(p)}
         kept = {p: x for p, x in local.items() if not self._in_block(p)}
         n = next(iter(blocks.values())).shape[0]
-        tables = self._loop_tables
+        tables = self._loop_tables if average else {}
         found = {} if orders is None else orders
 
         def prepare(x, i, run):
@@ -1350,6 +1354,84 @@ class SDPStep:
                            in_specs=(self.param_specs, P(AXIS)),
                            out_specs=(P(), self.compact_specs))
         return jax.jit(fn)
+
+    def _local_alignment(self, params, batch, stats=None):
+        """Inside ``shard_map``: the two cosines of :meth:`alignment_fn` (replicated)."""
+        lay, my = self.layout, sync.worker_index(AXIS)
+        full, full_stats = self.gather(params, stats)
+        full = _flatten(full)
+        extra = () if full_stats is None else (_flatten(full_stats),)
+        # the full model's gradient on this worker's slice (its own: varying, not summed)
+        _, _, g_full, _ = self._value_and_grad(
+            lambda f, *a: self._forward_loss(f, *a, average=False),
+            sync.to_varying(full), batch, *extra)
+        g_held = lay.prune(g_full, my)   # restricted to the components this worker holds
+        if self.spec.backward:   # the full forward pass: its held gradient is g_held itself
+            g_sub = g_held
+        else:                    # the worker's compact subnetwork alone
+            local = self._to_local(self._strip(params))
+            st = self._state_local(stats)
+            diff = {lp: sync.to_varying(x) if self.param_layout.get(lp) == "R" else x
+                    for lp, x in local.items()}
+            _, _, g_sub, _ = self._value_and_grad(
+                lambda f, *a: self._forward_loss(f, *a, average=False), diff, batch,
+                *(() if st is None else (st,)))
+
+        def cosine(a: dict, b: dict):
+            dot = sum(jnp.vdot(a[p].astype(jnp.float32), b[p].astype(jnp.float32))
+                      for p in a)
+            na = sum(jnp.sum(jnp.square(a[p].astype(jnp.float32))) for p in a)
+            nb = sum(jnp.sum(jnp.square(b[p].astype(jnp.float32))) for p in b)
+            return dot / jnp.maximum(jnp.sqrt(na * nb), jnp.finfo(jnp.float32).tiny)
+        held = jax.lax.pmean(cosine(g_sub, g_held), AXIS)
+        # the averaged update (each component's mean over its holders) against DDP's mean
+        sdp = _flatten(sync.gather_full(_unflatten(g_sub), self.spec))
+        ddp = {p: jax.lax.pmean(x, AXIS) for p, x in g_full.items()}
+        return {"grad_alignment": held, "update_alignment": cosine(sdp, ddp)}
+
+    def alignment_fn(self):
+        """Jitted ``(state, batch) -> {"grad_alignment", "update_alignment"}`` (float32
+        scalars, replicated), measured on the state's parameters and the global batch of a
+        train step, without changing either (the gradient-alignment explanation of Singh et
+        al., arXiv 2507.09029, for block against width-wise subnetworks):
+
+        * ``grad_alignment``: the mean over workers of ``cos(g_sub, g_full|held)``, where
+          ``g_sub`` is the gradient worker ``w``'s training computes for the components it
+          holds (forward masking: its compact subnetwork alone runs) and ``g_full|held`` the
+          full model's gradient on the same slice of the batch, restricted to those
+          components. 1 at ``C = 1``; under backward masking 1 by construction (the full
+          forward pass gives the held components the full model's gradient).
+        * ``update_alignment``: ``cos(ḡ, g_DDP)`` over every parameter, ``ḡ`` each
+          component's mean of ``g_sub`` over its holders (the averaged gradient of an SDP step,
+          before clipping) and ``g_DDP`` the mean over workers of the full model's gradient
+          (the step DDP would take on the same batch).
+
+        Costs one full-model forward and backward pass per worker on top of the subnetwork's,
+        and holds the full model on every device (as :meth:`gather`). Without the block
+        runner ``loss_fn`` must also run the full model's tree (as :meth:`eval_step_fn`
+        needs), e.g. by building the model from the number of blocks it is given.
+
+        Raises:
+          ValueError: FSDP with the block runner, a pipeline (``stage`` axis), or
+            ``stacked_slots`` (a model that runs its own slots, e.g. the vision models, has no
+            full-model loss here)."""
+        if (self.fsdp and self.block_fn is not None) or self.staged or self.stacked_slots:
+            raise ValueError("the gradient alignment needs the full model on every device and "
+                             "the model's own loss: not built for FSDP with the block runner, "
+                             "pipelines or stacked_slots models (the vision models); measure it "
+                             "on an unpipelined run without --config.fsdp.")
+        if self._alignment is None:
+            if self.state_spec is None:
+                fn = jax.shard_map(lambda p, b: self._local_alignment(p, b), mesh=self.mesh,
+                                   in_specs=(self.param_specs, P(AXIS)), out_specs=P())
+                self._alignment = jax.jit(lambda s, b: fn(s["params"], b))
+            else:
+                fn = jax.shard_map(lambda p, st, b: self._local_alignment(p, b, st),
+                                   mesh=self.mesh, in_specs=(self.param_specs,
+                                                             self.state_specs["stats"], P(AXIS)),
+                                   out_specs=P())
+                self._alignment = jax.jit(lambda s, b: fn(s["params"], s["stats"], b))
+        return self._alignment
 
     def put_batch(self, batch: Any) -> Any:
         """A host batch (leading axis ``W * b``) placed on the mesh, sharded ``P('data')``

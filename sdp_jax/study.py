@@ -1,4 +1,6 @@
-"""The MAPL study: validation loss against bytes per token crossing the pipeline-stage boundaries.
+"""The MAPL study: validation loss against bytes per token crossing the pipeline-stage boundaries
+(``python -m sdp_jax.study`` or ``python -m sdp_jax.study mapl``); ``python -m sdp_jax.study
+sdp`` is the SDP study of every variant against DDP (sdp_jax/study_sdp.py).
 
     python -m sdp_jax.study                       # configs/llama_mapl.py -> runs/mapl_study
     python -m sdp_jax.study --seeds 0,1 --out /tmp/mapl       # every run with two seeds
@@ -226,8 +228,14 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     ``sys.argv[1:]``). Returns one row per run; a bad flag or config exits with status 2 and
     a one-line error before any compile or training. ``check_only``: stop after the
     validation (the documentation check, ``tests/test_docs.py``)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["sdp"]:   # the SDP study (sdp_jax/study_sdp.py)
+        from sdp_jax import study_sdp  # pylint: disable=g-import-not-at-top
+        return study_sdp.main(args[1:], check_only=check_only)
+    if args[:1] == ["mapl"]:
+        args = args[1:]
     from sdp_jax import bench, cli  # pylint: disable=g-import-not-at-top
-    argv = [PROG] + (sys.argv[1:] if argv is None else list(argv))
+    argv = [PROG] + args
     fv = flag_values(argv)
     rest = cli.parse(fv, argv, PROG, __doc__, RENAMED)
     if len(rest) > 1:

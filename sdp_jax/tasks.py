@@ -486,6 +486,8 @@ class _Family:
       rate_key: the throughput field of ``metrics.jsonl`` (``tokens_per_s``...);
       positive_fields / non_negative_fields: the family's own run-control fields;
       remat: the activation checkpointing modes it supports;
+      aligns: whether ``align_every`` can measure its gradient alignment
+        (:meth:`sdp_jax.step.SDPStep.alignment_fn`);
       template(config): ``(the family's default config, the name of its function in
         sdp_jax.config)``: the schema a config must have;
       model_config(config): the model's config, after checking the model and data fields;
@@ -518,6 +520,7 @@ class _Family:
     positive_fields: tuple = ()
     non_negative_fields: tuple = ()
     remat = step_lib.REMAT
+    aligns = False
 
     def record(self, plan) -> dict:
         return plan.record()
@@ -535,6 +538,7 @@ class LanguageModelFamily(_Family):
     nats/token and, for byte-level data, ``val_bpb`` bits/byte) and the summary fields."""
 
     kind = "language-model"
+    aligns = True
     positive_fields = ("seq_len", "eval_batches")
     rate_key = "tokens_per_s"
 
@@ -775,6 +779,14 @@ class VisionFamily(_Family):
     def model_flops_per_item(self, config, spec) -> None:
         """No closed-form count for the vision models: no FLOPs/s or MFU is reported."""
         return None
+
+    def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
+        """``model_flops_per_step``: XLA's FLOP count of the compiled train step (no loops in
+        the vision step, so every layer is counted; backward variants count their full
+        backward pass) times the ``W`` workers."""
+        from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+        flops = ts.flops_per_device(compiled) * spec.workers
+        return [], {"model_flops_per_step": flops or None}
 
     def param_count(self, spec) -> int:
         return vm.param_count(spec.model)

@@ -58,6 +58,12 @@ def read_config(workdir: str):
                          "once to write it).")
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
+    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import tasks  # pylint: disable=g-import-not-at-top
+    template = tasks.family_of(config).template(config)[0]
+    for key in config_lib.RUN_CONTROL:   # newer than the run, not part of its trajectory
+        if key not in config and key in template:
+            config[key] = template[key]
     config.lock()
     return config
 

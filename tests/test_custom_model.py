@@ -315,3 +315,67 @@ def test_model_state_on_a_users_model():
         assert np.abs(copies[0]).max() > 0
     with pytest.raises(ValueError, match="initializes from a pair"):
         step.init(nnx.to_pure_dict(nnx.state(Net(), nnx.Param)))
+
+
+def _cosine(a, b):
+    a = np.concatenate([np.ravel(x) for x in jax.tree.leaves(a)])
+    b = np.concatenate([np.ravel(x) for x in jax.tree.leaves(b)])
+    return float(a @ b / np.sqrt((a @ a) * (b @ b)))
+
+
+def test_gradient_alignment_checked_by_hand():
+    """SDPStep.alignment_fn against plain jax.grad on one device: B-SDP at C = 1/2 (each of
+    the 4 workers runs 2 of the 4 blocks), worker by worker, and DDP (C = 1), where both
+    cosines are 1."""
+    batch = data()
+    b = batch[0].shape[0] // W
+    def any_depth(params, batch):   # the subnetwork's and the full model's loss
+        x, y = batch
+        gd = nnx.graphdef(nnx.eval_shape(lambda: Net(len(params["blocks"]))))
+        return jnp.mean((nnx.merge(gd, params)(x) - y) ** 2)
+
+    for variant, coverage in (("ddp", 1.0), ("b-sdp", 0.5), ("bb-sdp", 0.5)):
+        trainer = SDPStep(sdp.build(Net(), RULES, variant, W, coverage), any_depth,
+                          optax.adam(1e-2))
+        state = trainer.init(Net())
+        got = {k: float(v) for k, v in
+               trainer.alignment_fn()(state, trainer.put_batch(batch)).items()}
+        full = trainer.full_params(state)
+        held = (np.asarray(trainer.spec.kinds[sdp.BLOCK].held) if variant != "ddp"
+                else np.tile(np.arange(DEPTH), (W, 1)))
+        cos, subs, fulls = [], [], []
+        for w in range(W):
+            mine = tuple(x[w * b:(w + 1) * b] for x in batch)
+            g_full = jax.grad(full_loss)(full, mine)
+            g_held = {**g_full, "blocks": {j: g_full["blocks"][int(i)]
+                                           for j, i in enumerate(held[w])}}
+            if variant == "bb-sdp":   # the full forward pass: the held part of g_full
+                g_sub = g_held
+            else:   # the worker's subnetwork alone, its blocks renumbered in depth order
+                k = len(held[w])
+                sub = {**full, "blocks": {j: full["blocks"][int(i)]
+                                          for j, i in enumerate(held[w])}}
+                assert len(sub["blocks"]) == k
+                g_sub = jax.grad(any_depth)(sub, mine)
+            cos.append(_cosine(g_sub, g_held))
+            subs.append(g_sub)
+            fulls.append(g_full)
+        # the averaged update: each block's mean over its holders, the rest over all workers
+        avg = {k: jax.tree.map(lambda *x: np.mean(x, 0), *[s[k] for s in subs])
+               for k in full if k != "blocks"}
+        avg["blocks"] = {}
+        for i in range(DEPTH):
+            mine = [s["blocks"][list(held[w]).index(i)] for w, s in enumerate(subs)
+                    if i in held[w]]
+            avg["blocks"][i] = jax.tree.map(lambda *x: np.mean(x, 0), *mine)
+        ddp = jax.tree.map(lambda *x: np.mean(x, 0), *fulls)
+        want = {"grad_alignment": float(np.mean(cos)), "update_alignment": _cosine(avg, ddp)}
+        np.testing.assert_allclose([got["grad_alignment"], got["update_alignment"]],
+                                   [want["grad_alignment"], want["update_alignment"]],
+                                   rtol=0, atol=2e-5, err_msg=variant)
+        if variant == "ddp":
+            assert min(got.values()) > 1 - 1e-5
+        elif variant == "b-sdp":   # another network runs: its gradients point elsewhere
+            assert got["grad_alignment"] < 0.999 and got["update_alignment"] < 0.999
+        else:   # held gradients are the full model's; the averaging over holders is not DDP's
+            assert got["grad_alignment"] > 1 - 1e-5 and got["update_alignment"] < 0.999

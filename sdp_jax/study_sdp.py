@@ -1,0 +1,522 @@
+"""The SDP study: every variant against DDP at equal steps and at equal FLOPs, over coverages
+and seeds, with gradient alignment and the spectral gap (the claims of Singh et al., arXiv
+2507.09029, measured at CPU scale; docs/study_sdp.md gives the results).
+
+    python -m sdp_jax.study sdp                                   # every arm -> runs/sdp_study
+    python -m sdp_jax.study sdp --arms lm --coverages 0.5 --seeds 0      # one piece
+    python -m sdp_jax.study sdp --arms gap --seeds 0,1,2
+    python -m sdp_jax.study sdp --arms lm --lm_config configs/llama_tiny.py --variants ddp,b-sdp \\
+        --coverages 0.5 --seeds 0 --out /tmp/sdp_tiny
+
+Arms (``--arms``):
+
+* ``lm``: the language model of ``--lm_config`` (default ``configs/llama_study.py``, the
+  default corpus); ``digits``: the vision model of ``--vision_config`` (default
+  ``configs/resnet18_study.py``, the handwritten digits). For every seed: DDP once (the
+  config's ``steps``), then every SDP variant of ``--variants`` at every coverage of
+  ``--coverages``, under each budget of ``--budgets``: ``step`` (DDP's steps) and ``flop``
+  (``ceil(steps / C)`` steps, the config's ``flop_matched``). A coverage a variant cannot
+  realize on the model (e.g. B-SDP at C = 3/8 of a ResNet-18 whose stages keep a block each)
+  is skipped with its reason in the table. Language-model runs measure the gradient alignment
+  every ``--align_every`` steps (:meth:`sdp_jax.step.SDPStep.alignment_fn`).
+* ``gap``: ``bb-sdp`` on the ``--lm_config`` model at ``--gap_coverage`` with the mask schemes
+  ``cyclic``, ``random`` (mask seed = the run's seed) and ``grouped`` (disconnected: spectral
+  gap 0, run with ``allow_disconnected``), at DDP's steps: loss against the mask graph's
+  spectral gap.
+
+Each run is an ordinary training run in ``OUT/<arm>/seed<s>/<name>`` (a rerun resumes a
+stopped run and reuses a finished run's summary without compiling; an interrupted study exits
+with 128 + the signal number, as ``train.py``). Every run, planned or skipped, is validated
+before the first one trains.
+
+Writes to ``OUT``: ``study_sdp.json`` (one row per run, with its evaluation curve),
+``study_sdp.md`` (the tables: means over the seeds with their range), and per arm
+``<arm>_loss_vs_flops.png`` (validation loss against training FLOPs, one panel per coverage,
+the FLOP-matched runs and DDP, mean over seeds with the range shaded), ``<arm>_pareto.png``
+(final loss against peak memory per device, with the Pareto front), ``lm_alignment.png`` and
+``gap.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+
+PROG = "python -m sdp_jax.study sdp"
+ARMS = ("lm", "digits", "gap")
+VARIANTS = ("ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp")
+BUDGETS = ("step", "flop")
+GAP_SCHEMES = ("cyclic", "random", "grouped")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _default(name: str) -> str:
+    return os.path.join(_ROOT, "configs", name)
+
+
+def flag_values(argv: list[str]):
+    """The study's flags: ``--lm_config`` / ``--vision_config`` (get_config() files, fields
+    overridden as ``--lm_config.FIELD=VALUE``), ``--arms``, ``--variants``, ``--coverages``,
+    ``--budgets``, ``--seeds``, ``--gap_coverage``, ``--align_every``, ``--out``."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+
+    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
+    fv = cli.flag_values(_default("llama_study.py"), argv, PROG, name="lm_config",
+                         help_text="language-model run config of the lm and gap arms; "
+                         "override a field as --lm_config.FIELD=VALUE")
+    cli.flag_values(_default("resnet18_study.py"), argv, PROG, into=fv, name="vision_config",
+                    help_text="vision run config of the digits arm; override a field as "
+                    "--vision_config.FIELD=VALUE")
+    flags.DEFINE_list("arms", list(ARMS), "arms to run: lm, digits, gap", flag_values=fv)
+    flags.DEFINE_list("variants", list(VARIANTS), "variants of the lm and digits arms (ddp "
+                      "is their baseline)", flag_values=fv)
+    flags.DEFINE_list("coverages", ["0.5", "0.375", "0.75"], "coverages C of the SDP "
+                      "variants", flag_values=fv)
+    flags.DEFINE_list("budgets", list(BUDGETS), "step: DDP's steps; flop: ceil(steps / C) "
+                      "steps (FLOP-matched)", flag_values=fv)
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds (initialization and data order); every "
+                      "run once per seed", flag_values=fv)
+    flags.DEFINE_float("gap_coverage", 0.5, "coverage of the gap arm's bb-sdp runs",
+                       flag_values=fv)
+    flags.DEFINE_integer("align_every", 25, "steps between gradient-alignment measurements "
+                         "of the language-model runs (0 = none)", flag_values=fv)
+    flags.DEFINE_string("out", os.path.join("runs", "sdp_study"), "folder of the runs and the "
+                        "results", flag_values=fv)
+    return fv
+
+
+def _name(variant: str, coverage: float, budget: str, scheme: str | None = None) -> str:
+    if variant == "ddp":
+        return "ddp"
+    if scheme is not None:
+        return f"{variant}_c{coverage:g}_{scheme}"
+    return f"{variant}_c{coverage:g}_{budget}"
+
+
+def plan(arms, variants, coverages, budgets, seeds, gap_coverage) -> list[dict]:
+    """The study's runs, in order: ``{arm, variant, coverage, budget, scheme, seed, name}``
+    (``scheme`` None: the config's)."""
+    runs = []
+    for seed in seeds:
+        for arm in arms:
+            if arm == "gap":
+                runs += [dict(arm=arm, variant="bb-sdp", coverage=gap_coverage, budget="step",
+                              scheme=s, seed=seed, name=_name("bb-sdp", gap_coverage, "step", s))
+                         for s in GAP_SCHEMES]
+                continue
+            if "ddp" in variants:
+                runs.append(dict(arm=arm, variant="ddp", coverage=1.0, budget="step",
+                                 scheme=None, seed=seed, name="ddp"))
+            runs += [dict(arm=arm, variant=v, coverage=c, budget=b, scheme=None, seed=seed,
+                          name=_name(v, c, b))
+                     for c in coverages for v in variants if v != "ddp" for b in budgets]
+    return runs
+
+
+def run_config(base, run: dict, align_every: int):
+    """``base`` (an arm's config) set up for one run of :func:`plan`."""
+    c = base.copy_and_resolve_references()
+    with c.unlocked():
+        c.sdp.variant = run["variant"]
+        c.sdp.coverage = run["coverage"]
+        c.flop_matched = run["budget"] == "flop"
+        c.seed = run["seed"]
+        if run["scheme"] is not None:
+            c.sdp.scheme = run["scheme"]
+            c.sdp.mask_seed = run["seed"]
+            c.sdp.allow_disconnected = run["scheme"] == "grouped"
+        if run["arm"] != "digits":
+            c.align_every = min(align_every, c.steps) if align_every else 0
+    return c
+
+
+def read_metrics(workdir: str, loss_key: str) -> tuple[list, dict]:
+    """``(evaluation curve [(step, loss)], mean of each alignment over the run)`` from a run's
+    ``metrics.jsonl``."""
+    curve, align = [], {"grad_alignment": [], "update_alignment": []}
+    path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get(loss_key) is not None:
+                    curve.append((rec["step"], rec[loss_key]))
+                for k, v in align.items():
+                    if rec.get(k) is not None:
+                        v.append(rec[k])
+    return curve, {k: (sum(v) / len(v) if v else None) for k, v in align.items()}
+
+
+def row_of(run: dict, summary: dict, workdir: str) -> dict:
+    """One run's row: the plan's fields and the summary's figures (loss of the full model
+    after the last step; ``flops``: the run's training FLOPs, all workers)."""
+    vision = run["arm"] == "digits"
+    loss_key = "test_loss" if vision else "val_loss"
+    curve, align = read_metrics(workdir, loss_key)
+    per_step = summary.get("model_flops_per_step")
+    return {**run, "steps": summary["steps"], "loss": summary[f"final_{loss_key}"],
+            "metric": summary.get("final_test_acc" if vision else "final_val_bpb"),
+            "peak_bytes_per_device": summary.get("peak_bytes_per_device"),
+            "flops_per_step": per_step,
+            "flops": None if per_step is None else per_step * summary["steps"],
+            "curve": [(s, None if per_step is None else per_step * s, v) for s, v in curve],
+            "spectral_gap": summary.get("spectral_gap"), "wall_s": summary.get("wall_s"),
+            **align}
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per (arm, variant, coverage, budget, scheme) over the seeds: ``loss``, the
+    alignments, ``spectral_gap`` and ``wall_s`` are means, ``losses`` the per-seed values;
+    skipped runs (``skipped``: the reason) are kept once."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["arm"], r["variant"], r["coverage"], r["budget"], r["scheme"])
+        a = out.setdefault(key, {**r, "seeds": [], "losses": [], "metrics": []})
+        if r.get("skipped"):
+            continue
+        a["seeds"].append(r["seed"])
+        a["losses"].append(r["loss"])
+        a["metrics"].append(r["metric"])
+    for a in out.values():
+        sel = [r for r in rows if (r["arm"], r["variant"], r["coverage"], r["budget"],
+                                   r["scheme"]) == (a["arm"], a["variant"], a["coverage"],
+                                                    a["budget"], a["scheme"])
+               and not r.get("skipped")]
+        for k in ("loss", "metric", "grad_alignment", "update_alignment", "spectral_gap",
+                  "wall_s"):
+            vals = [r[k] for r in sel if r.get(k) is not None]
+            a[k] = sum(vals) / len(vals) if vals else None
+        a.pop("seed", None)
+    return list(out.values())
+
+
+def _range(a: dict) -> str:
+    v = a["losses"]
+    if a["loss"] is None:
+        return ""
+    return f"{a['loss']:.4f}" + (f" [{min(v):.4f}, {max(v):.4f}]" if len(v) > 1 else "")
+
+
+def format_tables(agg: list[dict]) -> str:
+    """Markdown: for each of the lm / digits arms a table of every variant, coverage and
+    budget against the DDP row of the same arm (loss difference, FLOPs and peak memory
+    ratios), with the gradient alignments; for the gap arm, loss against spectral gap."""
+    out = []
+    for arm in ARMS:
+        sel = [a for a in agg if a["arm"] == arm]
+        if not sel:
+            continue
+        if arm == "gap":
+            out += ["### gap: bb-sdp, loss against the mask graph's spectral gap", "",
+                    "| scheme | C | spectral gap | steps | val loss (nats) [seed range] | "
+                    "seeds |", "|---|---|---|---|---|---|"]
+            for a in sorted(sel, key=lambda a: -(a["spectral_gap"] or 0)):
+                gap = "" if a["spectral_gap"] is None else f"{a['spectral_gap']:.3f}"
+                out.append(f"| {a['scheme']} | {a['coverage']:g} | {gap} | "
+                           f"{a.get('steps', '')} | {_range(a)} | {len(a['seeds'])} |")
+            out.append("")
+            continue
+        vision = arm == "digits"
+        ddp = next((a for a in sel if a["variant"] == "ddp" and a["loss"] is not None), None)
+        metric = "test acc" if vision else "bits/byte"
+        out += [f"### {arm}: every variant against DDP", "",
+                f"| variant | C | budget | steps | {'test' if vision else 'val'} loss (nats) "
+                f"[seed range] | vs DDP | {metric} | FLOPs vs DDP | peak/device vs DDP | "
+                "grad alignment | update alignment | seeds |", "|" + "---|" * 12]
+        order = {v: i for i, v in enumerate(VARIANTS)}
+        for a in sorted(sel, key=lambda a: (-a["coverage"] if a["variant"] != "ddp" else -2,
+                                            order.get(a["variant"], 9), a["budget"])):
+            lead = (f"| {a['variant']} | {a['coverage']:g} | "
+                    f"{'-' if a['variant'] == 'ddp' else a['budget']} |")
+            if a.get("skipped"):
+                out.append(f"{lead} - | skipped: {a['skipped']} |" + " |" * 7)
+                continue
+
+            def ratio(k, a=a):
+                if ddp is None or not a.get(k) or not ddp.get(k):
+                    return ""
+                return f"{a[k] / ddp[k]:.3f}"
+            vs = (f"{a['loss'] - ddp['loss']:+.4f}" if ddp is not None and a is not ddp
+                  else "")
+            m = "" if a["metric"] is None else f"{a['metric']:.4f}"
+            al = [("" if a.get(k) is None else f"{a[k]:.3f}")
+                  for k in ("grad_alignment", "update_alignment")]
+            flops = "1.000" if a is ddp else ratio("flops")
+            peak = "1.000" if a is ddp else ratio("peak_bytes_per_device")
+            out.append(f"{lead} {a['steps']} | {_range(a)} | {vs} | {m} | {flops} | {peak} | "
+                       f"{al[0]} | {al[1]} | {len(a['seeds'])} |")
+        out.append("")
+    return "\n".join(out)
+
+
+_COLORS = {"ddp": "k", "b-sdp": "tab:blue", "n-sdp": "tab:orange", "bb-sdp": "tab:green",
+           "nb-sdp": "tab:red"}
+
+
+def _plt():
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    return plt
+
+
+def plot_loss_vs_flops(rows: list[dict], arm: str, path: str) -> bool:
+    """One panel per coverage: each FLOP-matched variant's evaluation curve against training
+    FLOPs (mean over seeds, the seeds' range shaded) and DDP's. False (nothing written) when
+    the arm has no FLOP counts or no FLOP-matched run."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    sel = [r for r in rows if r["arm"] == arm and not r.get("skipped") and r.get("flops")]
+    covs = sorted({r["coverage"] for r in sel if r["budget"] == "flop" and r["variant"] != "ddp"},
+                  reverse=True)
+    if not covs:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(covs), figsize=(4.6 * len(covs), 3.8), squeeze=False)
+    for ax, cov in zip(axes[0], covs):
+        groups: dict[str, list] = {}
+        for r in sel:
+            if r["variant"] == "ddp" or (r["coverage"] == cov and r["budget"] == "flop"):
+                groups.setdefault(r["variant"], []).append(r["curve"])
+        for v, curves in groups.items():
+            n = min(len(c) for c in curves)
+            if n == 0:
+                continue
+            x = np.array([c[i][1] for i in range(n) for c in curves[:1]])
+            ys = np.array([[c[i][2] for i in range(n)] for c in curves])
+            ax.plot(x, ys.mean(0), "-o", ms=3, color=_COLORS.get(v), label=v)
+            if len(curves) > 1:
+                ax.fill_between(x, ys.min(0), ys.max(0), color=_COLORS.get(v), alpha=0.2)
+        ax.set_title(f"C = {cov:g}, FLOP-matched", fontsize=10)
+        ax.set_xlabel("training FLOPs (all workers)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel(("test" if arm == "digits" else "validation") + " loss (nats)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_pareto(agg: list[dict], arm: str, path: str) -> bool:
+    """Final loss (mean, seed range as a bar) against peak memory per device, every run of
+    the arm, with the Pareto front (no other run has both less memory and a lower loss)."""
+    pts = [a for a in agg if a["arm"] == arm and a.get("loss") is not None
+           and a.get("peak_bytes_per_device")]
+    if not pts:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    marks = {"step": "o", "flop": "^"}
+    for a in pts:
+        x, c = a["peak_bytes_per_device"] / 2**20, _COLORS.get(a["variant"])
+        ax.scatter([x], [a["loss"]], color=c, marker=marks.get(a["budget"], "o"), zorder=3)
+        if len(a["losses"]) > 1:
+            ax.vlines(x, min(a["losses"]), max(a["losses"]), color=c, alpha=0.6)
+        label = a["variant"] + ("" if a["variant"] == "ddp" else
+                                f" {a['coverage']:g} {a['budget']}")
+        ax.annotate(label, (x, a["loss"]), textcoords="offset points", xytext=(4, 3),
+                    fontsize=7)
+    front = sorted((a for a in pts if not any(
+        o["peak_bytes_per_device"] <= a["peak_bytes_per_device"] and o["loss"] < a["loss"]
+        for o in pts)), key=lambda a: a["peak_bytes_per_device"])
+    if len(front) > 1:
+        ax.plot([a["peak_bytes_per_device"] / 2**20 for a in front],
+                [a["loss"] for a in front], "--", color="grey", label="Pareto front")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("peak memory per device (MiB, compiled train step)")
+    ax.set_ylabel("final " + ("test" if arm == "digits" else "validation") + " loss (nats)")
+    ax.set_title(f"{arm}: loss against memory (o: step-matched, ^: FLOP-matched)", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_alignment(agg: list[dict], path: str) -> bool:
+    """Bars of the mean gradient and update alignment of the lm arm's step-matched runs, per
+    variant and coverage."""
+    pts = [a for a in agg if a["arm"] == "lm" and a["budget"] == "step"
+           and a.get("grad_alignment") is not None]
+    if not pts:
+        return False
+    plt = _plt()
+    pts.sort(key=lambda a: (-a["coverage"], VARIANTS.index(a["variant"])))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(pts)), 4.0))
+    xs = range(len(pts))
+    ax.bar([x - 0.2 for x in xs], [a["grad_alignment"] for a in pts], 0.4,
+           label="worker gradient vs full model's (held components)")
+    ax.bar([x + 0.2 for x in xs], [a["update_alignment"] or 0 for a in pts], 0.4,
+           label="averaged update vs DDP's")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([a["variant"] + ("" if a["variant"] == "ddp" else f"\nC={a['coverage']:g}")
+                        for a in pts], fontsize=8)
+    ax.set_ylabel("cosine similarity (mean over the run)")
+    ax.set_ylim(min(0.0, min(a["update_alignment"] or 0 for a in pts)), 1.05)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_gap(rows: list[dict], path: str) -> bool:
+    """Final validation loss of every gap-arm run against its mask graph's spectral gap."""
+    pts = [r for r in rows if r["arm"] == "gap" and not r.get("skipped")]
+    if not pts:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    for s, mk in zip(GAP_SCHEMES, ("o", "s", "^")):
+        sel = [r for r in pts if r["scheme"] == s]
+        ax.scatter([r["spectral_gap"] for r in sel], [r["loss"] for r in sel], marker=mk,
+                   label=s, zorder=3)
+    ax.set_xlabel("spectral gap of the mask graph")
+    ax.set_ylabel("final validation loss (nats)")
+    ax.set_title(f"bb-sdp, C = {pts[0]['coverage']:g}: one point per run", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _floats(err, flag: str, values: list[str], low: float, high: float) -> list[float]:
+    try:
+        out = [float(x) for x in values if x]
+    except ValueError:
+        err(f"--{flag}={','.join(values)!r} must be numbers like 0.5,0.375")
+    if not out or len(set(out)) != len(out) or any(not low < x <= high for x in out):
+        err(f"--{flag}={','.join(values)!r}: give distinct values in ({low:g}, {high:g}]")
+    return out
+
+
+def _choices(err, flag: str, values: list[str], allowed: tuple) -> list[str]:
+    out = [x for x in values if x]
+    bad = [x for x in out if x not in allowed]
+    if bad or not out or len(set(out)) != len(out):
+        err(f"--{flag}={','.join(values)!r}: choose distinct values from {', '.join(allowed)}")
+    return out
+
+
+def main(argv=None, check_only: bool = False) -> list[dict]:
+    """The SDP study's command line (``argv`` without the program name). Returns one row per
+    run. A bad flag or config, or a run folder written by other settings, exits with status 2
+    and a one-line error before any compile or training; ``check_only`` stops after that
+    validation (the documentation check, ``tests/test_docs.py``)."""
+    from sdp_jax import bench, cli  # pylint: disable=g-import-not-at-top
+    argv = [PROG] + (sys.argv[2:] if argv is None else list(argv))
+    fv = flag_values(argv)
+    rest = cli.parse(fv, argv, PROG, __doc__)
+    if len(rest) > 1:
+        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --arms=lm,gap")
+
+    def err(msg):
+        cli.error(PROG, msg)
+    arms = _choices(err, "arms", fv.arms, ARMS)
+    variants = _choices(err, "variants", fv.variants, VARIANTS)
+    budgets = _choices(err, "budgets", fv.budgets, BUDGETS)
+    coverages = _floats(err, "coverages", fv.coverages, 0.0, 1.0)
+    try:
+        seeds = [int(x) for x in fv.seeds if x]
+    except ValueError:
+        err(f"--seeds={','.join(fv.seeds)!r} must be integers like 0,1,2")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        err(f"--seeds={','.join(fv.seeds)!r}: give distinct non-negative seeds, e.g. 0,1,2")
+    if not 0 < fv.gap_coverage < 1:
+        err(f"--gap_coverage={fv.gap_coverage}: give a coverage in (0, 1), e.g. 0.5")
+    if fv.align_every < 0:
+        err(f"--align_every={fv.align_every}: give 0 (off) or a number of steps, e.g. 25")
+    bases = {"lm": fv.lm_config, "gap": fv.lm_config, "digits": fv.vision_config}
+    for arm, flag, kind in (("lm", "lm_config", "language-model"),
+                            ("gap", "lm_config", "language-model"),
+                            ("digits", "vision_config", "vision")):
+        if arm in arms and (bases[arm].model.get("name", "llama") == "llama") != (
+                kind == "language-model"):
+            err(f"--{flag} {fv[flag].config_filename!r} is not a {kind} config (the {arm} "
+                "arm); give one from configs/ of that kind")
+    import jax  # pylint: disable=g-import-not-at-top
+    want = max(bases[a].num_cpu_devices for a in arms)
+    if want > int(jax.config.jax_num_cpu_devices):   # raised, never lowered
+        jax.config.update("jax_num_cpu_devices", want)
+    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
+
+    runs = plan(arms, variants, coverages, budgets, seeds, fv.gap_coverage)
+    configs = {}
+    for run in runs:   # all validated before any compile or training
+        c = run_config(bases[run["arm"]], run, fv.align_every)
+        where = os.path.join(fv.out, run["arm"], f"seed{run['seed']}", run["name"])
+        try:
+            spec = config_lib.resolve(c, jax.device_count())
+        except ValueError as e:
+            if run["variant"] == "ddp" or run["arm"] == "gap":
+                err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: {e}")
+            run["skipped"] = str(e).split(";")[0]   # not realizable on this model
+            continue
+        try:
+            loop.check_workdir(c, where, spec)
+        except ValueError as e:
+            err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: {e} (the run folder is "
+                f"{where}: use another --out, or the flags that wrote it)")
+        configs[id(run)] = (c, where)
+    bench.out_folder(PROG, fv.out)
+    if check_only:
+        return []
+    todo = [r for r in runs if not r.get("skipped")]
+    skipped = {(r["arm"], r["name"]): r["skipped"] for r in runs if r.get("skipped")}
+    for (arm, name), why in skipped.items():
+        loop.log(f"study: skipping {arm} {name}: {why}")
+    rows = []
+    for i, run in enumerate(runs):
+        if run.get("skipped"):
+            rows.append(dict(run))
+            continue
+        c, where = configs[id(run)]
+        loop.log(f"study: run {todo.index(run) + 1}/{len(todo)}: {run['arm']} {run['name']}, "
+                 f"seed {run['seed']} -> {where}")
+        s = loop.train(c, where)
+        if not s.get("completed"):
+            print(f"study stopped during {run['arm']} {run['name']} (seed {run['seed']}); rerun "
+                  "the same command to resume.", file=sys.stderr)
+            sig = s.get("interrupted_by")
+            sys.exit(128 + int(getattr(signal, sig)) if sig else 1)
+        rows.append(row_of(run, s, where))
+    write(rows, fv.out)
+    return rows
+
+
+def write(rows: list[dict], out: str) -> list[str]:
+    """``study_sdp.json``, ``study_sdp.md`` and the PNGs of ``rows`` into ``out``; returns the
+    paths written."""
+    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
+    agg = aggregate(rows)
+    table = format_tables(agg)
+    print(table)
+    written = [os.path.join(out, "study_sdp.json"), os.path.join(out, "study_sdp.md")]
+    loop.write_atomically(written[0], json.dumps(rows, indent=1))
+    total = sum(r.get("wall_s") or 0 for r in rows if not r.get("skipped"))
+    loop.write_atomically(written[1], table + f"\nTraining wall time of these runs: "
+                          f"{total / 60:.1f} min ({math.ceil(total / 3600 * 10) / 10:g} h).\n")
+    arms = {r["arm"] for r in rows}
+    for arm in ("lm", "digits"):
+        if arm in arms:
+            p = os.path.join(out, f"{arm}_loss_vs_flops.png")
+            if plot_loss_vs_flops(rows, arm, p):
+                written.append(p)
+            p = os.path.join(out, f"{arm}_pareto.png")
+            if plot_pareto(agg, arm, p):
+                written.append(p)
+    p = os.path.join(out, "lm_alignment.png")
+    if plot_alignment(agg, p):
+        written.append(p)
+    p = os.path.join(out, "gap.png")
+    if plot_gap(rows, p):
+        written.append(p)
+    loop.log("wrote " + ", ".join(written))
+    return written

@@ -1,0 +1,100 @@
+"""python -m sdp_jax.study sdp on the tiny config: outputs, resume, skipping finished runs and
+unrealizable coverages, one-line errors; the spectral-gap arm's schemes."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from sdp_jax import loop, masks, study, study_sdp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [f"--lm_config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}",
+        "--lm_config.steps=4", "--lm_config.eval_every=2", "--lm_config.checkpoint_every=2",
+        "--lm_config.optim.warmup_steps=1", "--arms=lm", "--variants=ddp,b-sdp",
+        "--coverages=0.5", "--seeds=0", "--align_every=2"]
+
+
+@pytest.mark.xdist_group("study_sdp")
+def test_study_writes_resumes_and_skips_finished_runs(tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "study")
+    # 1: stopped inside the first run (as if preempted): it exits, asking for a rerun
+    with pytest.raises(SystemExit) as e:
+        study.main(["sdp", *TINY, "--lm_config.stop_at_step=2", f"--out={out}"])
+    assert e.value.code == 1
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    ddp = os.path.join(out, "lm", "seed0", "ddp")
+    assert json.load(open(os.path.join(ddp, "summary.json")))["steps"] == 2
+    # 2: the same command resumes the stopped run at step 2 and trains the rest
+    rows = study.main(["sdp", *TINY, f"--out={out}"])
+    steps = [json.loads(line)["step"] for line in open(os.path.join(ddp, "metrics.jsonl"))]
+    assert steps == [1, 2, 3, 4]   # resumed after step 2, nothing trained twice
+    assert [(r["variant"], r["budget"], r["steps"]) for r in rows] == [
+        ("ddp", "step", 4), ("b-sdp", "step", 4), ("b-sdp", "flop", 8)]
+    by = {(r["variant"], r["budget"]): r for r in rows}
+    # DDP's gradient is the full model's; B-SDP's subnetworks' is not
+    assert by["ddp", "step"]["grad_alignment"] == pytest.approx(1.0, abs=1e-5)
+    assert by["ddp", "step"]["update_alignment"] == pytest.approx(1.0, abs=1e-5)
+    assert by["b-sdp", "step"]["grad_alignment"] < 0.999
+    # FLOP-matched: twice the steps at C = 1/2; the FLOPs of the run are counted, not assumed
+    assert by["b-sdp", "flop"]["flops"] == pytest.approx(2 * by["b-sdp", "step"]["flops"])
+    assert by["b-sdp", "step"]["flops"] < by["ddp", "step"]["flops"]
+    assert by["b-sdp", "step"]["peak_bytes_per_device"] < by["ddp", "step"]["peak_bytes_per_device"]
+    assert [c[0] for c in by["b-sdp", "flop"]["curve"]] == [2, 4, 6, 8]
+    for name in ("study_sdp.json", "study_sdp.md", "lm_loss_vs_flops.png", "lm_pareto.png",
+                 "lm_alignment.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 100, name
+    table = open(os.path.join(out, "study_sdp.md")).read()
+    loss = by["b-sdp", "flop"]["loss"]
+    assert (f"| b-sdp | 0.5 | flop | 8 | {loss:.4f} | "
+            f"{loss - by['ddp', 'step']['loss']:+.4f} |") in table
+    assert json.load(open(os.path.join(out, "study_sdp.json")))[2]["loss"] == loss
+    # 3: every run finished: nothing compiles or trains; an unrealizable coverage is skipped
+    monkeypatch.setattr(loop, "make_step", lambda *a: pytest.fail("compiled a finished run"))
+    again = study.main(["sdp", *TINY, "--coverages=0.5,0.375", f"--out={out}"])
+    assert [r["loss"] for r in again if not r.get("skipped")] == [r["loss"] for r in rows]
+    skipped = [r for r in again if r.get("skipped")]
+    assert [(r["variant"], r["coverage"], r["budget"]) for r in skipped] == [
+        ("b-sdp", 0.375, "step"), ("b-sdp", 0.375, "flop")]
+    assert "C*G=1.5 components per worker for G=4" in skipped[0]["skipped"]
+    assert "| b-sdp | 0.375 | step | - | skipped: " in open(os.path.join(out, "study_sdp.md")).read()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--arms=lm,foo"], "--arms='lm,foo': choose distinct values from lm, digits, gap"),
+    (["--coverages=0"], "--coverages='0': give distinct values in (0, 1]"),
+    (["--seeds=0,0"], "--seeds='0,0': give distinct non-negative seeds"),
+    (["--budgets=steps"], "--budgets='steps': choose distinct values from step, flop"),
+    (["--arms=digits", f"--vision_config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}"],
+     "is not a vision config (the digits arm)"),
+    (["--lm_config.sdp.scheme=zigzag"], "unknown mask scheme 'zigzag'"),
+])
+def test_bad_flags_are_one_line_errors(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        study.main(["sdp", *TINY[:-5], *flags, f"--out={tmp_path}"], check_only=True)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_plan_and_gap_schemes():
+    """The gap arm's three schemes at one coverage: cyclic, random (mask seed = the seed)
+    and grouped, whose mask graph is disconnected (gap 0) and needs allow_disconnected."""
+    runs = study_sdp.plan(["lm", "gap"], ["ddp", "n-sdp"], [0.5], ["step", "flop"], [3], 0.5)
+    assert [r["name"] for r in runs] == ["ddp", "n-sdp_c0.5_step", "n-sdp_c0.5_flop",
+                                         "bb-sdp_c0.5_cyclic", "bb-sdp_c0.5_random",
+                                         "bb-sdp_c0.5_grouped"]
+    from sdp_jax import config as config_lib
+    base = config_lib.base_config()
+    c = study_sdp.run_config(base, runs[-1], 25)
+    assert (c.sdp.scheme, c.sdp.mask_seed, c.sdp.allow_disconnected, c.seed) == (
+        "grouped", 3, True, 3)
+    assert c.align_every == 25 and study_sdp.run_config(base, runs[2], 25).flop_matched
+    g = masks.build_mask("grouped", 8, 8, 0.5)
+    assert g.sum(1).tolist() == [4] * 8 and g.sum(0).tolist() == [4] * 8
+    assert masks.spectral_gap(g) == 0.0 and masks.spectral_gap(
+        masks.build_mask("cyclic", 8, 8, 0.5)) > 0.5
+    assert np.array_equal(g[:4], np.tile([True] * 4 + [False] * 4, (4, 1)))
+    with pytest.raises(ValueError, match="grouped scheme needs"):
+        masks.build_mask("grouped", 8, 8, 0.375)
