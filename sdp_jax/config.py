@@ -283,9 +283,11 @@ def resolve(config, device_count: int) -> RunSpec:
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
     if pipe.stages > 1:
         pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
-    if config.align_every and (pipe.stages > 1 or config.fsdp or not family.aligns):
+    if config.align_every and (pipe.stages > 1 or config.fsdp or not family.aligns
+                               or config.sdp.average != "gradients"):
         what = ("pipelines" if pipe.stages > 1 else "FSDP" if config.fsdp
-                else f"{family.kind} models")
+                else f"{family.kind} models" if not family.aligns
+                else "parameter averaging (sdp.average=parameters)")
         raise ValueError(f"config.align_every={config.align_every}: the gradient alignment "
                          f"is not built for {what} (it needs the full model and its loss on "
                          "every device); set --config.align_every=0.")

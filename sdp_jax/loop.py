@@ -471,7 +471,9 @@ def train(config, workdir: str) -> dict[str, Any]:
     on evaluation steps, ``val_loss`` nats/token and for byte-level data ``val_bpb``
     bits/byte; vision ``train_acc``, ``images_per_s``, ``test_loss`` nats and ``test_acc``;
     language models also ``model_flops_per_s_per_device`` and, where the device's peak is
-    known, ``mfu``), TensorBoard events beside it, ``workdir/config.json``,
+    known, ``mfu``; with ``config.align_every``, every that many steps ``grad_alignment`` and
+    ``update_alignment``, :meth:`sdp_jax.step.SDPStep.alignment_fn`), TensorBoard events
+    beside it, ``workdir/config.json``,
     ``workdir/checkpoints/`` (orbax; each records the run's wall seconds so far),
     ``workdir/summary.json`` and, when the run is complete, ``workdir/curves.png``.
 

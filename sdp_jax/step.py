@@ -1382,7 +1382,8 @@ class SDPStep:
                       for p in a)
             na = sum(jnp.sum(jnp.square(a[p].astype(jnp.float32))) for p in a)
             nb = sum(jnp.sum(jnp.square(b[p].astype(jnp.float32))) for p in b)
-            return dot / jnp.maximum(jnp.sqrt(na * nb), jnp.finfo(jnp.float32).tiny)
+            return dot / jnp.maximum(jnp.sqrt(na) * jnp.sqrt(nb),
+                                     jnp.finfo(jnp.float32).tiny)
         held = jax.lax.pmean(cosine(g_sub, g_held), AXIS)
         # the averaged update (each component's mean over its holders) against DDP's mean
         sdp = _flatten(sync.gather_full(_unflatten(g_sub), self.spec))
@@ -1412,14 +1413,15 @@ class SDPStep:
         needs), e.g. by building the model from the number of blocks it is given.
 
         Raises:
-          ValueError: FSDP with the block runner, a pipeline (``stage`` axis), or
-            ``stacked_slots`` (a model that runs its own slots, e.g. the vision models, has no
-            full-model loss here)."""
-        if (self.fsdp and self.block_fn is not None) or self.staged or self.stacked_slots:
-            raise ValueError("the gradient alignment needs the full model on every device and "
-                             "the model's own loss: not built for FSDP with the block runner, "
-                             "pipelines or stacked_slots models (the vision models); measure it "
-                             "on an unpipelined run without --config.fsdp.")
+          ValueError: FSDP, parameter averaging (``averaging="parameters"``: the workers'
+            copies differ), a pipeline (``stage`` axis), or ``stacked_slots`` (a model that
+            runs its own slots, e.g. the vision models, has no full-model loss here)."""
+        if self.fsdp or self.periodic or self.staged or self.stacked_slots:
+            raise ValueError("the gradient alignment needs the full model on every device, "
+                             "one model per component and the model's own loss: not built for "
+                             "FSDP, parameter averaging, pipelines or stacked_slots models (the "
+                             "vision models); measure it on an unpipelined run without "
+                             "--config.fsdp, averaging gradients.")
         if self._alignment is None:
             if self.state_spec is None:
                 fn = jax.shard_map(lambda p, b: self._local_alignment(p, b), mesh=self.mesh,

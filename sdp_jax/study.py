@@ -239,7 +239,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     fv = flag_values(argv)
     rest = cli.parse(fv, argv, PROG, __doc__, RENAMED)
     if len(rest) > 1:
-        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --ratios=4,8")
+        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --ratios=4,8"
+                  + ("; the SDP study's subcommand comes first: python -m sdp_jax.study sdp "
+                     "--out ..." if "sdp" in rest[1:] else ""))
     config = fv.config
 
     def err(msg):

@@ -14,22 +14,27 @@ Arms (``--arms``):
   default corpus); ``digits``: the vision model of ``--vision_config`` (default
   ``configs/resnet18_study.py``, the handwritten digits). For every seed: DDP once (the
   config's ``steps``), then every SDP variant of ``--variants`` at every coverage of
-  ``--coverages``, under each budget of ``--budgets``: ``step`` (DDP's steps) and ``flop``
-  (``ceil(steps / C)`` steps, the config's ``flop_matched``). A coverage a variant cannot
+  ``--coverages``, under each budget of ``--budgets``: ``step`` (DDP's steps) and, for the
+  forward variants, ``flop`` (``ceil(steps / C)`` steps, the config's ``flop_matched``; a
+  backward variant's step costs the full model's FLOPs, so its ``step`` run is its
+  FLOP-matched one). A coverage a variant cannot
   realize on the model (e.g. B-SDP at C = 3/8 of a ResNet-18 whose stages keep a block each)
   is skipped with its reason in the table. Language-model runs measure the gradient alignment
   every ``--align_every`` steps (:meth:`sdp_jax.step.SDPStep.alignment_fn`).
 * ``gap``: ``bb-sdp`` on the ``--lm_config`` model at ``--gap_coverage`` with the mask schemes
   ``cyclic``, ``random`` (mask seed = the run's seed) and ``grouped`` (disconnected: spectral
   gap 0, run with ``allow_disconnected``), at DDP's steps: loss against the mask graph's
-  spectral gap.
+  spectral gap. (Its cyclic run is the lm arm's ``bb-sdp`` step run when the configs agree:
+  trained once, in the lm arm's folder.)
 
 Each run is an ordinary training run in ``OUT/<arm>/seed<s>/<name>`` (a rerun resumes a
 stopped run and reuses a finished run's summary without compiling; an interrupted study exits
 with 128 + the signal number, as ``train.py``). Every run, planned or skipped, is validated
 before the first one trains.
 
-Writes to ``OUT``: ``study_sdp.json`` (one row per run, with its evaluation curve),
+Writes to ``OUT``, from every run of this and earlier invocations with the same ``OUT`` (the
+rows of ``study_sdp.json`` are merged, a run's new row replacing its old one, so pieces run one
+after another add up): ``study_sdp.json`` (one row per run, with its evaluation curve),
 ``study_sdp.md`` (the tables: means over the seeds with their range), and per arm
 ``<arm>_loss_vs_flops.png`` (validation loss against training FLOPs, one panel per coverage,
 the FLOP-matched runs and DDP, mean over seeds with the range shaded), ``<arm>_pareto.png``
@@ -49,6 +54,7 @@ PROG = "python -m sdp_jax.study sdp"
 ARMS = ("lm", "digits", "gap")
 VARIANTS = ("ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp")
 BUDGETS = ("step", "flop")
+FORWARD = ("b-sdp", "n-sdp")   # the variants whose steps cost C of DDP's block FLOPs
 GAP_SCHEMES = ("cyclic", "random", "grouped")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,7 +104,9 @@ def _name(variant: str, coverage: float, budget: str, scheme: str | None = None)
 
 def plan(arms, variants, coverages, budgets, seeds, gap_coverage) -> list[dict]:
     """The study's runs, in order: ``{arm, variant, coverage, budget, scheme, seed, name}``
-    (``scheme`` None: the config's)."""
+    (``scheme`` None: the config's). The ``flop`` budget is planned for the forward variants
+    only: a backward-masking step runs the full model's forward and backward passes, so its
+    ``step`` run is already FLOP-matched to DDP (the FLOPs column of the table shows it)."""
     runs = []
     for seed in seeds:
         for arm in arms:
@@ -112,21 +120,22 @@ def plan(arms, variants, coverages, budgets, seeds, gap_coverage) -> list[dict]:
                                  scheme=None, seed=seed, name="ddp"))
             runs += [dict(arm=arm, variant=v, coverage=c, budget=b, scheme=None, seed=seed,
                           name=_name(v, c, b))
-                     for c in coverages for v in variants if v != "ddp" for b in budgets]
+                     for c in coverages for v in variants if v != "ddp" for b in budgets
+                     if b == "step" or v in FORWARD]
     return runs
 
 
 def run_config(base, run: dict, align_every: int):
     """``base`` (an arm's config) set up for one run of :func:`plan`."""
-    c = base.copy_and_resolve_references()
+    from sdp_jax import bench  # pylint: disable=g-import-not-at-top
+    c = bench._variant_config(base, run["variant"], run["coverage"], base.workers)
     with c.unlocked():
-        c.sdp.variant = run["variant"]
-        c.sdp.coverage = run["coverage"]
         c.flop_matched = run["budget"] == "flop"
         c.seed = run["seed"]
         if run["scheme"] is not None:
             c.sdp.scheme = run["scheme"]
-            c.sdp.mask_seed = run["seed"]
+            if run["scheme"] == "random":
+                c.sdp.mask_seed = run["seed"]
             c.sdp.allow_disconnected = run["scheme"] == "grouped"
         if run["arm"] != "digits":
             c.align_every = min(align_every, c.steps) if align_every else 0
@@ -135,18 +144,12 @@ def run_config(base, run: dict, align_every: int):
 
 def read_metrics(workdir: str, loss_key: str) -> tuple[list, dict]:
     """``(evaluation curve [(step, loss)], mean of each alignment over the run)`` from a run's
-    ``metrics.jsonl``."""
-    curve, align = [], {"grad_alignment": [], "update_alignment": []}
-    path = os.path.join(workdir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec.get(loss_key) is not None:
-                    curve.append((rec["step"], rec[loss_key]))
-                for k, v in align.items():
-                    if rec.get(k) is not None:
-                        v.append(rec[k])
+    ``metrics.jsonl`` (:func:`sdp_jax.plot.read_run`)."""
+    from sdp_jax import plot  # pylint: disable=g-import-not-at-top
+    records = plot.read_run(workdir)["records"]
+    curve = [(r["step"], r[loss_key]) for r in records if r.get(loss_key) is not None]
+    align = {k: [r[k] for r in records if r.get(k) is not None]
+             for k in ("grad_alignment", "update_alignment")}
     return curve, {k: (sum(v) / len(v) if v else None) for k, v in align.items()}
 
 
@@ -169,13 +172,18 @@ def row_of(run: dict, summary: dict, workdir: str) -> dict:
 
 def aggregate(rows: list[dict]) -> list[dict]:
     """One row per (arm, variant, coverage, budget, scheme) over the seeds: ``loss``, the
-    alignments, ``spectral_gap`` and ``wall_s`` are means, ``losses`` the per-seed values;
+    alignments, ``metric``, ``spectral_gap`` and ``wall_s`` are means, ``losses`` the
+    per-seed values, ``diverged_seeds`` the seeds whose run diverged; ``steps``, ``flops``,
+    ``peak_bytes_per_device`` and ``curve`` are the first seed's (the same for every seed);
     skipped runs (``skipped``: the reason) are kept once."""
     out: dict[tuple, dict] = {}
     for r in rows:
         key = (r["arm"], r["variant"], r["coverage"], r["budget"], r["scheme"])
-        a = out.setdefault(key, {**r, "seeds": [], "losses": [], "metrics": []})
-        if r.get("skipped"):
+        a = out.setdefault(key, {**r, "seeds": [], "losses": [], "metrics": [],
+                                 "diverged_seeds": []})
+        if r.get("diverged"):
+            a["diverged_seeds"].append(r["seed"])
+        if r.get("skipped") or r.get("diverged"):
             continue
         a["seeds"].append(r["seed"])
         a["losses"].append(r["loss"])
@@ -184,7 +192,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         sel = [r for r in rows if (r["arm"], r["variant"], r["coverage"], r["budget"],
                                    r["scheme"]) == (a["arm"], a["variant"], a["coverage"],
                                                     a["budget"], a["scheme"])
-               and not r.get("skipped")]
+               and not r.get("skipped") and not r.get("diverged")]
         for k in ("loss", "metric", "grad_alignment", "update_alignment", "spectral_gap",
                   "wall_s"):
             vals = [r[k] for r in sel if r.get(k) is not None]
@@ -196,7 +204,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 def _range(a: dict) -> str:
     v = a["losses"]
     if a["loss"] is None:
-        return ""
+        return "diverged" if a.get("diverged_seeds") else ""
     return f"{a['loss']:.4f}" + (f" [{min(v):.4f}, {max(v):.4f}]" if len(v) > 1 else "")
 
 
@@ -215,8 +223,10 @@ def format_tables(agg: list[dict]) -> str:
                     "seeds |", "|---|---|---|---|---|---|"]
             for a in sorted(sel, key=lambda a: -(a["spectral_gap"] or 0)):
                 gap = "" if a["spectral_gap"] is None else f"{a['spectral_gap']:.3f}"
+                div = len(a.get("diverged_seeds") or [])
                 out.append(f"| {a['scheme']} | {a['coverage']:g} | {gap} | "
-                           f"{a.get('steps', '')} | {_range(a)} | {len(a['seeds'])} |")
+                           f"{a.get('steps', '')} | {_range(a)} | {len(a['seeds'])}"
+                           + (f" ({div} diverged)" if div else "") + " |")
             out.append("")
             continue
         vision = arm == "digits"
@@ -246,8 +256,13 @@ def format_tables(agg: list[dict]) -> str:
                   for k in ("grad_alignment", "update_alignment")]
             flops = "1.000" if a is ddp else ratio("flops")
             peak = "1.000" if a is ddp else ratio("peak_bytes_per_device")
+            div = a.get("diverged_seeds") or []
+            seeds = f"{len(a['seeds'])}" + (f" ({len(div)} diverged)" if div else "")
+            if not a["seeds"]:
+                out.append(f"{lead} - | diverged |" + " |" * 6 + f" {seeds} |")
+                continue
             out.append(f"{lead} {a['steps']} | {_range(a)} | {vs} | {m} | {flops} | {peak} | "
-                       f"{al[0]} | {al[1]} | {len(a['seeds'])} |")
+                       f"{al[0]} | {al[1]} | {seeds} |")
         out.append("")
     return "\n".join(out)
 
@@ -268,7 +283,7 @@ def plot_loss_vs_flops(rows: list[dict], arm: str, path: str) -> bool:
     FLOPs (mean over seeds, the seeds' range shaded) and DDP's. False (nothing written) when
     the arm has no FLOP counts or no FLOP-matched run."""
     import numpy as np  # pylint: disable=g-import-not-at-top
-    sel = [r for r in rows if r["arm"] == arm and not r.get("skipped") and r.get("flops")]
+    sel = [r for r in rows if r["arm"] == arm and r.get("flops")]
     covs = sorted({r["coverage"] for r in sel if r["budget"] == "flop" and r["variant"] != "ddp"},
                   reverse=True)
     if not covs:
@@ -280,12 +295,12 @@ def plot_loss_vs_flops(rows: list[dict], arm: str, path: str) -> bool:
         for r in sel:
             if r["variant"] == "ddp" or (r["coverage"] == cov and r["budget"] == "flop"):
                 groups.setdefault(r["variant"], []).append(r["curve"])
-        for v, curves in groups.items():
-            n = min(len(c) for c in curves)
-            if n == 0:
+        for v, curves in groups.items():   # the evaluations every seed has, by step
+            steps = sorted(set.intersection(*[{p[0] for p in c} for c in curves]))
+            if not steps:
                 continue
-            x = np.array([c[i][1] for i in range(n) for c in curves[:1]])
-            ys = np.array([[c[i][2] for i in range(n)] for c in curves])
+            x = np.array([dict((p[0], p[1]) for p in curves[0])[t] for t in steps])
+            ys = np.array([[dict((p[0], p[2]) for p in c)[t] for t in steps] for c in curves])
             ax.plot(x, ys.mean(0), "-o", ms=3, color=_COLORS.get(v), label=v)
             if len(curves) > 1:
                 ax.fill_between(x, ys.min(0), ys.max(0), color=_COLORS.get(v), alpha=0.2)
@@ -302,7 +317,8 @@ def plot_loss_vs_flops(rows: list[dict], arm: str, path: str) -> bool:
 
 def plot_pareto(agg: list[dict], arm: str, path: str) -> bool:
     """Final loss (mean, seed range as a bar) against peak memory per device, every run of
-    the arm, with the Pareto front (no other run has both less memory and a lower loss)."""
+    the arm (both budgets), with the Pareto front (the runs no other run matches or beats
+    on both axes)."""
     pts = [a for a in agg if a["arm"] == arm and a.get("loss") is not None
            and a.get("peak_bytes_per_device")]
     if not pts:
@@ -320,7 +336,8 @@ def plot_pareto(agg: list[dict], arm: str, path: str) -> bool:
         ax.annotate(label, (x, a["loss"]), textcoords="offset points", xytext=(4, 3),
                     fontsize=7)
     front = sorted((a for a in pts if not any(
-        o["peak_bytes_per_device"] <= a["peak_bytes_per_device"] and o["loss"] < a["loss"]
+        o["peak_bytes_per_device"] <= a["peak_bytes_per_device"] and o["loss"] <= a["loss"]
+        and (o["peak_bytes_per_device"], o["loss"]) != (a["peak_bytes_per_device"], a["loss"])
         for o in pts)), key=lambda a: a["peak_bytes_per_device"])
     if len(front) > 1:
         ax.plot([a["peak_bytes_per_device"] / 2**20 for a in front],
@@ -366,7 +383,7 @@ def plot_alignment(agg: list[dict], path: str) -> bool:
 
 def plot_gap(rows: list[dict], path: str) -> bool:
     """Final validation loss of every gap-arm run against its mask graph's spectral gap."""
-    pts = [r for r in rows if r["arm"] == "gap" and not r.get("skipped")]
+    pts = [r for r in rows if r["arm"] == "gap" and r.get("loss") is not None]
     if not pts:
         return False
     plt = _plt()
@@ -391,8 +408,9 @@ def _floats(err, flag: str, values: list[str], low: float, high: float) -> list[
         out = [float(x) for x in values if x]
     except ValueError:
         err(f"--{flag}={','.join(values)!r} must be numbers like 0.5,0.375")
-    if not out or len(set(out)) != len(out) or any(not low < x <= high for x in out):
-        err(f"--{flag}={','.join(values)!r}: give distinct values in ({low:g}, {high:g}]")
+    if not out or len(set(out)) != len(out) or any(not low < x < high for x in out):
+        err(f"--{flag}={','.join(values)!r}: give distinct values in ({low:g}, {high:g}), "
+            "e.g. 0.5,0.375")
     return out
 
 
@@ -404,11 +422,18 @@ def _choices(err, flag: str, values: list[str], allowed: tuple) -> list[str]:
     return out
 
 
+def _one_line(e: Exception, flag: str) -> str:
+    """An error of a run's validation or training as one line naming the study's flags."""
+    return (" ".join(str(e).split()).replace("--config.align_every", "--align_every")
+            .replace("--config.", f"--{flag}.").replace("--workdir", "--out"))
+
+
 def main(argv=None, check_only: bool = False) -> list[dict]:
     """The SDP study's command line (``argv`` without the program name). Returns one row per
-    run. A bad flag or config, or a run folder written by other settings, exits with status 2
-    and a one-line error before any compile or training; ``check_only`` stops after that
-    validation (the documentation check, ``tests/test_docs.py``)."""
+    run of this invocation. A bad flag or config, or a run folder written by other settings,
+    exits with status 2 and a one-line error before any compile or training; ``check_only``
+    stops after that validation (the documentation check, ``tests/test_docs.py``). A run that
+    diverges (a non-finite loss) is recorded as such and the study goes on."""
     from sdp_jax import bench, cli  # pylint: disable=g-import-not-at-top
     argv = [PROG] + (sys.argv[2:] if argv is None else list(argv))
     fv = flag_values(argv)
@@ -422,6 +447,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     variants = _choices(err, "variants", fv.variants, VARIANTS)
     budgets = _choices(err, "budgets", fv.budgets, BUDGETS)
     coverages = _floats(err, "coverages", fv.coverages, 0.0, 1.0)
+    if len({_name("b-sdp", c, "step") for c in coverages}) != len(coverages):
+        err(f"--coverages={','.join(fv.coverages)!r}: give coverages that differ in their "
+            "first six digits")
     try:
         seeds = [int(x) for x in fv.seeds if x]
     except ValueError:
@@ -433,54 +461,83 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     if fv.align_every < 0:
         err(f"--align_every={fv.align_every}: give 0 (off) or a number of steps, e.g. 25")
     bases = {"lm": fv.lm_config, "gap": fv.lm_config, "digits": fv.vision_config}
-    for arm, flag, kind in (("lm", "lm_config", "language-model"),
-                            ("gap", "lm_config", "language-model"),
-                            ("digits", "vision_config", "vision")):
-        if arm in arms and (bases[arm].model.get("name", "llama") == "llama") != (
-                kind == "language-model"):
-            err(f"--{flag} {fv[flag].config_filename!r} is not a {kind} config (the {arm} "
-                "arm); give one from configs/ of that kind")
+    flag = {"lm": "lm_config", "gap": "lm_config", "digits": "vision_config"}
+    for arm in arms:
+        if bench._is_vision(bases[arm]) != (arm == "digits"):
+            kind = "vision" if arm == "digits" else "language-model"
+            err(f"--{flag[arm]} {fv[flag[arm]].config_filename!r} is not a {kind} config (the "
+                f"{arm} arm); give one from configs/ of that kind")
+    bench._simulate_devices(max(bases[a].num_cpu_devices for a in arms))
     import jax  # pylint: disable=g-import-not-at-top
-    want = max(bases[a].num_cpu_devices for a in arms)
-    if want > int(jax.config.jax_num_cpu_devices):   # raised, never lowered
-        jax.config.update("jax_num_cpu_devices", want)
+
     from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
     from sdp_jax import loop  # pylint: disable=g-import-not-at-top
 
+    def folder(run):
+        return os.path.join(fv.out, run["arm"], f"seed{run['seed']}", run["name"])
+
+    for arm in arms:   # each arm's config as DDP: its own errors are not a coverage's
+        try:
+            config_lib.resolve(run_config(bases[arm], dict(
+                arm=arm, variant="ddp", coverage=1.0, budget="step", scheme=None,
+                seed=seeds[0]), fv.align_every), jax.device_count())
+        except ValueError as e:
+            err(f"--{flag[arm]}: {_one_line(e, flag[arm])}")
     runs = plan(arms, variants, coverages, budgets, seeds, fv.gap_coverage)
     configs = {}
     for run in runs:   # all validated before any compile or training
         c = run_config(bases[run["arm"]], run, fv.align_every)
-        where = os.path.join(fv.out, run["arm"], f"seed{run['seed']}", run["name"])
+        where = folder(run)
+        if run["scheme"] == "cyclic":   # the lm arm's bb-sdp step run, if it is the same run
+            twin = dict(run, arm="lm", scheme=None, name=_name("bb-sdp", run["coverage"],
+                                                              "step"))
+            if run_config(bases["lm"], twin, fv.align_every).to_dict() == c.to_dict():
+                where = folder(twin)
         try:
             spec = config_lib.resolve(c, jax.device_count())
         except ValueError as e:
-            if run["variant"] == "ddp" or run["arm"] == "gap":
-                err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: {e}")
-            run["skipped"] = str(e).split(";")[0]   # not realizable on this model
+            why = _one_line(e, flag[run["arm"]])
+            if run["variant"] == "ddp" or f"coverage C={run['coverage']:g}" not in why:
+                err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: {why}")
+            run["skipped"] = why.split(";")[0].replace("|", "/")   # not realizable here
             continue
         try:
             loop.check_workdir(c, where, spec)
         except ValueError as e:
-            err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: {e} (the run folder is "
-                f"{where}: use another --out, or the flags that wrote it)")
+            err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: "
+                f"{_one_line(e, flag[run['arm']])} (the run folder is {where}: use another "
+                "--out, or the flags that wrote it)")
         configs[id(run)] = (c, where)
+    for arm in arms:
+        sdp_runs = [r for r in runs if r["arm"] == arm and r["variant"] != "ddp"]
+        if arm != "gap" and sdp_runs and all(r.get("skipped") for r in sdp_runs):
+            err(f"the {arm} arm: no variant of --variants is realizable at --coverages="
+                f"{','.join(fv.coverages)} ({sdp_runs[0]['skipped']})")
     bench.out_folder(PROG, fv.out)
     if check_only:
         return []
+    cli.exit_on_signals()   # outside the training loops: one line, no traceback
     todo = [r for r in runs if not r.get("skipped")]
-    skipped = {(r["arm"], r["name"]): r["skipped"] for r in runs if r.get("skipped")}
-    for (arm, name), why in skipped.items():
-        loop.log(f"study: skipping {arm} {name}: {why}")
+    for r in runs:
+        if r.get("skipped") and r["seed"] == seeds[0]:
+            loop.log(f"study: skipping {r['arm']} {r['name']}: {r['skipped']}")
     rows = []
-    for i, run in enumerate(runs):
+    for run in runs:
         if run.get("skipped"):
             rows.append(dict(run))
             continue
         c, where = configs[id(run)]
         loop.log(f"study: run {todo.index(run) + 1}/{len(todo)}: {run['arm']} {run['name']}, "
                  f"seed {run['seed']} -> {where}")
-        s = loop.train(c, where)
+        try:
+            s = loop.train(c, where)
+        except FloatingPointError as e:   # this run diverged; the others still tell
+            loop.log(f"study: {run['arm']} {run['name']}, seed {run['seed']} diverged: {e}")
+            rows.append(dict(run, diverged=" ".join(str(e).split())))
+            continue
+        except (ValueError, ImportError) as e:
+            err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: "
+                f"{_one_line(e, flag[run['arm']])}")
         if not s.get("completed"):
             print(f"study stopped during {run['arm']} {run['name']} (seed {run['seed']}); rerun "
                   "the same command to resume.", file=sys.stderr)
@@ -495,12 +552,18 @@ def write(rows: list[dict], out: str) -> list[str]:
     """``study_sdp.json``, ``study_sdp.md`` and the PNGs of ``rows`` into ``out``; returns the
     paths written."""
     from sdp_jax import loop  # pylint: disable=g-import-not-at-top
+    path = os.path.join(out, "study_sdp.json")
+    if os.path.exists(path):   # earlier pieces' rows, replaced by this invocation's
+        with open(path) as f:
+            old = json.load(f)
+        mine = {(r["arm"], r["seed"], r["name"]) for r in rows}
+        rows = [r for r in old if (r["arm"], r["seed"], r["name"]) not in mine] + rows
     agg = aggregate(rows)
     table = format_tables(agg)
     print(table)
     written = [os.path.join(out, "study_sdp.json"), os.path.join(out, "study_sdp.md")]
     loop.write_atomically(written[0], json.dumps(rows, indent=1))
-    total = sum(r.get("wall_s") or 0 for r in rows if not r.get("skipped"))
+    total = sum(r.get("wall_s") or 0 for r in rows)
     loop.write_atomically(written[1], table + f"\nTraining wall time of these runs: "
                           f"{total / 60:.1f} min ({math.ceil(total / 3600 * 10) / 10:g} h).\n")
     arms = {r["arm"] for r in rows}

@@ -781,10 +781,13 @@ class VisionFamily(_Family):
         return None
 
     def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
-        """``model_flops_per_step``: XLA's FLOP count of the compiled train step (no loops in
-        the vision step, so every layer is counted; backward variants count their full
-        backward pass) times the ``W`` workers."""
+        """``model_flops_per_step``: XLA's FLOP count of the compiled train step (without
+        activation checkpointing the vision step has no loop, so every layer is counted;
+        backward variants count their full backward pass) times the ``W`` workers; None under
+        ``remat`` (a scan, whose body XLA counts once)."""
         from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+        if config.remat != "none":
+            return [], {"model_flops_per_step": None}
         flops = ts.flops_per_device(compiled) * spec.workers
         return [], {"model_flops_per_step": flops or None}
 

@@ -63,12 +63,20 @@ def test_study_writes_resumes_and_skips_finished_runs(tmp_path, monkeypatch, cap
 
 @pytest.mark.parametrize("flags, message", [
     (["--arms=lm,foo"], "--arms='lm,foo': choose distinct values from lm, digits, gap"),
-    (["--coverages=0"], "--coverages='0': give distinct values in (0, 1]"),
+    (["--coverages=0"], "--coverages='0': give distinct values in (0, 1), e.g. 0.5,0.375"),
+    (["--coverages=1"], "--coverages='1': give distinct values in (0, 1)"),
     (["--seeds=0,0"], "--seeds='0,0': give distinct non-negative seeds"),
     (["--budgets=steps"], "--budgets='steps': choose distinct values from step, flop"),
     (["--arms=digits", f"--vision_config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}"],
      "is not a vision config (the digits arm)"),
-    (["--lm_config.sdp.scheme=zigzag"], "unknown mask scheme 'zigzag'"),
+    (["--lm_config.sdp.scheme=zigzag"], "--lm_config: ddp masks 4 blocks: unknown mask "
+     "scheme 'zigzag'"),
+    (["--arms=lm", "--variants=b-sdp", "--lm_config.sdp.scheme=zigzag"],
+     "--lm_config: ddp masks 4 blocks: unknown mask scheme 'zigzag'"),   # not a skipped run
+    (["--arms=lm", "--variants=b-sdp", "--coverages=0.375"],
+     "the lm arm: no variant of --variants is realizable at --coverages=0.375"),
+    (["--arms=lm", "--lm_config.fsdp=True"], "--lm_config: config.align_every=4: the gradient "
+     "alignment is not built for FSDP"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -89,7 +97,7 @@ def test_plan_and_gap_schemes():
     base = config_lib.base_config()
     c = study_sdp.run_config(base, runs[-1], 25)
     assert (c.sdp.scheme, c.sdp.mask_seed, c.sdp.allow_disconnected, c.seed) == (
-        "grouped", 3, True, 3)
+        "grouped", 0, True, 3)   # (the mask seed is the random scheme's only)
     assert c.align_every == 25 and study_sdp.run_config(base, runs[2], 25).flop_matched
     g = masks.build_mask("grouped", 8, 8, 0.5)
     assert g.sum(1).tolist() == [4] * 8 and g.sum(0).tolist() == [4] * 8
@@ -98,3 +106,45 @@ def test_plan_and_gap_schemes():
     assert np.array_equal(g[:4], np.tile([True] * 4 + [False] * 4, (4, 1)))
     with pytest.raises(ValueError, match="grouped scheme needs"):
         masks.build_mask("grouped", 8, 8, 0.375)
+
+
+def _fake_train(seen, diverge=()):
+    """loop.train's stand-in: records the folder, writes the files a finished run leaves."""
+    def train(c, where):
+        seen.append(where)
+        if c.sdp.scheme in diverge:
+            raise FloatingPointError("non-finite train_loss at step 3")
+        os.makedirs(where, exist_ok=True)
+        loss = 2.0 + c.sdp.coverage + 0.01 * c.seed
+        with open(os.path.join(where, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": c.steps, "val_loss": loss, "grad_alignment": 1.0}) + "\n")
+        s = {"completed": True, "steps": c.steps, "final_val_loss": loss, "final_val_bpb": 3.0,
+             "peak_bytes_per_device": 2**20, "model_flops_per_step": 1e9, "spectral_gap": 0.5,
+             "wall_s": 1.0}
+        with open(os.path.join(where, "summary.json"), "w") as f:
+            json.dump(s, f)
+        return s
+    return train
+
+
+def test_gap_arm_reuses_the_lm_run_and_pieces_add_up(tmp_path, monkeypatch):
+    """The gap arm's cyclic run is the lm arm's bb-sdp step run (one folder); a diverged run
+    is recorded and the study goes on; a later piece keeps the earlier pieces' rows."""
+    seen = []
+    monkeypatch.setattr(loop, "train", _fake_train(seen, diverge=("grouped",)))
+    out = tmp_path / "s"
+    study.main(["sdp", *TINY[:-5], "--arms=lm,gap", "--variants=ddp,bb-sdp", "--coverages=0.5",
+                "--seeds=0", f"--out={out}"])
+    lm, gap = out / "lm" / "seed0", out / "gap" / "seed0"
+    assert seen == [str(lm / "ddp"), str(lm / "bb-sdp_c0.5_step"), str(lm / "bb-sdp_c0.5_step"),
+                    str(gap / "bb-sdp_c0.5_random"), str(gap / "bb-sdp_c0.5_grouped")]
+    table = (out / "study_sdp.md").read_text()
+    assert "| grouped | 0.5 |  |  | diverged | 0 (1 diverged) |" in table
+    study.main(["sdp", *TINY[:-5], "--arms=lm", "--variants=ddp", f"--out={out}",
+                "--seeds=1"])
+    rows = json.loads((out / "study_sdp.json").read_text())
+    assert sorted((r["arm"], r["seed"], r["name"]) for r in rows) == [
+        ("gap", 0, "bb-sdp_c0.5_cyclic"), ("gap", 0, "bb-sdp_c0.5_grouped"),
+        ("gap", 0, "bb-sdp_c0.5_random"), ("lm", 0, "bb-sdp_c0.5_step"), ("lm", 0, "ddp"),
+        ("lm", 1, "ddp")]
+    assert "| ddp | 1 | - | 4 | 3.0050 [3.0000, 3.0100] |" in (out / "study_sdp.md").read_text()
