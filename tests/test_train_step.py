@@ -340,3 +340,51 @@ def test_averaging_stays_after_the_loop_where_the_loop_cannot_hold_it(mesh):
     assert not builder(mesh, "nb-sdp", 0.5, method="reference")._loop_tables
     assert not builder(mesh, "n-sdp", 0.5, method="reference")._loop_tables
 
+
+
+def test_gradient_alignment_of_the_block_runner_checked_by_hand(mesh, batches):
+    """SDPStep.alignment_fn on the LLaMA (the block runner's path) against plain jax.grad:
+    B-SDP at C = 1/2, each worker's subnetwork of 2 blocks against the full model on its rows,
+    and the holders' mean against DDP's mean gradient."""
+    b = builder(mesh, "b-sdp", 0.5)
+    state = b.init_state(seed=0)
+    got = {k: float(v) for k, v in b.alignment_fn()(state, batches[0]).items()}
+    full = b.full_params(state["params"])
+    x = np.asarray(batches[0]).reshape(W, 2, -1)
+    held = b.spec.kinds["block"].held
+
+    def loss(p, xs):
+        return next_token_loss(nnx.merge(graph(), p)(xs[:, :-1]), xs[:, 1:])
+
+    def flat(t):
+        return np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(t)])
+
+    def cos(a, c):
+        a, c = flat(a), flat(c)
+        return float(a @ c / np.sqrt((a @ a) * (c @ c)))
+    subs, fulls, cosines = [], [], []
+    for w in range(W):
+        pick = lambda t, w=w: dict(t, blocks=jax.tree.map(lambda a: a[held[w]], t["blocks"]))  # noqa: E731
+        g_full = jax.grad(loss)(full, x[w])
+        g_sub = jax.grad(loss)(pick(full), x[w])
+        cosines.append(cos(g_sub, pick(g_full)))
+        subs.append(g_sub)
+        fulls.append(g_full)
+    mean = {k: jax.tree.map(lambda *a: np.mean(a, 0), *[s[k] for s in subs])
+            for k in full if k != "blocks"}
+    mean["blocks"] = jax.tree.map(np.zeros_like, full["blocks"])
+    for g in range(CFG.n_layers):
+        mine = [jax.tree.map(lambda a, w=w: a[list(held[w]).index(g)], subs[w]["blocks"])
+                for w in range(W) if g in held[w]]
+        avg = jax.tree.map(lambda *a: np.mean(a, 0), *mine)
+        mean["blocks"] = jax.tree.map(lambda m, a, g=g: np.concatenate([m[:g], a[None],
+                                                                        m[g + 1:]]),
+                                      mean["blocks"], avg)
+    ddp = jax.tree.map(lambda *a: np.mean(a, 0), *fulls)
+    np.testing.assert_allclose([got["grad_alignment"], got["update_alignment"]],
+                               [np.mean(cosines), cos(mean, ddp)], rtol=0, atol=3e-5)
+    assert got["grad_alignment"] < 0.999 and got["update_alignment"] < 0.999
+    ddp_b = builder(mesh, "ddp", 1.0)
+    one = {k: float(v) for k, v in ddp_b.alignment_fn()(ddp_b.init_state(seed=0),
+                                                         batches[0]).items()}
+    assert min(one.values()) > 1 - 1e-5
