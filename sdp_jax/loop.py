@@ -478,7 +478,9 @@ def train(config, workdir: str) -> dict[str, Any]:
     ``workdir/summary.json`` and, when the run is complete, ``workdir/curves.png``.
 
     Returns:
-      the summary dict (``interrupted_by``: the signal's name when a signal stopped it).
+      the summary dict (``interrupted_by``: the signal's name when a signal stopped it before
+      the end) and ``signal`` (not in the file): a signal that stopped the loop, also when it
+      came during the last step, or None.
 
     Raises:
       ValueError: invalid config or data, or a checkpoint in ``workdir`` from another config
@@ -618,7 +620,9 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
             f"summary in {path}, curves in {os.path.join(workdir, 'curves.png')}")
     else:
         log_stopped(step, total, interrupted)
-    return out
+    # (not in summary.json) a signal that came during the last step: a caller that runs
+    # several trainings in turn (python -m sdp_jax.study) stops after this one
+    return {**out, "signal": interrupted[0] if interrupted else None}
 
 
 def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int, *, state,

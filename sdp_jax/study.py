@@ -234,14 +234,18 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         return study_sdp.main(args[1:], check_only=check_only)
     if args[:1] == ["mapl"]:
         args = args[1:]
+    elif any(a.lower() in ("sdp", "mapl") and not (i and args[i - 1].startswith("--")
+                                                   and "=" not in args[i - 1])
+             for i, a in enumerate(args)):   # (not a flag's value, as in --out sdp)
+        from sdp_jax import cli  # pylint: disable=g-import-not-at-top
+        cli.error(PROG, "the subcommand comes first, before any flag: python -m sdp_jax.study "
+                  "sdp --out ... (or mapl); lowercase")
     from sdp_jax import bench, cli  # pylint: disable=g-import-not-at-top
     argv = [PROG] + args
     fv = flag_values(argv)
     rest = cli.parse(fv, argv, PROG, __doc__, RENAMED)
     if len(rest) > 1:
-        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --ratios=4,8"
-                  + ("; the SDP study's subcommand comes first: python -m sdp_jax.study sdp "
-                     "--out ..." if "sdp" in rest[1:] else ""))
+        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --ratios=4,8")
     config = fv.config
 
     def err(msg):

@@ -32,9 +32,9 @@ stopped run and reuses a finished run's summary without compiling; an interrupte
 with 128 + the signal number, as ``train.py``). Every run, planned or skipped, is validated
 before the first one trains.
 
-Writes to ``OUT``, from every run of this and earlier invocations with the same ``OUT`` (the
-rows of ``study_sdp.json`` are merged, a run's new row replacing its old one, so pieces run one
-after another add up): ``study_sdp.json`` (one row per run, with its evaluation curve),
+Writes to ``OUT``, from the runs of this invocation and the rows earlier invocations left in
+``OUT/study_sdp.json`` (a run's new row replaces its old one, so pieces run one after another add
+up; rows made from another config of an arm being run are refused before any training): ``study_sdp.json`` (one row per run, with its evaluation curve),
 ``study_sdp.md`` (the tables: means over the seeds with their range), and per arm
 ``<arm>_loss_vs_flops.png`` (validation loss against training FLOPs, one panel per coverage,
 the FLOP-matched runs and DDP, mean over seeds with the range shaded), ``<arm>_pareto.png``
@@ -44,9 +44,11 @@ the FLOP-matched runs and DDP, mean over seeds with the range shaded), ``<arm>_p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 
@@ -424,8 +426,53 @@ def _choices(err, flag: str, values: list[str], allowed: tuple) -> list[str]:
 
 def _one_line(e: Exception, flag: str) -> str:
     """An error of a run's validation or training as one line naming the study's flags."""
-    return (" ".join(str(e).split()).replace("--config.align_every", "--align_every")
-            .replace("--config.", f"--{flag}.").replace("--workdir", "--out"))
+    msg = "; ".join(" ".join(line.split()) for line in str(e).splitlines() if line.strip())
+    msg = (msg.replace("--config.align_every", "--align_every")
+           .replace("config.align_every", "--align_every").replace("--config.seed", "--seeds")
+           .replace("--config.", f"--{flag}.").replace("--workdir ", "run folder "))
+    return re.sub(r"(?<![-\w])config\.", f"--{flag}.", msg)
+
+
+ROW_KEYS = {"arm": str, "seed": int, "name": str, "variant": str, "coverage": float,
+            "budget": str}
+
+
+def read_rows(out: str, bases: dict, arms: list, replaced: set) -> list[dict]:
+    """The rows of ``OUT/study_sdp.json`` (none if there is none), checked before any
+    training.
+
+    Raises:
+      ValueError: the file is not a study's rows, or rows of an arm of this invocation that it
+        will not replace were made from another config (``bases``: each arm's config)."""
+    path = os.path.join(out, "study_sdp.json")
+    if not os.path.lexists(path):
+        return []
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+        ok = isinstance(rows, list) and all(
+            isinstance(r, dict) and all(isinstance(r.get(k), t) or (t is float and isinstance(
+                r.get(k), int)) for k, t in ROW_KEYS.items())
+            and (r.get("loss") is None or isinstance(r["loss"], (int, float))) for r in rows)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path!r} cannot be read ({type(e).__name__}): move it away or use "
+                         "another --out (the runs' own folders are not touched)") from None
+    if not ok:
+        raise ValueError(f"{path!r} does not hold a study's rows (a list of runs with "
+                         f"{', '.join(ROW_KEYS)}): move it away or use another --out")
+    for r in rows:
+        if (r["arm"] in arms and (r["arm"], r["seed"], r["name"]) not in replaced
+                and r.get("config") != _fingerprint(bases[r["arm"]])):
+            raise ValueError(f"{path!r} holds the {r['arm']} arm's run {r['name']} (seed "
+                             f"{r['seed']}) made from another config; rerun it with the flags "
+                             "that made it, include it in this run's --seeds / --variants / "
+                             "--coverages, or use another --out")
+    return rows
+
+
+def _fingerprint(config) -> str:
+    """What a row records of its arm's config (before the run's own settings)."""
+    return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
 
 
 def main(argv=None, check_only: bool = False) -> list[dict]:
@@ -454,8 +501,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         seeds = [int(x) for x in fv.seeds if x]
     except ValueError:
         err(f"--seeds={','.join(fv.seeds)!r} must be integers like 0,1,2")
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        err(f"--seeds={','.join(fv.seeds)!r}: give distinct non-negative seeds, e.g. 0,1,2")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= 2**31:
+        err(f"--seeds={','.join(fv.seeds)!r}: give distinct non-negative seeds below 2**31, "
+            "e.g. 0,1,2")
     if not 0 < fv.gap_coverage < 1:
         err(f"--gap_coverage={fv.gap_coverage}: give a coverage in (0, 1), e.g. 0.5")
     if fv.align_every < 0:
@@ -467,6 +515,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             kind = "vision" if arm == "digits" else "language-model"
             err(f"--{flag[arm]} {fv[flag[arm]].config_filename!r} is not a {kind} config (the "
                 f"{arm} arm); give one from configs/ of that kind")
+        if bases[arm].stop_at_step:
+            err(f"--{flag[arm]}.stop_at_step={bases[arm].stop_at_step}: the study trains every "
+                "run to its end; stop it with Ctrl-C (a rerun resumes) and drop the flag")
     bench._simulate_devices(max(bases[a].num_cpu_devices for a in arms))
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -497,6 +548,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             spec = config_lib.resolve(c, jax.device_count())
         except ValueError as e:
             why = _one_line(e, flag[run["arm"]])
+            if run["arm"] == "gap":
+                err(f"--gap_coverage={fv.gap_coverage:g}: {why.split(';')[0]}; choose a "
+                    "coverage every mask of the gap arm realizes, e.g. --gap_coverage=0.5")
             if run["variant"] == "ddp" or f"coverage C={run['coverage']:g}" not in why:
                 err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: {why}")
             run["skipped"] = why.split(";")[0].replace("|", "/")   # not realizable here
@@ -513,7 +567,16 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         if arm != "gap" and sdp_runs and all(r.get("skipped") for r in sdp_runs):
             err(f"the {arm} arm: no variant of --variants is realizable at --coverages="
                 f"{','.join(fv.coverages)} ({sdp_runs[0]['skipped']})")
+    if not runs:
+        err(f"nothing to run: --variants={','.join(variants)} with --budgets="
+            f"{','.join(budgets)} plans no run (the flop budget is the forward variants' "
+            "only); add --budgets=step or a forward variant")
     bench.out_folder(PROG, fv.out)
+    try:
+        read_rows(fv.out, bases, arms, {(r["arm"], r["seed"], r["name"]) for r in runs
+                                        if not r.get("skipped")})
+    except ValueError as e:
+        err(str(e))
     if check_only:
         return []
     cli.exit_on_signals()   # outside the training loops: one line, no traceback
@@ -523,8 +586,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             loop.log(f"study: skipping {r['arm']} {r['name']}: {r['skipped']}")
     rows = []
     for run in runs:
+        stamp = {"config": _fingerprint(bases[run["arm"]])}
         if run.get("skipped"):
-            rows.append(dict(run))
+            rows.append(dict(run, **stamp))
             continue
         c, where = configs[id(run)]
         loop.log(f"study: run {todo.index(run) + 1}/{len(todo)}: {run['arm']} {run['name']}, "
@@ -533,17 +597,21 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             s = loop.train(c, where)
         except FloatingPointError as e:   # this run diverged; the others still tell
             loop.log(f"study: {run['arm']} {run['name']}, seed {run['seed']} diverged: {e}")
-            rows.append(dict(run, diverged=" ".join(str(e).split())))
+            rows.append(dict(run, diverged=" ".join(str(e).split()), **stamp))
             continue
         except (ValueError, ImportError) as e:
             err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: "
                 f"{_one_line(e, flag[run['arm']])}")
-        if not s.get("completed"):
-            print(f"study stopped during {run['arm']} {run['name']} (seed {run['seed']}); rerun "
-                  "the same command to resume.", file=sys.stderr)
-            sig = s.get("interrupted_by")
+        if s.get("completed"):
+            rows.append(dict(row_of(run, s, where), **stamp))
+        sig = s.get("signal")
+        if not s.get("completed") or sig:
+            if rows:   # what is finished is in the tables already
+                write(rows, fv.out)
+            print(f"study stopped {'after' if s.get('completed') else 'during'} {run['arm']} "
+                  f"{run['name']} (seed {run['seed']}); rerun the same command to resume.",
+                  file=sys.stderr)
             sys.exit(128 + int(getattr(signal, sig)) if sig else 1)
-        rows.append(row_of(run, s, where))
     write(rows, fv.out)
     return rows
 

@@ -19,9 +19,17 @@ TINY = [f"--lm_config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}",
 @pytest.mark.xdist_group("study_sdp")
 def test_study_writes_resumes_and_skips_finished_runs(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "study")
-    # 1: stopped inside the first run (as if preempted): it exits, asking for a rerun
+    # 1: stopped inside the first run (as if preempted at step 2): it exits, asking for a rerun
+    train = loop.train
+
+    def preempted(c, where):
+        with c.unlocked():
+            c.stop_at_step = 2
+        return train(c, where)
+    monkeypatch.setattr(loop, "train", preempted)
     with pytest.raises(SystemExit) as e:
-        study.main(["sdp", *TINY, "--lm_config.stop_at_step=2", f"--out={out}"])
+        study.main(["sdp", *TINY, f"--out={out}"])
+    monkeypatch.setattr(loop, "train", train)
     assert e.value.code == 1
     assert "rerun the same command to resume" in capsys.readouterr().err
     ddp = os.path.join(out, "lm", "seed0", "ddp")
@@ -75,7 +83,7 @@ def test_study_writes_resumes_and_skips_finished_runs(tmp_path, monkeypatch, cap
      "--lm_config: ddp masks 4 blocks: unknown mask scheme 'zigzag'"),   # not a skipped run
     (["--arms=lm", "--variants=b-sdp", "--coverages=0.375"],
      "the lm arm: no variant of --variants is realizable at --coverages=0.375"),
-    (["--arms=lm", "--lm_config.fsdp=True"], "--lm_config: config.align_every=4: the gradient "
+    (["--arms=lm", "--lm_config.fsdp=True"], "--lm_config: --align_every=4: the gradient "
      "alignment is not built for FSDP"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message, tmp_path, capsys):
@@ -106,6 +114,26 @@ def test_plan_and_gap_schemes():
     assert np.array_equal(g[:4], np.tile([True] * 4 + [False] * 4, (4, 1)))
     with pytest.raises(ValueError, match="grouped scheme needs"):
         masks.build_mask("grouped", 8, 8, 0.375)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lm_config.stop_at_step=2"], "--lm_config.stop_at_step=2: the study trains every run "
+     "to its end"),
+    (["--arms=lm", "--variants=bb-sdp", "--budgets=flop"], "nothing to run: "),
+    (["--arms=gap", "--gap_coverage=0.75"], "--gap_coverage=0.75: the grouped scheme needs"),
+    (["--seeds=2147483648"], "give distinct non-negative seeds below 2**31"),
+])
+def test_refused_before_training(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        study.main(["sdp", *TINY[:-5], *flags, f"--out={tmp_path}"], check_only=True)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_subcommand_after_flags_is_named(capsys):
+    with pytest.raises(SystemExit):
+        study.main(["--out", "/tmp/x", "sdp"], check_only=True)
+    assert "the subcommand comes first" in capsys.readouterr().err
 
 
 def _fake_train(seen, diverge=()):
@@ -148,3 +176,13 @@ def test_gap_arm_reuses_the_lm_run_and_pieces_add_up(tmp_path, monkeypatch):
         ("gap", 0, "bb-sdp_c0.5_random"), ("lm", 0, "bb-sdp_c0.5_step"), ("lm", 0, "ddp"),
         ("lm", 1, "ddp")]
     assert "| ddp | 1 | - | 4 | 3.0050 [3.0000, 3.0100] |" in (out / "study_sdp.md").read_text()
+
+    # rows of another config of the same arm, or a damaged file: refused before training
+    with pytest.raises(SystemExit) as e:
+        study.main(["sdp", *TINY[:-5], "--arms=lm", "--variants=ddp", f"--out={out}",
+                    "--seeds=1", "--lm_config.optim.lr=0.01"])
+    assert e.value.code == 2 and len(seen) == 6
+    (out / "study_sdp.json").write_text('[{"arm": "lm"}]')
+    with pytest.raises(SystemExit) as e:
+        study.main(["sdp", *TINY[:-5], "--arms=lm", "--variants=ddp", f"--out={out}"])
+    assert e.value.code == 2 and len(seen) == 6
