@@ -281,9 +281,10 @@ def _plt():
 
 
 def plot_loss_vs_flops(rows: list[dict], arm: str, path: str) -> bool:
-    """One panel per coverage: each FLOP-matched variant's evaluation curve against training
-    FLOPs (mean over seeds, the seeds' range shaded) and DDP's. False (nothing written) when
-    the arm has no FLOP counts or no FLOP-matched run."""
+    """One panel per coverage: each variant's FLOP-matched evaluation curve against training
+    FLOPs (mean over seeds, the seeds' range shaded; the forward variants' ``flop`` runs, the
+    backward variants' ``step`` runs) and DDP's. False (nothing written) when the arm has no
+    FLOP counts or no forward ``flop`` run."""
     import numpy as np  # pylint: disable=g-import-not-at-top
     sel = [r for r in rows if r["arm"] == arm and r.get("flops")]
     covs = sorted({r["coverage"] for r in sel if r["budget"] == "flop" and r["variant"] != "ddp"},
@@ -295,9 +296,11 @@ def plot_loss_vs_flops(rows: list[dict], arm: str, path: str) -> bool:
     for ax, cov in zip(axes[0], covs):
         groups: dict[str, list] = {}
         for r in sel:
-            if r["variant"] == "ddp" or (r["coverage"] == cov and r["budget"] == "flop"):
+            if r["variant"] == "ddp" or (r["coverage"] == cov and (
+                    r["budget"] == "flop" or r["variant"] not in FORWARD)):
                 groups.setdefault(r["variant"], []).append(r["curve"])
-        for v, curves in groups.items():   # the evaluations every seed has, by step
+        for v in sorted(groups, key=VARIANTS.index):   # the evaluations every seed has
+            curves = groups[v]
             steps = sorted(set.intersection(*[{p[0] for p in c} for c in curves]))
             if not steps:
                 continue
