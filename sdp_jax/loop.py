@@ -519,7 +519,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
             stored = json.load(f)
         log(f"already complete: {stored['steps']} steps; {family.done_line(stored)} "
             f"(from {path})")
-        return stored
+        return {**stored, "signal": None}
     builder = make_step(config, spec, mesh)
     mask_info, sdp = spec.plan.summary(), config.sdp
     log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
