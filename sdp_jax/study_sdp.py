@@ -179,6 +179,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
     ``peak_bytes_per_device`` and ``curve`` are the first seed's (the same for every seed);
     skipped runs (``skipped``: the reason) are kept once."""
     out: dict[tuple, dict] = {}
+    done: dict[tuple, list] = {}   # each key's finished runs
     for r in rows:
         key = (r["arm"], r["variant"], r["coverage"], r["budget"], r["scheme"])
         a = out.setdefault(key, {**r, "seeds": [], "losses": [], "metrics": [],
@@ -190,14 +191,11 @@ def aggregate(rows: list[dict]) -> list[dict]:
         a["seeds"].append(r["seed"])
         a["losses"].append(r["loss"])
         a["metrics"].append(r["metric"])
-    for a in out.values():
-        sel = [r for r in rows if (r["arm"], r["variant"], r["coverage"], r["budget"],
-                                   r["scheme"]) == (a["arm"], a["variant"], a["coverage"],
-                                                    a["budget"], a["scheme"])
-               and not r.get("skipped") and not r.get("diverged")]
+        done.setdefault(key, []).append(r)
+    for key, a in out.items():
         for k in ("loss", "metric", "grad_alignment", "update_alignment", "spectral_gap",
                   "wall_s"):
-            vals = [r[k] for r in sel if r.get(k) is not None]
+            vals = [r[k] for r in done.get(key, []) if r.get(k) is not None]
             a[k] = sum(vals) / len(vals) if vals else None
         a.pop("seed", None)
     return list(out.values())
