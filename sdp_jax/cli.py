@@ -87,6 +87,24 @@ def error(prog: str, message: str) -> NoReturn:
     sys.exit(2)
 
 
+def seeds(prog: str, values: list[str]) -> list[int]:
+    """The integers of a ``--seeds`` list flag (``DEFINE_list``: ``["0", "1", "2"]``).
+
+    Raises:
+      SystemExit: (2, one line on stderr naming the bad value) for a non-integer, a repeated
+        seed, an empty list or a seed outside [0, 2**31) (what ``jax.random.key`` and numpy's
+        generators take), before anything trains.
+    """
+    try:
+        out = [int(x) for x in values if x]
+    except ValueError:
+        error(prog, f"--seeds={','.join(values)!r} must be integers like 0,1,2")
+    if not out or len(set(out)) != len(out) or min(out) < 0 or max(out) >= 2**31:
+        error(prog, f"--seeds={','.join(values)!r}: give distinct non-negative seeds below "
+              "2**31, e.g. 0,1,2")
+    return out
+
+
 def _config_path(argv, name: str = "config") -> str | None:
     for i, arg in enumerate(argv):
         if arg.startswith(f"--{name}="):

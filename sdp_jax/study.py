@@ -258,12 +258,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         ratios = [int(r) for r in fv.ratios if r]
     except ValueError:
         err(f"--ratios={','.join(fv.ratios)!r} must be integers like 4,8,16")
-    try:
-        seeds = [int(x) for x in fv.seeds if x] if fv.seeds is not None else [config.seed]
-    except ValueError:
-        err(f"--seeds={','.join(fv.seeds)!r} must be integers like 0,1,2")
-    if not seeds or len(set(seeds)) != len(seeds):
-        err(f"--seeds={','.join(fv.seeds or [])!r}: give distinct seeds, e.g. 0,1")
+    seeds = cli.seeds(PROG, fv.seeds) if fv.seeds is not None else [config.seed]
     # (without --schedules the config's own schedule, which resolve() validates below)
     schedules = ([x for x in fv.schedules if x] if fv.schedules is not None
                  else [config.pipeline.schedule])

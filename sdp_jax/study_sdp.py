@@ -498,13 +498,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     if len({_name("b-sdp", c, "step") for c in coverages}) != len(coverages):
         err(f"--coverages={','.join(fv.coverages)!r}: give coverages that differ in their "
             "first six digits")
-    try:
-        seeds = [int(x) for x in fv.seeds if x]
-    except ValueError:
-        err(f"--seeds={','.join(fv.seeds)!r} must be integers like 0,1,2")
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= 2**31:
-        err(f"--seeds={','.join(fv.seeds)!r}: give distinct non-negative seeds below 2**31, "
-            "e.g. 0,1,2")
+    seeds = cli.seeds(PROG, fv.seeds)
     if not 0 < fv.gap_coverage < 1:
         err(f"--gap_coverage={fv.gap_coverage}: give a coverage in (0, 1), e.g. 0.5")
     if fv.align_every < 0:

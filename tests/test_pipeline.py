@@ -519,6 +519,9 @@ def test_study_runs_each_schedule_in_its_own_folder(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit):
         study.main(["--schedules=gpipe", "--config.pipeline.schedule=pipedream"], check_only=True)
     assert "--config.pipeline.schedule='pipedream': choose" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # the seed rule the SDP study applies too (cli.seeds)
+        study.main(["--seeds=1,-1", f"--out={tmp_path / 'y'}"], check_only=True)
+    assert "--seeds='1,-1': give distinct non-negative seeds" in capsys.readouterr().err
 
 
 def test_checkpoints_before_the_pipeline_section_still_resume():

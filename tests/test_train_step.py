@@ -362,11 +362,12 @@ def test_gradient_alignment_of_the_block_runner_checked_by_hand(mesh, batches):
     def cos(a, c):
         a, c = flat(a), flat(c)
         return float(a @ c / np.sqrt((a @ a) * (c @ c)))
+    grad = jax.jit(jax.grad(loss))  # one compile per shape (full, 2-block subnetwork)
     subs, fulls, cosines = [], [], []
     for w in range(W):
         pick = lambda t, w=w: dict(t, blocks=jax.tree.map(lambda a: a[held[w]], t["blocks"]))  # noqa: E731
-        g_full = jax.grad(loss)(full, x[w])
-        g_sub = jax.grad(loss)(pick(full), x[w])
+        g_full = grad(full, x[w])
+        g_sub = grad(pick(full), x[w])
         cosines.append(cos(g_sub, pick(g_full)))
         subs.append(g_sub)
         fulls.append(g_full)
