@@ -19,7 +19,11 @@ from absl import app, flags, logging
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # run from a checkout without installing
 
-from sdp_jax import cli  # noqa: E402
+import jax  # noqa: E402
+
+from sdp_jax import mesh as mesh_lib  # noqa: E402
+from sdp_jax.train import cli, launch, loop  # noqa: E402
+from sdp_jax.train.run import resolve  # noqa: E402
 
 cli.exit_on_signals()   # a signal from here on: one line and 128 + signal, never a traceback
 
@@ -28,7 +32,7 @@ DEFAULT_CONFIG = os.path.join(_HERE, "configs", "llama_small.py")
 
 
 def define_flags(fv: flags.FlagValues, argv=None) -> flags.FlagValues:
-    """train.py's flags on ``fv``: ``--config`` (:func:`sdp_jax.cli.flag_values`; overrides
+    """train.py's flags on ``fv``: ``--config`` (:func:`sdp_jax.train.cli.flag_values`; overrides
     read from ``argv``, default ``sys.argv``), ``--workdir``, ``--distributed``."""
     cli.flag_values(DEFAULT_CONFIG, argv, PROG, into=fv)
     flags.DEFINE_string("workdir", os.path.join("runs", "default"),
@@ -62,17 +66,12 @@ def main(argv):
         cli.error(PROG, f"unexpected arguments {argv[1:]}; flags look like --config.FIELD=VALUE "
                   "or --workdir=DIR.")
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
-    import jax
-
-    from sdp_jax import launch
-
     config = flags.FLAGS.config
     n_cpu = config.num_cpu_devices
     if isinstance(n_cpu, bool) or not isinstance(n_cpu, int) or n_cpu < 1:
         cli.error(PROG, f"config.num_cpu_devices={n_cpu!r} must be a positive integer.")
     if flags.FLAGS.print_config:   # one process, no peers: checked against W devices
-        jax.config.update("jax_num_cpu_devices", n_cpu)
-        from sdp_jax.config import resolve
+        mesh_lib.simulate_cpu_devices(n_cpu)
         try:
             resolve(config, max(jax.device_count(), config.workers
                                 * config.get("pipeline", {}).get("stages", 1)))
@@ -85,9 +84,8 @@ def main(argv):
     except ValueError as e:
         cli.error(PROG, str(e))
     # Simulated devices when the machine has only a CPU; ignored on GPU and TPU backends.
-    jax.config.update("jax_num_cpu_devices", n_cpu)
+    mesh_lib.simulate_cpu_devices(n_cpu)
 
-    from sdp_jax import loop
     try:
         summary = loop.train(config, flags.FLAGS.workdir)
     except (ValueError, FloatingPointError, ImportError) as e:

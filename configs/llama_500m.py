@@ -5,7 +5,7 @@ tokenizer's size; for llm.c GPT-2 shards set --config.model.vocab_size=50304), t
 True. Parameter counts are in docs/models.md (LlamaConfig.param_count()).
 """
 
-from sdp_jax.config import paper_scale_config
+from sdp_jax.train.config import paper_scale_config
 
 
 def get_config():

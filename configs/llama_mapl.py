@@ -4,7 +4,7 @@
 microbatches; the boundary method and ratio are set per run by ``python -m sdp_jax.study``.
 """
 
-from sdp_jax.config import base_config
+from sdp_jax.train.config import base_config
 
 
 def get_config():

@@ -3,7 +3,7 @@
 8 simulated workers, B-SDP at coverage 1/2 (each worker holds 4 of the 8 blocks).
 """
 
-from sdp_jax.config import base_config
+from sdp_jax.train.config import base_config
 
 
 def get_config():

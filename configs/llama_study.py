@@ -3,7 +3,7 @@ LLaMA of 8 blocks with 8 attention heads (no head grouping, so that N-SDP is rea
 C = 3/8, 1/2 and 3/4) on the default corpus; 8 simulated workers x 4 sequences of 64 tokens.
 """
 
-from sdp_jax.config import base_config
+from sdp_jax.train.config import base_config
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """Tiny LLaMA for tests: 4 blocks of width 32 on byte-level text; seconds per step on a CPU."""
 
-from sdp_jax.config import base_config
+from sdp_jax.train.config import base_config
 
 
 def get_config():

@@ -7,7 +7,7 @@ handwritten digits scikit-learn ships (no download), resized to 32x32; 8 workers
         --config.sdp.coverage=0.5 --workdir runs/digits-bsdp
 """
 
-from sdp_jax.config import vision_config
+from sdp_jax.train.config import vision_config
 
 
 def get_config():

@@ -3,7 +3,7 @@
 8 workers x 64 images, 8000 AdamW steps (about 100 epochs of CIFAR-10 at W=8).
 """
 
-from sdp_jax.config import vision_config
+from sdp_jax.train.config import vision_config
 
 
 def get_config():

@@ -55,6 +55,43 @@ _flatten = spec_lib.flatten
 unflatten = spec_lib.unflatten
 
 
+class HolderTables:
+    """Static tables of one masked leaf in the rows view (host numpy).
+
+    Args:
+      indices: int32 ``[W, Lg, kc]``: the components each worker holds in each group, ascending.
+      counts: int32 ``[Lg, Gc]``: holders of every component (multiplicity ``m_g``).
+      axis: component axis of the *full* leaf (0 for block leaves, whose stack axis is the
+        component axis; the layer axis is 0 for neuron leaves).
+      grouped: False for block leaves (``Lg = 1``), True for neuron leaves (``Lg = L``).
+
+    Attributes:
+      full: every worker holds every component in order (DDP): plain collectives suffice.
+      held: bool ``[W, Lg, Gc]``.
+    """
+
+    def __init__(self, indices: np.ndarray, counts: np.ndarray, axis: int, grouped: bool):
+        self.indices = np.asarray(indices, np.int32)
+        self.counts = np.asarray(counts, np.int32)
+        self.axis, self.grouped = int(axis), bool(grouped)
+        self.workers, self.groups, self.kc = self.indices.shape
+        self.size = self.counts.shape[1]
+        self.held = np.zeros((self.workers, self.groups, self.size), bool)
+        for w in range(self.workers):
+            for g in range(self.groups):
+                self.held[w, g, self.indices[w, g]] = True
+        self.full = bool(self.held.all())
+
+    def row_len(self, full_shape) -> int:
+        """``r``: elements per component of a leaf of this full shape."""
+        n = int(np.prod(full_shape))
+        return n // (full_shape[0] if not self.grouped else full_shape[0] * full_shape[self.axis])
+
+    def shard_len(self, full_shape) -> int:
+        """``rs = ceil(r / W)``: elements per component on each device."""
+        return -(-self.row_len(full_shape) // self.workers)
+
+
 class Layout:
     """The compact layout of a spec (static, host-side).
 
@@ -265,24 +302,23 @@ class Layout:
 
     # ------------------------------------------------------------------ tables
     def holder_tables(self, lp: tuple):
-        """:class:`sdp_jax.sync.HolderTables` of a compact local leaf in its rows view (list
+        """:class:`sdp_jax.HolderTables` of a compact local leaf in its rows view (list
         block slots: of the stack of all ``k`` slots of that relative path; ``lp`` may also be
         that stack's stored path)."""
-        from sdp_jax import sync  # pylint: disable=g-import-not-at-top
         lf = self.leaves[self.slot_leaves.get(lp, lp)]
         key = self.slots_path(lf) if lf.form == SLOT else lp
         if key not in self._tables:
             t = self.spec.kinds[lf.rule.kind]
             if lf.form in (STACK, SLOT):
-                self._tables[key] = sync.HolderTables(t.held[:, None, :], t.counts[None, :],
+                self._tables[key] = HolderTables(t.held[:, None, :], t.counts[None, :],
                                                       0, False)
             else:
                 idx = self.indices(lf)
                 counts = np.repeat(t.counts, lf.rule.expand, axis=1)
                 if lf.rule.layer is None:
-                    self._tables[key] = sync.HolderTables(idx, counts, lf.rule.axis, True)
+                    self._tables[key] = HolderTables(idx, counts, lf.rule.axis, True)
                 else:
-                    self._tables[key] = sync.HolderTables(
+                    self._tables[key] = HolderTables(
                         idx[:, None, :], counts[lf.rule.layer][None], lf.rule.axis + 1, True)
         return self._tables[key]
 

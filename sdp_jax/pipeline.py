@@ -52,15 +52,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
-from jax.sharding import AxisType
 
-from sdp_jax import fields, stiefel
-from sdp_jax.models.llama import LlamaConfig
+from sdp_jax import comm, fields, sync
+from sdp_jax.mesh import DATA, STAGE
 
-DATA = "data"
-STAGE = "stage"
 METHODS = ("none", "fixed", "unconstrained", "mapl")
 SCHEDULES = ("gpipe", "1f1b")
 FROZEN = "frozen"
@@ -163,7 +159,7 @@ class PipelineConfig:
         """Float elements per token of the boundary payload: ``r = d / ratio`` or ``d``."""
         return d_model // self.ratio if self.compressed else d_model
 
-    def check(self, model: LlamaConfig, batch_per_worker: int | None = None,
+    def check(self, model, batch_per_worker: int | None = None,
               fsdp: bool = False, average: str = "gradients") -> None:
         """Raise ValueError (naming the value and the fix) if this pipeline cannot run ``model``
         (with ``batch_per_worker`` sequences per worker, when given, FSDP and the averaging
@@ -209,7 +205,7 @@ def projector_key(method: str) -> str:
     return {"mapl": "stiefel_A", "fixed": "frozen_A", "unconstrained": "A"}[method]
 
 
-def init_boundary(key, model: LlamaConfig, pipe: PipelineConfig) -> dict:
+def init_boundary(key, model, pipe: PipelineConfig) -> dict:
     """Boundary parameters of the ``P - 1`` boundaries (float32):
 
     ``{projector_key(method): [P-1, d, r], "anchor_embed": [P-1, V, r_a],
@@ -579,7 +575,6 @@ class Pipeline:
 
 def _vma(x):
     """The mesh axes ``x`` varies over inside ``jax.shard_map`` (None when JAX does not say)."""
-    from sdp_jax import sync  # pylint: disable=g-import-not-at-top
     return sync.varying_axes(x)
 
 
@@ -636,37 +631,6 @@ def _eqn_depends(eqn, ins: list) -> list:
     return [True] * len(eqn.outvars)
 
 
-def optimizer(pipe: PipelineConfig, optim, total_steps: int) -> optax.GradientTransformation:
-    """The optimizer of a pipelined run: AdamW (or SGD) from ``optim``
-    (:class:`sdp_jax.train_step.OptimConfig`) for every weight but the boundary projectors, no
-    weight decay on norm scales and boundary parameters; :func:`sdp_jax.stiefel.stiefel_sgd`
-    (warm-up and cosine decay to ``pipe.proj_lr * optim.min_lr_ratio``) for ``stiefel_A``;
-    no update for ``frozen*`` leaves. Leaves are routed by name (:func:`projector_key`)."""
-    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
-
-    def names(path):
-        return [str(getattr(k, "key", k)) for k in path]
-
-    def label(params):
-        def one(path, _):
-            keys = names(path)
-            if any(FROZEN in k for k in keys):
-                return FROZEN
-            return stiefel.PROJECTOR if any(stiefel.PROJECTOR in k for k in keys) \
-                else stiefel.OTHER
-        return jax.tree_util.tree_map_with_path(one, params)
-
-    def decay(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: not any(n in k for k in names(path) for n in ("norm", "boundary")),
-            params)
-    adamw = ts.make_optimizer(optim, total_steps, decay_mask=decay)
-    sched = ts.lr_schedule(dataclasses.replace(optim, lr=pipe.proj_lr), total_steps)
-    proj = stiefel.stiefel_sgd(sched, pipe.proj_momentum, pipe.polar_steps)
-    return optax.partition({stiefel.PROJECTOR: proj, FROZEN: optax.set_to_zero(),
-                            stiefel.OTHER: adamw}, label)
-
-
 _KEPT = ("embed", "final_norm", "lm_head")
 
 
@@ -692,14 +656,14 @@ def legacy_layout(tree, to_old: bool):
     return tree
 
 
-def boundary_param_count(model: LlamaConfig, pipe: PipelineConfig) -> int:
+def boundary_param_count(model, pipe: PipelineConfig) -> int:
     """Elements of the boundary parameters (projectors, anchors, codebooks; frozen ones
     included), stored on every device."""
     shapes = jax.eval_shape(lambda: init_boundary(jax.random.key(0), model, pipe))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
-def codebook_sync_bytes(model: LlamaConfig, pipe: PipelineConfig) -> int:
+def codebook_sync_bytes(model, pipe: PipelineConfig) -> int:
     """RVQ codebook bytes a boundary's receiver must get per step to decode like its sender:
     the codebooks change every step (``levels * K * r`` float32), 0 without RVQ. (Here both
     stages hold the codebook and apply the same update from the averaged gradient; a deployment
@@ -715,22 +679,6 @@ def token_id_dtype(vocab_size: int):
     if vocab_size <= 256:
         return jnp.uint8
     return jnp.uint16 if vocab_size <= 65536 else jnp.int32
-
-
-def make_mesh(workers: int, stages: int, devices=None):
-    """Mesh ``('data', 'stage')`` of shape ``(W, P)`` over the first ``W * P`` devices (axis
-    types Auto: the step's averaging is written in the global view and partitioned by XLA).
-
-    Raises:
-      ValueError: fewer devices than ``W * P`` (names the counts and the fix)."""
-    devices = list(devices if devices is not None else jax.devices())
-    if workers * stages > len(devices):
-        raise ValueError(f"workers * pipeline.stages = {workers} * {stages} = "
-                         f"{workers * stages} devices needed, {len(devices)} present; lower "
-                         "--config.workers or --config.pipeline.stages (on a CPU, raise "
-                         "--config.num_cpu_devices).")
-    return jax.make_mesh((workers, stages), (DATA, STAGE), axis_types=(AxisType.Auto,) * 2,
-                         devices=devices[:workers * stages])
 
 
 def boundary_bytes(compiled, *, tokens_per_worker: int, stages: int,
@@ -751,8 +699,6 @@ def boundary_bytes(compiled, *, tokens_per_worker: int, stages: int,
       token ids or codes, backward gradients, and codebook synchronization), "per_token": that /
       tokens per worker per step, "codebook_per_step": codebook_bytes, "ops": [(bytes, count,
       HLO name)], "stages": P}``."""
-    from sdp_jax import comm  # pylint: disable=g-import-not-at-top
-
     ops = [o for o in comm.collective_ops(compiled.as_text())
            if o["op"] == "collective-permute"]
     total = float(sum(o["bytes"] * o["count"] for o in ops)) + codebook_bytes

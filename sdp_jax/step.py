@@ -85,9 +85,9 @@ from jax.sharding import PartitionSpec as P
 from sdp_jax import layout as layout_lib
 from sdp_jax import spec as spec_lib
 from sdp_jax import sync
+from sdp_jax.mesh import STAGE
 
 AXIS = sync.AXIS
-STAGE = "stage"   # the pipeline axis (sdp_jax.pipeline)
 AVERAGING = ("gradients", "parameters")
 REMAT = ("none", "full", "dots")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
@@ -107,7 +107,7 @@ _MOVES = frozenset({"all_gather", "all_to_all", "reshape", "convert_element_type
 def batch_sharding(mesh) -> NamedSharding:
     """The global batch's sharding on a run's mesh: rows split over ``data`` (replicated over
     ``stage``). The loop also derives from it the rows each process loads
-    (:func:`sdp_jax.data.sharding_rows`)."""
+    (:func:`sdp_jax.train.data.sharding_rows`)."""
     return NamedSharding(mesh, P(AXIS))
 
 
@@ -184,7 +184,7 @@ def held_weight_grads(f: Callable, held, own: dict, frozen: dict, always: dict, 
         not held (same keys, shapes and dtypes; no cotangent); ``always``: leaves whose
         gradient is always computed.
       branch: None (the default); True / False replaces ``held`` by a constant in the backward
-        pass, for counting FLOPs only (:func:`sdp_jax.bench.measure`: XLA's cost analysis
+        pass, for counting FLOPs only (:func:`sdp_jax.bench.measure.measure`: XLA's cost analysis
         counts a conditional as its costliest branch).
 
     Returns:
@@ -334,7 +334,7 @@ class SDPStep:
     """
 
     # Earlier checkpoint layouts of the same run: pairs (current abstract state -> that
-    # layout's, restored state -> current) that sdp_jax.loop.restore_or_init tries in turn.
+    # layout's, restored state -> current) that sdp_jax.train.loop.restore_or_init tries in turn.
     legacy: tuple = ()
 
     def __init__(self, spec: spec_lib.SDPSpec, loss_fn: Callable, optimizer, mesh=None, *,
@@ -620,13 +620,13 @@ class SDPStep:
         return _stage_map(lambda i, *xs: jnp.stack(xs, i), specs, *parts)
 
     def _row_tables(self) -> dict:
-        """FSDP: the rows view of every leaf (:class:`sdp_jax.sync.HolderTables`; None for a
+        """FSDP: the rows view of every leaf (:class:`sdp_jax.layout_lib.HolderTables`; None for a
         leaf outside the block subtree, stored flat)."""
         lay, spec = self.layout, self.spec
         if self.prefix is None:   # no block runner: every leaf stored flat
             return dict.fromkeys(spec.shapes)
         L, W = spec.n_blocks, spec.workers
-        every = sync.HolderTables(np.tile(np.arange(L), (W, 1, 1)), np.full((1, L), W), 0,
+        every = layout_lib.HolderTables(np.tile(np.arange(L), (W, 1, 1)), np.full((1, L), W), 0,
                                   False)
         out = {}
         for p in spec.shapes:
@@ -846,7 +846,7 @@ class SDPStep:
                              f"({diff}); build the spec from this model, or init from the "
                              "model the spec describes"
                              + (f" (with a pipeline the spec describes one of the {self.stages}"
-                                " stages: sdp_jax.train_step.make_plan(..., pipe=pipe))."
+                                " stages: sdp_jax.models.llama.make_plan(..., pipe=pipe))."
                                 if self.staged else "."))
         out = self.shardings(self.param_specs)
         if traced:
@@ -1454,7 +1454,7 @@ class SDPStep:
         """The train step lowered and compiled for abstract inputs (no data, no state in device
         memory): ``batch`` a pytree of ``jax.ShapeDtypeStruct`` of the global batch. Read its
         per-device memory with ``memory_analysis()``
-        (:func:`sdp_jax.train_step.memory_stats`)."""
+        (:func:`sdp_jax.costs.memory_stats`)."""
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                             sharding=self.batch_sharding()),
                              batch)
@@ -1547,7 +1547,7 @@ class SDPStep:
         if self.state_spec is not None or self.stacked_slots:
             raise ValueError("a step with model state or stacked_slots evaluates through "
                              "gather() (its loss updates the state or runs slots); see "
-                             "sdp_jax.tasks.VisionEval.")
+                             "sdp_jax.train.families.VisionEval.")
         if self._eval_step is None:
             fn = jax.shard_map(self._local_eval, mesh=self.mesh,
                                in_specs=(self.param_specs, P(AXIS)), out_specs=P())

@@ -33,9 +33,11 @@ import numpy as np
 from jax import lax
 
 from sdp_jax import layout as layout_lib
+from sdp_jax import masks as _masks
 from sdp_jax import spec as spec_lib
+from sdp_jax.mesh import DATA
 
-AXIS = "data"
+AXIS = DATA   # the workers' mesh axis (sdp_jax.mesh)
 
 
 def to_varying(tree: Any, axis: str | tuple = AXIS) -> Any:
@@ -76,7 +78,6 @@ class CompactTables:
     """
 
     def __init__(self, mask: np.ndarray):
-        from sdp_jax import masks as _masks
         self.mask = np.asarray(mask, dtype=bool)
         self.held = _masks.held_table(self.mask)
         self.slot = _masks.slot_table(self.mask)
@@ -186,44 +187,7 @@ def layer_value(tree: Any, tables: Any, layer, axis_name: str = AXIS) -> Any:
 # (docs/design.md, "Holder-only collectives").
 
 
-class HolderTables:
-    """Static tables of one masked leaf in the rows view (host numpy).
-
-    Args:
-      indices: int32 ``[W, Lg, kc]``: the components each worker holds in each group, ascending.
-      counts: int32 ``[Lg, Gc]``: holders of every component (multiplicity ``m_g``).
-      axis: component axis of the *full* leaf (0 for block leaves, whose stack axis is the
-        component axis; the layer axis is 0 for neuron leaves).
-      grouped: False for block leaves (``Lg = 1``), True for neuron leaves (``Lg = L``).
-
-    Attributes:
-      full: every worker holds every component in order (DDP): plain collectives suffice.
-      held: bool ``[W, Lg, Gc]``.
-    """
-
-    def __init__(self, indices: np.ndarray, counts: np.ndarray, axis: int, grouped: bool):
-        self.indices = np.asarray(indices, np.int32)
-        self.counts = np.asarray(counts, np.int32)
-        self.axis, self.grouped = int(axis), bool(grouped)
-        self.workers, self.groups, self.kc = self.indices.shape
-        self.size = self.counts.shape[1]
-        self.held = np.zeros((self.workers, self.groups, self.size), bool)
-        for w in range(self.workers):
-            for g in range(self.groups):
-                self.held[w, g, self.indices[w, g]] = True
-        self.full = bool(self.held.all())
-
-    def row_len(self, full_shape) -> int:
-        """``r``: elements per component of a leaf of this full shape."""
-        n = int(np.prod(full_shape))
-        return n // (full_shape[0] if not self.grouped else full_shape[0] * full_shape[self.axis])
-
-    def shard_len(self, full_shape) -> int:
-        """``rs = ceil(r / W)``: elements per component on each device."""
-        return -(-self.row_len(full_shape) // self.workers)
-
-
-def to_rows(x: jax.Array, tables: HolderTables) -> jax.Array:
+def to_rows(x: jax.Array, tables: layout_lib.HolderTables) -> jax.Array:
     """A (compact or full) leaf ``[L or k, ...]`` (no worker axis) -> rows ``[Lg, n, r]``."""
     if not tables.grouped:
         return x.reshape((1, x.shape[0], -1))
@@ -231,7 +195,7 @@ def to_rows(x: jax.Array, tables: HolderTables) -> jax.Array:
     return xm.reshape(xm.shape[:2] + (-1,))
 
 
-def from_rows(rows: jax.Array, shape, tables: HolderTables) -> jax.Array:
+def from_rows(rows: jax.Array, shape, tables: layout_lib.HolderTables) -> jax.Array:
     """Inverse of :func:`to_rows` for a leaf of ``shape`` (``rows`` may carry padding)."""
     shape = tuple(shape)
     if not tables.grouped:
@@ -294,7 +258,7 @@ def rows_from_owners(shard: jax.Array, idx: jax.Array, r: int, axis: str = AXIS)
     return pieces.reshape(pieces.shape[0], -1)[:, :r]
 
 
-def slot_indices(tables: HolderTables, group, first, count):
+def slot_indices(tables: layout_lib.HolderTables, group, first, count):
     """int32 ``[W, count]``: the components every worker holds in slots ``first ..
     first + count - 1`` of ``group`` (``group`` and ``first`` may be traced)."""
     t = jnp.asarray(tables.indices)
@@ -311,7 +275,7 @@ def _fused_groups(tables: dict) -> list[list]:
     return list(groups.values())
 
 
-def _slots_per_step(tables: HolderTables, bytes_per_slot: int, budget: int | None) -> int:
+def _slots_per_step(tables: layout_lib.HolderTables, bytes_per_slot: int, budget: int | None) -> int:
     """Block leaves: the most slots per loop step (a divisor of ``kc``) whose rows fit in
     ``budget`` bytes (None: all at once). Neuron leaves: a whole group per step."""
     if tables.grouped:
@@ -322,13 +286,13 @@ def _slots_per_step(tables: HolderTables, bytes_per_slot: int, budget: int | Non
     return max(c for c in range(1, tables.kc + 1) if tables.kc % c == 0 and c <= fit)
 
 
-def _loop_plan(tables: HolderTables, bytes_per_slot: int, step_bytes: int | None):
+def _loop_plan(tables: layout_lib.HolderTables, bytes_per_slot: int, step_bytes: int | None):
     """(slots per loop step, loop steps) of one fused group."""
     c = _slots_per_step(tables, bytes_per_slot, step_bytes)
     return c, (tables.groups if tables.grouped else tables.kc // c)
 
 
-def _step_position(tables: HolderTables, i, c):
+def _step_position(tables: layout_lib.HolderTables, i, c):
     """Loop step ``i`` -> (group, first slot): a whole group per step for neuron leaves, ``c``
     blocks per step for block leaves."""
     return (i, 0) if tables.grouped else (0, i * c)
@@ -354,13 +318,13 @@ def _sum_dtype(leaves) -> Any:
     return jnp.result_type(jnp.float32, *[x.dtype for x in leaves])
 
 
-def _piece_width(leaf: jax.Array, t: HolderTables) -> int:
+def _piece_width(leaf: jax.Array, t: layout_lib.HolderTables) -> int:
     """``rs = ceil(r / W)`` of a compact leaf of tables ``t`` (``r``: elements per component:
     per block of ``[k, ...]``, per neuron of one layer of ``[L, ..., kc, ...]``)."""
     return -(-(int(np.prod(leaf.shape)) // (t.groups * t.kc)) // t.workers)
 
 
-def _fresh_to_owners(rows: list, t: HolderTables, group, first, count, axis: str) -> jax.Array:
+def _fresh_to_owners(rows: list, t: layout_lib.HolderTables, group, first, count, axis: str) -> jax.Array:
     """One loop step's first all_to_all leg into a zero shard: ``rows`` the fused leaves'
     column pieces ``[count, W, rs]`` of slots ``first ..`` of ``group``; returns this device's
     ``[Gc, sum rs]`` sums."""
@@ -381,7 +345,7 @@ def holder_shards(tree: dict, tables: dict, axis: str = AXIS,
 
     Args:
       tree: {path: this worker's compact leaf (no worker axis)}, components ``indices[me]``.
-      tables: {path: :class:`HolderTables`}; leaves with equal tables are sent together.
+      tables: {path: :class:`layout_lib.HolderTables`}; leaves with equal tables are sent together.
       step_bytes: rows moved per loop step (block leaves are sent a few slots at a time).
     Returns:
       {path: ``[Lg, Gc, rs]``}: this device's column piece of the holder mean of every
@@ -493,7 +457,7 @@ def owner_sinks(like: dict, tables: dict, axis: str = AXIS) -> dict:
     device's shard of the group's summed rows, float32 (or the leaves' dtype if wider)},
     ``[Gc, RS]`` for block leaves, ``[L, Gc, RS]`` for neuron leaves (scan it with the layers:
     loop step ``i`` adds layer ``i``); ``RS``: the leaves' ``rs = ceil(r / W)`` together.
-    ``like``: {path: the worker's compact leaf}; ``tables``: their :class:`HolderTables`."""
+    ``like``: {path: the worker's compact leaf}; ``tables``: their :class:`layout_lib.HolderTables`."""
     out = {}
     for paths in _fused_groups({p: t for p, t in tables.items() if t is not None}):
         t = tables[paths[0]]
@@ -638,13 +602,13 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
       tables: {path: one of}
 
         * None: held by every worker: the cotangent becomes its plain mean (an all-reduce);
-        * a grouped :class:`HolderTables` (neuron leaves; the component axis of the slice is
+        * a grouped :class:`layout_lib.HolderTables` (neuron leaves; the component axis of the slice is
           ``axis - 1``; loop step ``group`` is layer ``group`` on every worker): the holder
           mean of that layer, both all_to_all legs of :func:`holder_mean`; or, when its fused
           group has a sink (this step's ``[Gc, RS]`` slice of :func:`owner_sinks`' ``[L, Gc,
           RS]``), only the first leg, into the sink's gradient (the sums in the owners'
           shards: :func:`sinks_to_shards`), and the leaf's own cotangent is zero;
-        * a block :class:`HolderTables` (B-SDP: loop step ``group`` is the worker's slot
+        * a block :class:`layout_lib.HolderTables` (B-SDP: loop step ``group`` is the worker's slot
           ``group``, a different block on each worker, so the mean cannot be formed yet):
           the cotangent is sent to its owners (the first all_to_all leg) and added into the
           gradient of ``sinks`` (:func:`owner_sinks`); the leaf's own cotangent is zero.

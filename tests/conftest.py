@@ -67,7 +67,7 @@ def resume_from_old_layout(ck, path, old_state, abstract, refused, config, run_a
     ``run_a``'s final validation loss."""
     import pytest
 
-    from sdp_jax import loop
+    from sdp_jax.train import loop
     shutil.rmtree(path)
     ck.save(path, old_state)
     ck.wait_until_finished()

@@ -11,11 +11,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import config as config_lib
-from sdp_jax import tasks
-from sdp_jax import train_step as ts
+from sdp_jax import costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.train import config as config_lib
+from sdp_jax.train import families
+from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train import run as run_lib
 
 W = 4
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
@@ -72,8 +74,8 @@ def test_chunked_attention_refuses_bad_shapes():
 
 
 def _builder(mesh, cfg, variant="ddp", coverage=1.0):
-    plan = ts.make_plan(variant, cfg, W, coverage, "cyclic", 0)
-    return tasks.language_model_step(cfg, plan, ts.OptimConfig(lr=1e-2, warmup_steps=1), mesh, 10)
+    plan = llama.make_plan(variant, cfg, W, coverage, "cyclic", 0)
+    return families.language_model_step(cfg, plan, optim_lib.OptimConfig(lr=1e-2, warmup_steps=1), mesh, 10)
 
 
 @pytest.mark.parametrize("variant,coverage", [("ddp", 1.0), ("n-sdp", 0.5)])
@@ -102,7 +104,7 @@ def test_chunked_attention_keeps_less_memory():
     temp = {}
     for impl in ("dot_product", "chunked"):
         cfg = dataclasses.replace(CFG, attention=impl, attention_chunk=8)
-        temp[impl] = ts.memory_stats(_builder(mesh, cfg).compiled_train_step(batch))["temp_bytes"]
+        temp[impl] = costs.memory_stats(_builder(mesh, cfg).compiled_train_step(batch))["temp_bytes"]
     scores = 4 * CFG.n_heads * 64 * 64 * 4   # one block's float32 scores per device
     assert temp["chunked"] < temp["dot_product"] - scores, temp
 
@@ -123,9 +125,9 @@ def test_cudnn_attention_needs_bf16(monkeypatch):
     c = config_lib.base_config()
     c.model.attention = "cudnn"
     with pytest.raises(ValueError, match=r"bf16 only.*dtype='float32'.*--config.dtype=bfloat16"):
-        tasks.LanguageModelFamily().model_config(c)
+        families.LanguageModelFamily().model_config(c)
     c.dtype = "bfloat16"
-    assert tasks.LanguageModelFamily().model_config(c).attention == "cudnn"
+    assert families.LanguageModelFamily().model_config(c).attention == "cudnn"
 
 
 def test_attention_is_not_part_of_the_trajectory():
@@ -133,6 +135,6 @@ def test_attention_is_not_part_of_the_trajectory():
     a = config_lib.base_config()
     b = config_lib.base_config()
     b.model.attention, b.model.attention_chunk = "chunked", 64
-    assert config_lib.trajectory_config(a) == config_lib.trajectory_config(b)
+    assert run_lib.trajectory_config(a) == run_lib.trajectory_config(b)
     b.model.d_model = 256
-    assert config_lib.trajectory_config(a) != config_lib.trajectory_config(b)
+    assert run_lib.trajectory_config(a) != run_lib.trajectory_config(b)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sdp_jax import bench
+from sdp_jax.bench import measure as bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "llama_tiny.py")
@@ -88,21 +88,24 @@ def test_bench_fsdp_remat_bf16_and_measured_time(capsys):
 
 
 def test_reference_is_plain_jit_of_the_same_step():
-    """The plain-jit DDP reference (sdp_jax/reference.py) takes the SDP step's DDP steps: the
+    """The plain-jit DDP reference (sdp_jax/bench/jit_reference.py) takes the SDP step's DDP steps: the
     same loss, gradient norm and parameters after 3 steps (activation checkpointing on, so the
     shared loss's chunked path runs outside shard_map too)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from sdp_jax import reference, tasks
-    from sdp_jax import train_step as ts
+
+    from sdp_jax.bench import jit_reference as reference
+    from sdp_jax.models import llama
     from sdp_jax.models.llama import LlamaConfig
+    from sdp_jax.train import families
+    from sdp_jax.train import optimizer as optim_lib
     model = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=16)
-    optim = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0.5)
+    optim = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0.5)
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     ref = reference.JitDDP(model, optim, mesh, 10, remat="full")
-    ddp = tasks.language_model_step(model, ts.make_plan("ddp", model, 4, 1.0), optim, mesh, 10,
+    ddp = families.language_model_step(model, llama.make_plan("ddp", model, 4, 1.0), optim, mesh, 10,
                                     remat="full")
     a, b = ref.init_state(0), ddp.init_state(seed=0)
     rng = np.random.default_rng(0)

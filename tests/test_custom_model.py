@@ -11,9 +11,9 @@ import optax
 import pytest
 from flax import nnx
 
+from sdp_jax import costs
 from sdp_jax import layout as layout_lib
 from sdp_jax import spec as sdp
-from sdp_jax import train_step as ts
 from sdp_jax.step import SDPStep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,7 +149,7 @@ def test_b_sdp_compact_layout_stores_c_times_ddp_block_bytes():
         compiled = trainer.compiled_train_step(data())
         figures[variant] = (_block_bytes_per_device(compiled, state, "params"),
                             _block_bytes_per_device(compiled, state, "opt_state"),
-                            ts.memory_stats(compiled)["peak_bytes_per_device"])
+                            costs.memory_stats(compiled)["peak_bytes_per_device"])
     assert figures["b-sdp"][0] == pytest.approx(0.5 * figures["ddp"][0], rel=0.01)
     assert figures["b-sdp"][1] == pytest.approx(0.5 * figures["ddp"][1], rel=0.01)   # Adam
     assert figures["ddp"][1] == pytest.approx(2 * figures["ddp"][0], rel=0.01)        # m, v

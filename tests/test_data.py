@@ -1,4 +1,4 @@
-"""Tests for sdp_jax.data (CPU only, small files under tmp_path, no downloads)."""
+"""Tests for sdp_jax.train.data (CPU only, small files under tmp_path, no downloads)."""
 
 import importlib.util
 import pathlib
@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from sdp_jax import data
+from sdp_jax.train import data
 
 
 def _cfg(**overrides):
@@ -365,7 +365,8 @@ def test_rows_from_a_sharding(tmp_path):
     """A process loads the rows its devices hold (all of them when it holds every worker's
     stage 0 of a pipeline); rows that do not tile the batch are refused."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     assert data.sharding_rows(NamedSharding(mesh, P("data")), 8) == (0, 8)
     assert data.sharding_rows(NamedSharding(mesh, P()), 8) == (0, 8)

@@ -2,7 +2,7 @@
 
 Each ``python train.py``, ``python -m sdp_jax.bench`` and ``python -m sdp_jax.study`` command of
 a bash block or an inline code span is parsed with the tool's own flags (the one loader,
-``sdp_jax.cli``) and its config goes through the run's whole validation (the checks that run
+``sdp_jax.train.cli``) and its config goes through the run's whole validation (the checks that run
 before any compute), so a renamed flag, a config field that does not exist or a setting the code
 refuses fails here. What the checks do not do is run them: the short ones run in the tests of
 their features (listed in RUN_ELSEWHERE), the long ones (hours, a 1B model, a pod slice) are
@@ -18,8 +18,11 @@ import shlex
 import pytest
 from absl import flags
 
-from sdp_jax import bench, cli, plot, study, trained
-from sdp_jax.config import resolve
+from sdp_jax.bench import measure as bench
+from sdp_jax.study import __main__ as study
+from sdp_jax.tools import plot, trained
+from sdp_jax.train import cli
+from sdp_jax.train.run import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(
@@ -32,7 +35,7 @@ NOT_PARSED = {
     ("tfds", "build"): "TFDS's own command, with network; the reader is tested on files the "
                        "test writes (tests/test_vision_data.py)",
     ("cd",): "a shell built-in",
-    ("python", "-m", "sdp_jax.harness"): "lm-evaluation-harness's own command line (its flags); "
+    ("python", "-m", "sdp_jax.tools.harness"): "lm-evaluation-harness's own command line (its flags); "
                                          "tests/test_trained.py runs the adapter through the "
                                          "harness on a local task",
 }
@@ -129,7 +132,7 @@ def _check_train(argv: list[str], processes: int = 1) -> None:
 
 
 def _check_launch(cmd: list[str]) -> None:
-    """``python -m sdp_jax.launch --processes N -- python train.py ...``: the launcher's flags
+    """``python -m sdp_jax.train.launch --processes N -- python train.py ...``: the launcher's flags
     and the train command, on N x num_cpu_devices devices (it runs in
     tests/test_multiprocess.py)."""
     cut = cmd.index("--")
@@ -155,22 +158,22 @@ def test_documented_command_is_valid(sandbox, path, cmd):
             _check_train(["train.py"] + cmd[2:])
     elif cmd[1] == "train.py":
         _check_train(["train.py"] + cmd[2:])
-    elif cmd[1:3] == ["-m", "sdp_jax.launch"]:
+    elif cmd[1:3] == ["-m", "sdp_jax.train.launch"]:
         _check_launch(cmd)
     elif cmd[1:3] == ["-m", "sdp_jax.bench"]:
         assert bench.main(cmd[3:], check_only=True) == []
     elif cmd[1:3] == ["-m", "sdp_jax.study"]:
         assert study.main(cmd[3:], check_only=True) == []
-    elif cmd[1:3] in (["-m", "sdp_jax.evaluate"], ["-m", "sdp_jax.generate"],
-                      ["-m", "sdp_jax.export"]):
+    elif cmd[1:3] in (["-m", "sdp_jax.tools.evaluate"], ["-m", "sdp_jax.tools.generate"],
+                      ["-m", "sdp_jax.tools.export"]):
         # the tool's own flags parse here (its config overrides need a run's config.json);
         # tests/test_trained.py runs each tool on a trained run
         tool = importlib.import_module(cmd[2])
         trained.tool_flags(tool.define)([cmd[2]] + [a for a in cmd[3:]
                                                     if not a.startswith("--config.")])
-        assert f"{cmd[2].split('.')[1]}.main" in open(
+        assert f"{cmd[2].rsplit('.', 1)[1]}.main" in open(
             os.path.join(ROOT, "tests", "test_trained.py")).read()
-    elif cmd[1:3] == ["-m", "sdp_jax.plot"]:   # drawn from real runs in its own test
+    elif cmd[1:3] == ["-m", "sdp_jax.tools.plot"]:   # drawn from real runs in its own test
         assert plot.main(cmd[3:], check_only=True) is None
         assert "plot.main" in open(os.path.join(ROOT, "tests", "test_train_cli.py")).read()
     else:

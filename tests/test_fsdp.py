@@ -7,9 +7,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import comm, tasks
-from sdp_jax import train_step as ts
+from sdp_jax import comm, costs
+from sdp_jax import spec as spec_lib
+from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.train import families
+from sdp_jax.train import optimizer as optim_lib
 
 W = 4
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
@@ -18,7 +21,7 @@ CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2
 # gradient (docs/design.md invariant 6) for FSDP to match the unsharded run. SGD, whose update is
 # linear in the gradient (Adam turns rounding-level differences of near-zero entries into
 # full-size steps of either sign).
-OPT = ts.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.05, weight_decay=0.0)
+OPT = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.05, weight_decay=0.0)
 COVERAGE = {"ddp": 1.0, "b-sdp": 0.5, "n-sdp": 0.5, "bb-sdp": 0.5, "nb-sdp": 0.5}
 
 
@@ -36,8 +39,8 @@ def batches(mesh):
 
 
 def builder(mesh, variant, cfg=CFG, optim=OPT, **kw):
-    plan = ts.make_plan(variant, cfg, W, COVERAGE[variant], "cyclic", 0)
-    return tasks.language_model_step(cfg, plan, optim, mesh, 10, **kw)
+    plan = llama.make_plan(variant, cfg, W, COVERAGE[variant], "cyclic", 0)
+    return families.language_model_step(cfg, plan, optim, mesh, 10, **kw)
 
 
 def run(b, batches):
@@ -56,7 +59,7 @@ def assert_same_model(b1, s1, b2, s2, **kw):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
 
 
-@pytest.mark.parametrize("variant", ts.VARIANTS)
+@pytest.mark.parametrize("variant", spec_lib.VARIANTS)
 def test_every_variant_with_fsdp_matches_it_without_fsdp(mesh, batches, variant):
     plain, sharded = builder(mesh, variant), builder(mesh, variant, fsdp=True)
     s1, l1, n1 = run(plain, batches)
@@ -93,7 +96,7 @@ def test_backward_masking_under_checkpointing_skips_unheld_weight_gradients(mesh
     steps as without checkpointing, which computes those gradients and discards them:
     test_activation_checkpointing_changes_no_result), and fewer FLOPs in the bench's count
     than with every block's weight gradients (DDP's work)."""
-    from sdp_jax import bench
+    from sdp_jax.bench import measure as bench
     b = builder(mesh, "bb-sdp", remat="full")
     assert b.skips_unheld() and not builder(mesh, "bb-sdp").skips_unheld()
     assert not builder(mesh, "bb-sdp", remat="dots").skips_unheld()
@@ -103,7 +106,7 @@ def test_backward_masking_under_checkpointing_skips_unheld_weight_gradients(mesh
     def flops(variant, branch=None):
         u = builder(mesh, variant, remat="full", unroll=True)
         u.count_branch = branch
-        return ts.flops_per_device(u.compiled_train_step(shape))
+        return costs.flops_per_device(u.compiled_train_step(shape))
     held, unheld = flops("bb-sdp", True), flops("bb-sdp", False)   # held: DDP's work
     counted = bench._count_flops(lambda: builder(mesh, "bb-sdp", remat="full", unroll=True),
                                  shape)
@@ -115,7 +118,7 @@ def test_full_remat_saves_activation_memory(mesh):
     cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=128,
                       max_seq_len=64)
     shape = jax.ShapeDtypeStruct((8 * W, 65), jnp.int32)
-    mem = {r: ts.memory_stats(builder(mesh, "ddp", cfg=cfg, remat=r).compiled_train_step(shape))
+    mem = {r: costs.memory_stats(builder(mesh, "ddp", cfg=cfg, remat=r).compiled_train_step(shape))
            for r in ("none", "full")}
     assert mem["full"]["temp_bytes"] < 0.6 * mem["none"]["temp_bytes"]
 
@@ -133,7 +136,7 @@ def test_fsdp_never_saves_gathered_parameters(mesh, variant):
 
     def compiled(**kw):
         c = builder(mesh, variant, cfg=cfg, **kw).compiled_train_step(shape)
-        return comm.comm_bytes_per_device(c.as_text(), W)["total"], ts.memory_stats(c)
+        return comm.comm_bytes_per_device(c.as_text(), W)["total"], costs.memory_stats(c)
     fsdp_none, mem_none = compiled(fsdp=True, remat="none")
     fsdp_full, _ = compiled(fsdp=True, remat="full")
     _, mem_plain = compiled(remat="none")
@@ -143,7 +146,7 @@ def test_fsdp_never_saves_gathered_parameters(mesh, variant):
 
 @pytest.mark.parametrize("variant,fsdp", [("ddp", False), ("b-sdp", True), ("nb-sdp", False)])
 def test_bf16_trains_with_float32_master_state(mesh, variant, fsdp):
-    b = builder(mesh, variant, optim=ts.OptimConfig(lr=1e-2, warmup_steps=1),
+    b = builder(mesh, variant, optim=optim_lib.OptimConfig(lr=1e-2, warmup_steps=1),
                 fsdp=fsdp, remat="full", dtype="bfloat16")
     x = jax.device_put(jnp.asarray(np.random.default_rng(2).integers(0, 64, (2 * W, 13)),
                                    jnp.int32), b.batch_sharding())

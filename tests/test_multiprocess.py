@@ -1,5 +1,5 @@
 """Several processes on one machine, as README.md's *Multi-host* section launches them:
-``python -m sdp_jax.launch --processes 2 -- python train.py ... --config.num_cpu_devices=2``
+``python -m sdp_jax.train.launch --processes 2 -- python train.py ... --config.num_cpu_devices=2``
 (``jax.distributed`` on 127.0.0.1, gloo collectives between the processes).
 
 The 2-process runs equal the 1-process runs of the same config step by step (docs/design.md
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from sdp_jax import launch
+from sdp_jax.train import launch
 
 # One pytest-xdist worker runs these in turn (the module's reference run is shared, and two
 # multi-process launches at once would each get half the CPU).
@@ -44,7 +44,7 @@ def _env():
 def readme_launch_command():
     """README.md's local launch command (*Multi-host*) as ``(environment, tokens)``."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        line = next(ln for ln in f if "python -m sdp_jax.launch" in ln)
+        line = next(ln for ln in f if "python -m sdp_jax.train.launch" in ln)
     tokens = shlex.split(line)
     env = dict(t.split("=", 1) for t in tokens[:tokens.index("python")])
     cmd = tokens[tokens.index("python"):]

@@ -12,22 +12,27 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from test_train_cli import tiny  # the tiny config with dotted overrides
 
-from sdp_jax import checkpoint as ckpt_lib
-from sdp_jax import loop, stiefel, study, sync, tasks
+from sdp_jax import costs, stiefel, sync
+from sdp_jax import mesh as mesh_lib
 from sdp_jax import pipeline as pl
-from sdp_jax import train_step as ts
-from sdp_jax.config import resolve
+from sdp_jax.models import llama
 from sdp_jax.models.llama import Llama, LlamaConfig, next_token_loss
+from sdp_jax.study import mapl as study
+from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import families
+from sdp_jax.train import loop
+from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train.run import resolve
 
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, d_ff=64,
                   max_seq_len=32)
 CFG8 = LlamaConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, n_kv_heads=2, d_ff=64,
                    max_seq_len=32)   # 4 blocks per stage: C = 1/2 on 4 workers stays connected
 T = 16
-ADAM = ts.OptimConfig(warmup_steps=0)
+ADAM = optim_lib.OptimConfig(warmup_steps=0)
 # SGD with an active clip threshold for the 3-step equivalences (as tests/test_fsdp.py): the
 # clipping factor must come from the norm with every component counted once across the stages.
-SGD = ts.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.05, weight_decay=0.0)
+SGD = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.05, weight_decay=0.0)
 
 
 def _pipe(method="none", stages=2, microbatches=2, ratio=4, anchor_rank=8, rvq_levels=0,
@@ -40,8 +45,8 @@ def _pipe(method="none", stages=2, microbatches=2, ratio=4, anchor_rank=8, rvq_l
 def _step(method="none", ratio=4, workers=2, stages=2, variant="ddp", coverage=1.0, cfg=CFG,
           anchor_rank=8, microbatches=2, rvq_levels=0, optim=ADAM, schedule="gpipe", **kw):
     pipe = _pipe(method, stages, microbatches, ratio, anchor_rank, rvq_levels, schedule)
-    plan = ts.make_plan(variant, cfg, workers, coverage, pipe=pipe)
-    st = tasks.language_model_step(cfg, plan, optim, pl.make_mesh(workers, stages), 20,
+    plan = llama.make_plan(variant, cfg, workers, coverage, pipe=pipe)
+    st = families.language_model_step(cfg, plan, optim, mesh_lib.make_mesh(workers, stages), 20,
                                    pipe=pipe, **kw)
     st.cfg, st.pipe = cfg, pipe
     return st
@@ -62,7 +67,7 @@ def reference_loss(cfg, pipe, full, tokens):
     """The oracle: the same model on one device, stage after stage (no schedule, no mesh):
     mean next-token loss of ``tokens`` [B, T + 1] plus the RVQ terms. ``full["blocks"]`` may be
     one worker's subnetwork ``[P * k, ...]`` (k per stage)."""
-    task, bd = tasks.LanguageModel(cfg), pl.Boundary(pipe)
+    task, bd = families.LanguageModel(cfg), pl.Boundary(pipe)
     x, y = tokens[:, :-1], tokens[:, 1:]
     h = task.embed(full, x)
     n = jax.tree.leaves(full["blocks"])[0].shape[0] // pipe.stages
@@ -117,7 +122,7 @@ def test_uncompressed_pipeline_equals_unpipelined_model():
 def test_pipelined_ddp_equals_unpipelined_ddp_after_3_steps():
     """The staged layout, the per-stage optimizer and the clipping norm summed over the stages
     give the same trajectory as the step without a pipeline."""
-    plain = tasks.language_model_step(CFG, ts.make_plan("ddp", CFG, 2, 1.0), SGD,
+    plain = families.language_model_step(CFG, llama.make_plan("ddp", CFG, 2, 1.0), SGD,
                                       jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]),
                                       20)
     piped = _step("none", optim=SGD)
@@ -293,7 +298,7 @@ def test_1f1b_counts_a_weight_shared_by_devices_once(vary):
     gradient is then summed over that axis inside the schedule): Pipeline.loss called directly,
     the weight's gradient under 1F1B equals GPipe's for each of the four variances."""
     Wn, Pn, d, V = 2, 2, 8, 16
-    mesh = pl.make_mesh(Wn, Pn)
+    mesh = mesh_lib.make_mesh(Wn, Pn)
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     kept = {"emb": jax.random.normal(k1, (V, d)), "out": jax.random.normal(k2, (d, V))}
     w = jax.random.normal(k3, (Pn, d, d)) / 3
@@ -332,13 +337,13 @@ def test_1f1b_peak_below_gpipe_with_2_stages_and_8_microbatches():
     for sched in ("gpipe", "1f1b"):
         st = _step(microbatches=8, schedule=sched)
         tok = jax.ShapeDtypeStruct((st.spec.workers * 16, T + 1), jnp.int32)
-        peak[sched] = ts.memory_stats(st.compiled_train_step(tok))["peak_bytes_per_device"]
+        peak[sched] = costs.memory_stats(st.compiled_train_step(tok))["peak_bytes_per_device"]
     assert peak["1f1b"] < 0.65 * peak["gpipe"]
 
 
 def test_pipeline_parameter_averaging_trains():
     st = _step("unconstrained", variant="b-sdp", coverage=0.5, workers=4, cfg=CFG8,
-               optim=ts.OptimConfig(lr=1e-2, warmup_steps=0), averaging="parameters",
+               optim=optim_lib.OptimConfig(lr=1e-2, warmup_steps=0), averaging="parameters",
                sync_every=2)
     x = _batches(st, 1)[0]
     state = st.init_state(0)
@@ -417,7 +422,7 @@ def test_study_methods_are_the_pipelines():
 
 
 def test_every_device_is_a_worker_with_several_processes(monkeypatch):
-    """The multi-process check is the one of every run (sdp_jax.config.resolve_workers), so it
+    """The multi-process check is the one of every run (sdp_jax.train.run.resolve_workers), so it
     also covers pipelines: with several processes, workers x stages must use every device (a
     pipelined config launched as 2 processes used to fail only after compiling)."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from sdp_jax import layout as layout_lib
 from sdp_jax import masks, sync
 from sdp_jax import spec as sdp
-from sdp_jax import train_step as ts
+from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 
 
@@ -163,15 +163,15 @@ OLD_RECORDS = [
 @pytest.mark.parametrize("variant, coverage, scheme, sha", OLD_RECORDS)
 def test_llama_masks_equal_those_of_earlier_checkpoints(variant, coverage, scheme, sha):
     cfg = LlamaConfig(d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=48)
-    spec = ts.make_plan(variant, cfg, 8, coverage, scheme, 3)
+    spec = llama.make_plan(variant, cfg, 8, coverage, scheme, 3)
     assert spec.record()["mask_sha256"] == sha
 
 
 def test_llama_rules_give_the_recipe_masks():
     cfg = LlamaConfig(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48)
-    b = ts.make_plan("b-sdp", cfg, 4, 0.5)
+    b = llama.make_plan("b-sdp", cfg, 4, 0.5)
     np.testing.assert_array_equal(b.kinds["block"].masks[0], masks.build_mask("cyclic", 4, 4, 0.5))
-    n = ts.make_plan("n-sdp", cfg, 4, 0.5, scheme="random", seed=3)
+    n = llama.make_plan("n-sdp", cfg, 4, 0.5, scheme="random", seed=3)
     recipe = masks.MaskRecipe("random", 4, 48, 0.5, 3)
     np.testing.assert_array_equal(n.kinds["mlp"].masks, sdp.layer_masks(recipe, 4))
     wq = n.rule(("blocks", "attn", "wq"))

@@ -7,7 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from sdp_jax import loop, masks, study, study_sdp
+from sdp_jax import masks
+from sdp_jax.study import __main__ as study
+from sdp_jax.study import sdp as study_sdp
+from sdp_jax.train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [f"--lm_config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}",
@@ -101,7 +104,7 @@ def test_plan_and_gap_schemes():
     assert [r["name"] for r in runs] == ["ddp", "n-sdp_c0.5_step", "n-sdp_c0.5_flop",
                                          "bb-sdp_c0.5_cyclic", "bb-sdp_c0.5_random",
                                          "bb-sdp_c0.5_grouped"]
-    from sdp_jax import config as config_lib
+    from sdp_jax.train import config as config_lib
     base = config_lib.base_config()
     c = study_sdp.run_config(base, runs[-1], 25)
     assert (c.sdp.scheme, c.sdp.mask_seed, c.sdp.allow_disconnected, c.seed) == (

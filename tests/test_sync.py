@@ -2,11 +2,13 @@
 
 import jax
 import numpy as np
+
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import spec as spec_lib
+from sdp_jax import layout as layout_lib
 from sdp_jax import sync
 
 W = 4
@@ -80,7 +82,7 @@ def test_holder_mean_moves_held_rows_and_matches_numpy(mesh, step_bytes):
 
 def _check_holder_mean(mesh, hand, step_bytes):
     tables, xc = _compact(hand, rows=5, seed=4)
-    ht = sync.HolderTables(tables.held[:, None, :], tables.counts[None, :], 0, False)
+    ht = layout_lib.HolderTables(tables.held[:, None, :], tables.counts[None, :], 0, False)
 
     def fn(t):  # two leaves with equal tables travel fused; the second is a multiple
         out = sync.holder_mean({"a": t[0], "b": 3 * t[0]}, {"a": ht, "b": ht},
@@ -112,7 +114,7 @@ def test_holder_mean_neuron_leaves_match_layer_reference(mesh):
     # two leaves with the same components on different axes (like w_gate and w_down): they
     # travel fused, each with its own axis
     lt, lt1 = sync.LayerTables(idx, counts, 2), sync.LayerTables(idx, counts, 1)
-    ht, ht1 = (sync.HolderTables(t.indices, t.counts, t.axis, True) for t in (lt, lt1))
+    ht, ht1 = (layout_lib.HolderTables(t.indices, t.counts, t.axis, True) for t in (lt, lt1))
     x = rng.normal(size=(W, L, 6, 4)).astype(np.float32)   # [L, d=6, kc=4] per worker
     y = rng.normal(size=(W, L, 4, 5)).astype(np.float32)   # [L, kc=4, 5] per worker
 

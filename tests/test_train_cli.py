@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from conftest import compact_opt_state, resume_from_old_layout
 
-from sdp_jax import checkpoint as ckpt_lib
-from sdp_jax import loop
-from sdp_jax.config import resolve
+from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import loop
+from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train.run import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -51,11 +52,11 @@ def test_cli_trains_tiny_and_writes_outputs(tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert all("train_loss" in r for r in recs) and "val_loss" in recs[-1]
     # model FLOPs of a worker's 2 of 4 blocks, per device, and MFU against the given peak
-    from sdp_jax import train_step as ts
+    from sdp_jax.models import llama
     cfg = tiny(**{"sdp.variant": "b-sdp", "sdp.coverage": 0.5})
     spec = resolve(cfg, 4)
-    per_token = ts.model_flops_per_token(spec.model, cfg.seq_len, 2)
-    assert per_token < ts.model_flops_per_token(spec.model, cfg.seq_len)
+    per_token = llama.model_flops_per_token(spec.model, cfg.seq_len, 2)
+    assert per_token < llama.model_flops_per_token(spec.model, cfg.seq_len)
     for r in recs:
         assert r["model_flops_per_s_per_device"] == pytest.approx(
             r["tokens_per_s"] * per_token / 4, rel=1e-6)
@@ -117,7 +118,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
     # ... resumed with 2 grain worker processes (a changed data.worker_count used to fail
     # with KeyError: 'next_index'; the data position is now the step)
     os.remove(tmp_path / "resumed" / "summary.json")   # as if killed before writing it ...
-    from tensorboardX import SummaryWriter   # ... after logging a step it never checkpointed
+    from tensorboardX import SummaryWriter  # ... after logging a step it never checkpointed
     with SummaryWriter(str(tmp_path / "resumed")) as stale:
         stale.add_scalar("train_loss", 99.0, 5)
     first = ckpt_lib.CheckpointManager(str(tmp_path / "resumed" / "checkpoints")).read_meta(3)
@@ -185,9 +186,9 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, monkeypatch):
     --config.optim.lr=1e39 did: every leaf of the step-1 checkpoint was NaN) is not saved;
     such learning rates are refused up front."""
     import jax.numpy as jnp
-    from sdp_jax import train_step as ts
-    real = ts.lr_schedule
-    monkeypatch.setattr(ts, "lr_schedule", lambda optim, total: lambda count: jnp.where(
+
+    real = optim_lib.lr_schedule
+    monkeypatch.setattr(optim_lib, "lr_schedule", lambda optim, total: lambda count: jnp.where(
         count >= 1, jnp.float32(jnp.inf), real(optim, total)(count)))   # inf from step 2 on
     wd = tmp_path / "nan"
     cfg = tiny(steps=6, checkpoint_every=1, keep_checkpoints=3, eval_every=0)
@@ -197,7 +198,7 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, monkeypatch):
     m = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
     assert m.latest_step() == 1
     m.close()
-    monkeypatch.setattr(ts, "lr_schedule", real)
+    monkeypatch.setattr(optim_lib, "lr_schedule", real)
     with pytest.raises(ValueError, match="optim.lr=1e.39 must be a finite number > 0 "
                                          r"\(in float32\)"):
         resolve(tiny(**{"optim.lr": 1e39}), 4)
@@ -261,10 +262,10 @@ def test_wsd_run_extends_as_if_planned_longer(tmp_path):
     np.testing.assert_allclose(out["final_val_loss"], full["final_val_loss"], rtol=1e-6)
     with pytest.raises(ValueError, match="steps: checkpoint has 6, this run has 5"):
         loop.train(tiny(steps=5, **common), wd)   # grows only
-    # every finished run drew its curves; python -m sdp_jax.plot compares the two
+    # every finished run drew its curves; python -m sdp_jax.tools.plot compares the two
     from matplotlib.image import imread
 
-    from sdp_jax import plot
+    from sdp_jax.tools import plot
     for run in ("full", "extended"):
         assert imread(tmp_path / run / "curves.png").shape[2] in (3, 4)
     out = plot.main([str(tmp_path / "full"), str(tmp_path / "extended"), "--out",
@@ -497,10 +498,11 @@ def test_sync_every_without_parameter_averaging_is_refused(tmp_path):
 
 
 def test_config_without_a_schema_field_is_refused():
-    """One schema (sdp_jax.config): a hand-written config that lacks a field is refused by the
+    """One schema (sdp_jax.train.config): a hand-written config that lacks a field is refused by the
     validation, naming the field, its default and where the schema comes from, instead of
     failing later with an AttributeError."""
-    from sdp_jax.config import resolve, vision_config
+    from sdp_jax.train.config import vision_config
+    from sdp_jax.train.run import resolve
     c = tiny()
     del c.sdp["method"]
     with pytest.raises(ValueError, match=r"config\.sdp\.method is missing; build the run config "
@@ -525,7 +527,7 @@ def test_config_without_a_schema_field_is_refused():
 def test_hand_written_config_mistakes_are_refused(edit, match):
     """What a typo or a switched model name in a get_config() file used to do silently (train
     with the field ignored, or with another model's defaults) is refused by the validation."""
-    from sdp_jax.config import resolve
+    from sdp_jax.train.run import resolve
     c = tiny()
     edit(c)
     with pytest.raises(ValueError, match=match):
@@ -543,7 +545,7 @@ def test_workdir_entries_of_the_wrong_kind_and_a_changed_worker_count(tmp_path):
         loop.train(tiny(steps=2, eval_every=2), str(wd))
     (wd / "checkpoints").unlink()
     loop.train(tiny(steps=2, eval_every=2), str(wd))
-    from sdp_jax.config import resolve
+    from sdp_jax.train.run import resolve
     c = tiny(steps=2, eval_every=2)
     meta = loop._meta(c, resolve(c, 8))
     assert meta["workers"] == 4

@@ -8,14 +8,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import tasks
-from sdp_jax import train_step as ts
+from sdp_jax import costs
+from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig, next_token_loss
+from sdp_jax.train import families
+from sdp_jax.train import optimizer as optim_lib
 
 W = 4
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
                   max_seq_len=16)
-OPT = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1.0)
+OPT = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +35,13 @@ def batches(mesh):
 
 def builder(mesh, variant, coverage, method="auto", scheme="cyclic", optim=OPT, cfg=CFG,
             allow_disconnected=False, **kw):
-    plan = ts.make_plan(variant, cfg, W, coverage, scheme, 0,
+    plan = llama.make_plan(variant, cfg, W, coverage, scheme, 0,
                         allow_disconnected=allow_disconnected)
-    return tasks.language_model_step(cfg, plan, optim, mesh, 10, method=method, **kw)
+    return families.language_model_step(cfg, plan, optim, mesh, 10, method=method, **kw)
 
 
 def graph(cfg=CFG):
-    return tasks.LanguageModel(cfg).graphdef
+    return families.LanguageModel(cfg).graphdef
 
 
 def run(b, batches):
@@ -128,7 +130,7 @@ def test_bsdp_block_gradient_is_mean_over_holders(mesh, batches):
 
 def test_clipping_is_identical_on_all_holders(mesh, batches):
     """With a tiny clip threshold, clipping by per-worker norms would desynchronize holders."""
-    opt = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)
+    opt = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)
     b = builder(mesh, "b-sdp", 0.5, optim=opt)
     s, _ = run(b, batches)
     arr = np.asarray(s["params"]["blocks"]["attn"]["wq"])
@@ -144,7 +146,7 @@ def test_forward_masking_really_prunes(mesh):
     for v, c in (("ddp", 1.0), ("b-sdp", 0.5)):
         compiled = builder(mesh, v, c).compiled_train_step(
             jax.ShapeDtypeStruct((W * 2, 13), jnp.int32))
-        rows[v] = ts.memory_stats(compiled)
+        rows[v] = costs.memory_stats(compiled)
     # state (params + AdamW moments) is compact: blocks are half, always-kept are not
     assert rows["b-sdp"]["argument_bytes"] < 0.8 * rows["ddp"]["argument_bytes"]
     assert rows["b-sdp"]["peak_bytes_per_device"] < rows["ddp"]["peak_bytes_per_device"]
@@ -162,12 +164,12 @@ def test_full_model_eval_streams_blocks_from_holders(mesh, batches):
 
 def test_unknown_variant_and_bad_coverage():
     with pytest.raises(ValueError, match="unknown variant 'x-sdp'"):
-        ts.make_plan("x-sdp", CFG, W, 0.5)
+        llama.make_plan("x-sdp", CFG, W, 0.5)
     with pytest.raises(ValueError, match="nearest valid coverages"):
-        ts.make_plan("b-sdp", CFG, W, 0.3)
+        llama.make_plan("b-sdp", CFG, W, 0.3)
     # 2 key/value groups cannot be split in thirds: the error names the component kind
     with pytest.raises(ValueError, match="n-sdp masks 2 key/value head groups per block"):
-        ts.make_plan("n-sdp", CFG, 3, 1 / 3)
+        llama.make_plan("n-sdp", CFG, 3, 1 / 3)
 
 
 # ------------------------------------------------------------------ issue 3: all variants
@@ -232,7 +234,7 @@ def test_nsdp_component_held_by_one_worker_is_updated_from_that_worker_alone(mes
 
 @pytest.mark.parametrize("variant", ["ddp", "b-sdp", "n-sdp"])
 def test_periodic_averaging_h1_sgd_equals_gradient_averaging(mesh, batches, variant):
-    sgd = ts.OptimConfig(name="sgd", lr=0.5, warmup_steps=0, grad_clip=0.0, weight_decay=0.0)
+    sgd = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=0, grad_clip=0.0, weight_decay=0.0)
     s_g, l_g = run(builder(mesh, variant, 0.5, optim=sgd), batches)
     b = builder(mesh, variant, 0.5, optim=sgd, averaging="parameters", sync_every=1)
     s_p, l_p = run(b, batches)
@@ -262,7 +264,7 @@ def test_backward_variants_refuse_periodic_averaging(mesh):
 
 
 def test_nsdp_holders_of_each_neuron_and_head_agree(mesh, batches):
-    opt = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)  # clipping active
+    opt = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)  # clipping active
     b = builder(mesh, "n-sdp", 0.5, optim=opt, scheme="random")
     s, _ = run(b, batches)
     lay = b.layout

@@ -12,7 +12,8 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from sdp_jax import evaluate, export, generate, loop, trained
+from sdp_jax.tools import evaluate, export, generate, trained
+from sdp_jax.train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -120,8 +121,8 @@ def test_lm_eval_adapter_scores_a_local_two_choice_task(run, tmp_path):
     from flax import nnx
     from lm_eval.tasks import TaskManager
 
-    from sdp_jax.harness import SDPJaxLM
-    from sdp_jax.tasks import LanguageModel
+    from sdp_jax.tools.harness import SDPJaxLM
+    from sdp_jax.train.families import LanguageModel
     wd, _ = run
     model = SDPJaxLM(workdir=wd, batch_size=4)
     cfg, params = model.cfg, model.params

@@ -8,16 +8,17 @@ from conftest import compact_opt_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax import costs
 from sdp_jax import spec as sdp
-from sdp_jax import tasks
-from sdp_jax import train_step as ts
 from sdp_jax.models import vision as vm
+from sdp_jax.train import families
+from sdp_jax.train import optimizer as optim_lib
 
 W = 4
 RESNET = vm.VisionConfig(name="resnet18", width=4, depths=(2, 2), image_size=16, num_classes=5)
 SWIN = vm.VisionConfig(name="swin_t", embed_dim=8, depths=(2, 2), num_heads=(2, 2),
                        image_size=16, num_classes=5)
-OPT = ts.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1.0)
+OPT = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,8 @@ def _batches(mesh, cfg, n=3, same=False, seed=0):
 
 def _run(mesh, cfg, variant, coverage, batches, optim=OPT, remat="none", step_kw=None, **kw):
     step_kw = step_kw or {}
-    plan = tasks.vision_spec(cfg, variant, W, coverage, **kw)
-    b = tasks.vision_step(cfg, plan, optim, mesh, total_steps=10, remat=remat, **step_kw)
+    plan = families.vision_spec(cfg, variant, W, coverage, **kw)
+    b = families.vision_step(cfg, plan, optim, mesh, total_steps=10, remat=remat, **step_kw)
     state = b.init_state(seed=0)
     fn = b.train_step_fn()
     for x, y in batches:
@@ -66,10 +67,10 @@ def test_every_variant_at_c1_matches_ddp(mesh, cfg, variants):
     C = 1 give DDP's parameters after 3 steps."""
     batches = _batches(mesh, cfg)
     ref_b, ref_state, ref_m = _run(mesh, cfg, "ddp", 1.0, batches)
-    ref = jax.device_get(tasks.VisionEval(ref_b).full_model(ref_state))
+    ref = jax.device_get(families.VisionEval(ref_b).full_model(ref_state))
     for variant in variants:
         b, state, m = _run(mesh, cfg, variant, 1.0, batches)
-        _close(ref, jax.device_get(tasks.VisionEval(b).full_model(state)))
+        _close(ref, jax.device_get(families.VisionEval(b).full_model(state)))
         assert abs(m["train_loss"] - ref_m["train_loss"]) < 1e-5, variant
         assert abs(m["grad_norm"] - ref_m["grad_norm"]) < 1e-4, variant
 
@@ -80,7 +81,7 @@ def test_bsdp_prunes_and_holders_agree(mesh):
     checkpointing gives the same parameters, and the full model evaluates with every block."""
     batches = _batches(mesh, RESNET, n=2)
     b, state, m = _run(mesh, RESNET, "b-sdp", 0.5, batches)
-    ddp = tasks.vision_step(RESNET, tasks.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
+    ddp = families.vision_step(RESNET, families.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
     assert b.per_device_param_count() < 0.7 * ddp.per_device_param_count()
     slots = np.asarray(state["params"]["s1"]["slots"]["conv2"]["kernel"])  # [W, 1, ...]
     assert slots.shape[:2] == (W, 1)
@@ -96,7 +97,7 @@ def test_bsdp_prunes_and_holders_agree(mesh):
     _close(state["params"], state_ac["params"], tol=1e-5)  # checkpointing changes no result
     x, y = batches[0]
     valid = jax.device_put(jnp.ones(y.shape, bool), NamedSharding(mesh, P("data")))
-    loss, right, count = tasks.VisionEval(b).eval_step_fn()(state["params"], state["stats"], x,
+    loss, right, count = families.VisionEval(b).eval_step_fn()(state["params"], state["stats"], x,
                                                             y, valid)
     assert int(count) == y.shape[0] and np.isfinite(float(loss))
 
@@ -116,7 +117,7 @@ def test_activation_checkpointing_changes_no_result_and_lowers_the_peak(mesh, cf
     assert abs(m0["train_loss"] - m1["train_loss"]) < 1e-5
     if variant == "ddp":
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
-        peak = [ts.memory_stats(b.compiled_train_step(shapes))["peak_bytes_per_device"]
+        peak = [costs.memory_stats(b.compiled_train_step(shapes))["peak_bytes_per_device"]
                 for b in (b0, b1)]
         assert peak[1] < 0.85 * peak[0], peak
 
@@ -124,13 +125,13 @@ def test_activation_checkpointing_changes_no_result_and_lowers_the_peak(mesh, cf
 def test_backward_masking_is_unbiased(mesh):
     """Invariant 3: with the same data on every worker, Nb-SDP and Bb-SDP (C = 1/2) take the
     step DDP takes (plain SGD, no clipping)."""
-    sgd = ts.OptimConfig(name="sgd", lr=0.1, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
+    sgd = optim_lib.OptimConfig(name="sgd", lr=0.1, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
     batches = _batches(mesh, RESNET, n=1, same=True)
     ref_b, ref_state, _ = _run(mesh, RESNET, "ddp", 1.0, batches, optim=sgd)
-    ref = jax.device_get(tasks.VisionEval(ref_b).full_model(ref_state))
+    ref = jax.device_get(families.VisionEval(ref_b).full_model(ref_state))
     for variant in ("nb-sdp", "bb-sdp"):
         b, state, _ = _run(mesh, RESNET, variant, 0.5, batches, optim=sgd)
-        _close(ref, jax.device_get(tasks.VisionEval(b).full_model(state)), tol=1e-5)
+        _close(ref, jax.device_get(families.VisionEval(b).full_model(state)), tol=1e-5)
 
 
 def _tiny_params(cfg):
@@ -187,7 +188,7 @@ def test_bn_recalibration_matches_full_model_statistics(mesh):
     """The full model's BatchNorm statistics (B-SDP evaluation) are its batch statistics."""
     batches = _batches(mesh, RESNET, n=1)
     b, state, _ = _run(mesh, RESNET, "b-sdp", 0.5, batches)
-    ev = tasks.VisionEval(b)
+    ev = families.VisionEval(b)
     assert ev.recalibrate
     x, _ = batches[0]
     got = ev.bn_stats_fn()(state["params"], state["stats"], x)
@@ -200,8 +201,8 @@ def test_bn_recalibration_matches_full_model_statistics(mesh):
         new = jax.tree.map(lambda a: a / (1 - vm.BN_MOMENTUM) / W, new)
         want = new if want is None else jax.tree.map(jnp.add, want, new)
     _close(want, got, tol=1e-4)
-    ddp = tasks.vision_step(RESNET, tasks.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
-    assert not tasks.VisionEval(ddp).recalibrate
+    ddp = families.vision_step(RESNET, families.vision_spec(RESNET, "ddp", W, 1.0), OPT, mesh, 10)
+    assert not families.VisionEval(ddp).recalibrate
 
 
 def test_plans_and_bad_coverages():
@@ -211,26 +212,26 @@ def test_plans_and_bad_coverages():
     swin = vm.VisionConfig(name="swin_t")
     assert sdp.stage_balance(2 / 3, swin.depths, 8) == [2, 1, 4, 1]
     assert sdp.stage_balance(0.5, r18.depths, 8) == [1, 1, 1, 1]
-    plan = tasks.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True)
+    plan = families.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True)
     assert [plan.kinds[f"s{i}.blocks"].k for i in range(4)] == [2, 1, 4, 1]
-    plan = tasks.vision_spec(r18, "b-sdp", 8, 0.5)
+    plan = families.vision_spec(r18, "b-sdp", 8, 0.5)
     assert plan.summary()["spectral_gap"] > 0  # stage windows slide: workers mix
     one = vm.VisionConfig(name="resnet18", width=4, depths=(4,), image_size=16)
-    plan = tasks.vision_spec(one, "b-sdp", 4, 0.5, scheme="random", seed=2)
+    plan = families.vision_spec(one, "b-sdp", 4, 0.5, scheme="random", seed=2)
     assert list(plan.kinds) == ["s0.blocks"]   # a one-stage model: still a stage's stack
     assert plan.kinds["s0.blocks"].recipe["seed"] == 2 * 1009
-    assert list(tasks.vision_record(plan)["recipes"]) == ["s0.blocks"]
+    assert list(families.vision_record(plan)["recipes"]) == ["s0.blocks"]
     with pytest.raises(ValueError, match=r"resnet18: b-sdp: coverage C=0\.3 is not realizable"
                                          r".*nearest valid"):
-        tasks.vision_spec(r18, "b-sdp", 8, 0.3)
+        families.vision_spec(r18, "b-sdp", 8, 0.3)
     with pytest.raises(ValueError, match=r"C=0\.25 is not realizable.*from 4 .* to 8"):
-        tasks.vision_spec(r18, "b-sdp", 8, 0.25)  # 2 blocks, but every stage keeps one
+        families.vision_spec(r18, "b-sdp", 8, 0.25)  # 2 blocks, but every stage keeps one
     with pytest.raises(ValueError, match="3 heads per block"):
-        tasks.vision_spec(swin, "n-sdp", 8, 0.5)
+        families.vision_spec(swin, "n-sdp", 8, 0.5)
     with pytest.raises(ValueError, match="allow_nonuniform"):
-        tasks.vision_spec(swin, "b-sdp", 8, 2 / 3)
+        families.vision_spec(swin, "b-sdp", 8, 2 / 3)
     with pytest.raises(ValueError, match="unknown variant"):
-        tasks.vision_spec(r18, "x-sdp", 8, 0.5)
+        families.vision_spec(r18, "x-sdp", 8, 0.5)
     with pytest.raises(ValueError, match="model.name='resnet50'"):
         vm.VisionConfig(name="resnet50")
     with pytest.raises(ValueError, match="not divisible"):
@@ -260,18 +261,18 @@ OLD_VISION_RECORDS = [
 def test_vision_masks_equal_those_of_earlier_checkpoints(name, variant, coverage, scheme, seed,
                                                          sha):
     cfg = vm.VisionConfig(name=name, widen=2 if name == "wrn18" else 1)
-    spec = tasks.vision_spec(cfg, variant, 8, coverage, scheme, seed,
+    spec = families.vision_spec(cfg, variant, 8, coverage, scheme, seed,
                              allow_nonuniform=name == "swin_t")
-    assert tasks.vision_record(spec)["mask_sha256"] == sha
+    assert families.vision_record(spec)["mask_sha256"] == sha
 
 
 def test_stage_blocks_override():
     swin = vm.VisionConfig(name="swin_t")
-    plan = tasks.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True,
+    plan = families.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True,
                              stage_blocks=(1, 2, 4, 1))
     assert [plan.kinds[f"s{i}.blocks"].k for i in range(4)] == [1, 2, 4, 1]
     with pytest.raises(ValueError, match=r"adding up to C \* 12 = 8.*default apportionment"):
-        tasks.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True,
+        families.vision_spec(swin, "b-sdp", 8, 2 / 3, allow_nonuniform=True,
                           stage_blocks=(1, 1, 1, 1))
 
 
@@ -279,10 +280,10 @@ def test_bench_vision_rows(tmp_path):
     """The benchmark compiles vision steps: N-SDP stores and peaks below DDP, with FSDP about
     1/W of the parameters; options built for language models only are refused before
     compiling."""
-    from sdp_jax import bench
+    from sdp_jax.bench import measure as bench
     cfg = tmp_path / "tiny_vision.py"
     cfg.write_text(
-        "from sdp_jax.config import vision_config\n\n\ndef get_config():\n"
+        "from sdp_jax.train.config import vision_config\n\n\ndef get_config():\n"
         "    c = vision_config('resnet18', 'digits')\n"
         "    c.model.update(width=4, image_size=16)\n    c.model.depths = (2, 2)\n"
         "    c.workers = 4\n    c.batch_per_worker = 4\n    return c\n")
@@ -307,15 +308,15 @@ def test_periodic_parameter_averaging(mesh, variant):
     """Vision + periodic parameter averaging (the one SDPStep): with SGD and H = 1 it takes the
     gradient-averaging step, BatchNorm statistics included; with H = 2 the workers' copies of
     the always-kept stem drift apart on the local step and agree after the averaging step."""
-    sgd = ts.OptimConfig(name="sgd", lr=0.1, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
+    sgd = optim_lib.OptimConfig(name="sgd", lr=0.1, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)
     batches = _batches(mesh, RESNET, n=2)
     ref_b, ref, m_ref = _run(mesh, RESNET, variant, 0.5, batches, optim=sgd)
     b, got, m = _run(mesh, RESNET, variant, 0.5, batches, optim=sgd,
                      step_kw=dict(averaging="parameters", sync_every=1))
-    _close(jax.device_get(tasks.VisionEval(b).full_model(got)),
-           jax.device_get(tasks.VisionEval(ref_b).full_model(ref)), tol=1e-5)
+    _close(jax.device_get(families.VisionEval(b).full_model(got)),
+           jax.device_get(families.VisionEval(ref_b).full_model(ref)), tol=1e-5)
     assert abs(m["train_loss"] - m_ref["train_loss"]) < 1e-5
-    b = tasks.vision_step(RESNET, tasks.vision_spec(RESNET, variant, W, 0.5), OPT, mesh, 10,
+    b = families.vision_step(RESNET, families.vision_spec(RESNET, variant, W, 0.5), OPT, mesh, 10,
                           averaging="parameters", sync_every=2)
     state = b.init_state(seed=0)
     for i, (x, y) in enumerate(batches + batches[:1]):
@@ -339,8 +340,8 @@ def test_fsdp_equals_unsharded_step(mesh, variant, coverage, ref_variant):
     ref_b, ref, m_ref = _run(mesh, RESNET, ref_variant, 1.0 if ref_variant == "ddp" else coverage,
                              batches)
     b, got, m = _run(mesh, RESNET, variant, coverage, batches, step_kw=dict(fsdp=True))
-    _close(jax.device_get(tasks.VisionEval(b).full_model(got)),
-           jax.device_get(tasks.VisionEval(ref_b).full_model(ref)), tol=1e-5)
+    _close(jax.device_get(families.VisionEval(b).full_model(got)),
+           jax.device_get(families.VisionEval(ref_b).full_model(ref)), tol=1e-5)
     assert abs(m["train_loss"] - m_ref["train_loss"]) < 1e-5
     assert abs(m["grad_norm"] - m_ref["grad_norm"]) < 1e-5
     n_full = sum(int(np.prod(s)) for s in b.spec.shapes.values())
@@ -349,7 +350,7 @@ def test_fsdp_equals_unsharded_step(mesh, variant, coverage, ref_variant):
     valid = jax.device_put(jnp.ones(y.shape, bool), NamedSharding(mesh, P("data")))
     outs = []
     for builder, state in ((b, got), (ref_b, ref)):
-        ev = tasks.VisionEval(builder)
+        ev = families.VisionEval(builder)
         extra = (ev.bn_stats_fn()(state["params"], state["stats"], x),) if ev.recalibrate else ()
         outs.append(ev.eval_step_fn(bool(extra))(state["params"], state["stats"], x, y, valid,
                                                  *extra))
@@ -364,8 +365,8 @@ def test_reference_averaging_equals_alltoall(mesh):
     fast, s_fast, _ = _run(mesh, RESNET, "n-sdp", 0.5, batches)
     ref, s_ref, _ = _run(mesh, RESNET, "n-sdp", 0.5, batches, step_kw=dict(method="reference"))
     assert (fast.method, ref.method) == ("alltoall", "psum")
-    _close(jax.device_get(tasks.VisionEval(fast).full_model(s_fast)),
-           jax.device_get(tasks.VisionEval(ref).full_model(s_ref)), tol=1e-6)
+    _close(jax.device_get(families.VisionEval(fast).full_model(s_fast)),
+           jax.device_get(families.VisionEval(ref).full_model(s_ref)), tol=1e-6)
 
 
 # The train state layout of vision checkpoints written before the one step (the deleted
@@ -385,7 +386,7 @@ def test_state_layout_equals_that_of_earlier_checkpoints(mesh, cfg, variant, n, 
     """Vision checkpoints written by the earlier builder restore into the one step: same
     leaves, shapes, dtypes and shardings (and a ``stats`` entry, empty for Swin)."""
     import hashlib
-    b = tasks.vision_step(cfg, tasks.vision_spec(cfg, variant, W, 0.5), ts.OptimConfig(), mesh,
+    b = families.vision_step(cfg, families.vision_spec(cfg, variant, W, 0.5), optim_lib.OptimConfig(), mesh,
                           10)
     a = b.abstract_state()
     assert set(a) == {"params", "stats", "opt_state", "step"}

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from sdp_jax import vision_data as vd
-from sdp_jax.config import resolve
-from sdp_jax.config import vision_config
+from sdp_jax.train import vision_data as vd
+from sdp_jax.train.config import vision_config
+from sdp_jax.train.run import resolve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sklearn = pytest.importorskip("sklearn", reason="digits need scikit-learn: pip install "

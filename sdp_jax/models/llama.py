@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sdp_jax import fields
+from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
 
 BLOCK_KEY = "blocks"
@@ -370,3 +371,44 @@ def next_token_loss(logits, targets):
     logz = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(logz - tgt)
+
+
+def make_plan(variant: str, cfg: LlamaConfig, workers: int, coverage: float,
+              scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False,
+              allow_disconnected: bool = False, pipe=None) -> spec_lib.SDPSpec:
+    """The :class:`sdp_jax.spec.SDPSpec` of a LLaMA model for a variant (DDP: all-ones block
+    mask), from the model's declared rules (:func:`sdp_rules`).
+
+    With ``pipe`` (:class:`sdp_jax.pipeline.PipelineConfig`, ``stages = P > 1``): the spec of
+    one pipeline stage, whose ``L / P`` blocks carry the same masks in every stage, and the
+    always-kept boundary parameters (:func:`sdp_jax.pipeline.init_boundary`).
+
+    Raises:
+      ValueError: unknown variant, a coverage not realizable for a component kind, or a
+        disconnected mask graph (unless ``allow_disconnected``); ``P`` not dividing ``L``.
+    """
+    tree = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+    if pipe is not None and pipe.stages > 1:
+        if cfg.n_layers % pipe.stages:
+            raise ValueError(f"pipeline.stages={pipe.stages} does not divide "
+                             f"model.n_layers={cfg.n_layers}; choose a divisor of it.")
+        stage = dataclasses.replace(cfg, n_layers=cfg.n_layers // pipe.stages)
+        tree = {**nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Llama(stage, nnx.Rngs(0))),
+                                             nnx.Param)),
+                "boundary": jax.eval_shape(lambda: pl.init_boundary(jax.random.key(0), cfg,
+                                                                    pipe))}
+    return spec_lib.build(tree, sdp_rules(cfg), variant, workers, coverage, scheme=scheme,
+                          seed=seed, allow_nonuniform=allow_nonuniform, names=SDP_NAMES,
+                          allow_disconnected=allow_disconnected)
+
+
+def model_flops_per_token(cfg: LlamaConfig, seq_len: int, blocks: int | None = None,
+                          width: float = 1.0) -> float:
+    """Training FLOPs per token, ``6 * N + 12 * L * T * d`` (Kaplan et al. 2020, Sec. 2.1, with the
+    attention term of PaLM, Chowdhery et al. 2022, App. B); ``blocks`` defaults to ``L``;
+    ``width``: the fraction of each block's neurons and heads that runs (N-SDP's coverage)."""
+    blocks = cfg.n_layers if blocks is None else blocks
+    c = cfg.param_count()
+    n = c["per_block"] * blocks * width + c["always_kept"] - cfg.vocab_size * cfg.d_model * (
+        0 if cfg.tie_embeddings else 1)  # the input embedding lookup is no matmul
+    return 6.0 * n + 12.0 * blocks * seq_len * cfg.d_model * width

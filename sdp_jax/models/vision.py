@@ -35,7 +35,7 @@ or heads, the branch is multiplied by ``G / k`` (inverted dropout, Srivastava et
 
 BatchNorm statistics: in training, each worker normalizes by its own batch's statistics (as
 DDP without SyncBatchNorm does); the running mean / variance (momentum 0.9) are averaged by the SDP
-step over the workers that hold the layer, like parameters (see :func:`sdp_jax.tasks.vision_step`).
+step over the workers that hold the layer, like parameters (see :func:`sdp_jax.train.families.vision_step`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Evaluate a trained run's full model (the run's own evaluation, no training iterator).
 
-    python -m sdp_jax.evaluate --workdir runs/default                  # the latest checkpoint
-    python -m sdp_jax.evaluate --workdir runs/default --step 400       # a kept checkpoint
-    python -m sdp_jax.evaluate --export runs/default/export            # an export, loaded back
-    python -m sdp_jax.evaluate --workdir runs/default --config.data.source=text \\
+    python -m sdp_jax.tools.evaluate --workdir runs/default                  # the latest checkpoint
+    python -m sdp_jax.tools.evaluate --workdir runs/default --step 400       # a kept checkpoint
+    python -m sdp_jax.tools.evaluate --export runs/default/export            # an export, loaded back
+    python -m sdp_jax.tools.evaluate --workdir runs/default --config.data.source=text \\
         --config.data.train_files='mytexts/*.txt'                      # other data
 
 Prints one JSON object: the evaluation (language models ``val_loss`` nats/token and, for
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 
-from sdp_jax import trained as trained_lib
+from sdp_jax.tools import trained as trained_lib
+from sdp_jax.train import cli
 
-PROG = "python -m sdp_jax.evaluate"
+PROG = "python -m sdp_jax.tools.evaluate"
 
 
 def define(fv) -> None:
@@ -26,13 +27,12 @@ def define(fv) -> None:
     from absl import flags  # pylint: disable=g-import-not-at-top
     flags.DEFINE_integer("step", 0, "the checkpoint's step (0 = the latest)",
                          flag_values=fv)
-    flags.DEFINE_string("export", None, "a folder python -m sdp_jax.export wrote "
+    flags.DEFINE_string("export", None, "a folder python -m sdp_jax.tools.export wrote "
                         "(instead of --workdir)", flag_values=fv)
 
 
 def main(argv=None) -> dict:
     """The command line; returns the printed result."""
-    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
     fv, config = trained_lib.command(PROG, __doc__, argv, define)
     try:
         if fv.export:

@@ -1,7 +1,7 @@
 """Export a trained language-model run's full model as safetensors, with its config beside it.
 
-    python -m sdp_jax.export --workdir runs/default --out runs/default/export
-    python -m sdp_jax.evaluate --export runs/default/export       # loaded back and evaluated
+    python -m sdp_jax.tools.export --workdir runs/default --out runs/default/export
+    python -m sdp_jax.tools.evaluate --export runs/default/export       # loaded back and evaluated
 
 Writes ``OUT/model.safetensors`` (flat keys such as ``blocks.attn.wq``; the block leaves
 stacked ``[L, ...]``; float32; every component as the workers that hold it keep it) and
@@ -10,9 +10,10 @@ stacked ``[L, ...]``; float32; every component as the workers that hold it keep 
 
 from __future__ import annotations
 
-from sdp_jax import trained as trained_lib
+from sdp_jax.tools import trained as trained_lib
+from sdp_jax.train import cli
 
-PROG = "python -m sdp_jax.export"
+PROG = "python -m sdp_jax.tools.export"
 
 
 def define(fv) -> None:
@@ -25,7 +26,6 @@ def define(fv) -> None:
 
 def main(argv=None) -> str:
     """The command line; returns the written file's path."""
-    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
     fv, config = trained_lib.command(PROG, __doc__, argv, define)
     if not fv.out:
         cli.error(PROG, "give --out=DIR, the export's folder")

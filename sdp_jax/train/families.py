@@ -2,8 +2,8 @@
 
 For the step (:class:`sdp_jax.step.SDPStep`) a family gives its loss over a worker's local
 parameters, the apply of one block (the block runner hook) and the full model's initial
-parameters; it knows nothing about SDP. For the loop (:func:`sdp_jax.loop.train`) and the
-config validation (:func:`sdp_jax.config.resolve`), :class:`LanguageModelFamily` and
+parameters; it knows nothing about SDP. For the loop (:func:`sdp_jax.train.loop.train`) and the
+config validation (:func:`sdp_jax.train.run.resolve`), :class:`LanguageModelFamily` and
 :class:`VisionFamily` give the model and data fields, the spec, the data, the step, the
 evaluation and the summary fields (:func:`family_of` picks one from a config).
 
@@ -30,13 +30,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax import costs, stiefel, sync
+from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
 from sdp_jax import step as step_lib
-from sdp_jax import sync
+from sdp_jax.costs import fmt_bytes
+from sdp_jax.mesh import DATA
+from sdp_jax.models import llama
 from sdp_jax.models import vision as vm
 from sdp_jax.models.llama import BLOCK_KEY, Llama, LlamaConfig, block_apply_fn, next_token_loss
+from sdp_jax.train import config as config_lib
+from sdp_jax.train import data as data_lib
+from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train import vision_data
 
-AXIS_ = sync.AXIS
 LOSS_CHUNKS = 8  # sequence pieces of the head and loss under activation checkpointing
 # config.sdp.method -> the step's averaging method
 METHODS = {"auto": "alltoall", "alltoall": "alltoall", "reference": "psum"}
@@ -128,13 +135,13 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
                         dtype: str = "float32", unroll: bool = False,
                         pipe=None) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a LLaMA run: AdamW (or SGD) with warm-up and cosine
-    decay from ``optim`` (:class:`sdp_jax.train_step.OptimConfig`), clipping at
+    decay from ``optim`` (:class:`sdp_jax.train.optimizer.OptimConfig`), clipping at
     ``optim.grad_clip``, ``init_state(seed)`` from the model's initializer.
 
     With ``pipe`` (:class:`sdp_jax.pipeline.PipelineConfig`, ``stages > 1``) the loss is the
     pipeline schedule (``pipe.schedule``: GPipe or 1F1B) over the mesh axis ``stage``
     (``mesh`` from :func:`sdp_jax.pipeline.make_mesh`; ``spec`` the spec of one stage with the
-    boundary parameters, :func:`sdp_jax.train_step.make_plan` with ``pipe``); the parameters gain
+    boundary parameters, :func:`sdp_jax.models.llama.make_plan` with ``pipe``); the parameters gain
     ``boundary`` (:func:`sdp_jax.pipeline.init_boundary`), the optimizer routes the projectors
     (:func:`sdp_jax.pipeline.optimizer`), and the metrics gain ``ortho_err`` (max |A^T A - I|
     over the boundaries) when compressed and ``rvq_loss`` with RVQ (also in ``train_loss``).
@@ -143,24 +150,21 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
       ValueError: ``method`` not one of ``auto``, ``alltoall``, ``reference``; and everything
         :class:`SDPStep` refuses.
     """
-    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
     task = LanguageModel(cfg)
     kw = dict(block_fn=task.block, grad_clip=optim.grad_clip, method=step_method(method),
               averaging=averaging, sync_every=sync_every, fsdp=fsdp, remat=remat, dtype=dtype,
-              schedule=ts.lr_schedule(optim, total_steps), total_steps=total_steps,
+              schedule=optim_lib.lr_schedule(optim, total_steps), total_steps=total_steps,
               unroll=unroll)
     stages = 1 if pipe is None else pipe.stages
     got = 1 if mesh is None else int(dict(mesh.shape).get("stage", 1))
     if got != stages or spec.n_blocks != cfg.n_layers // stages:
         raise ValueError(f"pipeline.stages={stages} needs a mesh axis 'stage' of that size "
                          "(sdp_jax.pipeline.make_mesh) and the spec of one stage "
-                         f"(train_step.make_plan(..., pipe=pipe)); got a 'stage' axis of {got} "
+                         f"(sdp_jax.models.llama.make_plan(..., pipe=pipe)); got a 'stage' axis of {got} "
                          f"and a spec of {spec.n_blocks} of the {cfg.n_layers} blocks.")
     if stages == 1:
-        return step_lib.SDPStep(spec, task.loss, ts.make_optimizer(optim, total_steps), mesh,
+        return step_lib.SDPStep(spec, task.loss, optim_lib.make_optimizer(optim, total_steps), mesh,
                                 init_fn=task.init, **kw)
-    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
-    from sdp_jax import stiefel  # pylint: disable=g-import-not-at-top
     pipe.check(cfg, fsdp=fsdp, average=averaging)
     sched = pl.Pipeline(pipe, cfg.d_model, cfg.vocab_size, task.embed, task.head)
 
@@ -171,7 +175,7 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
     def ortho(params):
         return {"ortho_err": stiefel.orthogonality_error(
             params["boundary"][pl.projector_key(pipe.method)])}
-    step = step_lib.SDPStep(spec, sched.loss, pl.optimizer(pipe, optim, total_steps), mesh,
+    step = step_lib.SDPStep(spec, sched.loss, optim_lib.pipeline_optimizer(pipe, optim, total_steps), mesh,
                             init_fn=init, has_aux=True,
                             param_metrics=ortho if pipe.compressed else None, **kw)
     step.pipeline = sched
@@ -231,7 +235,7 @@ def vision_stats_spec(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec) -> spec_lib.
     for kind, t in (stats.kinds.items() if stats else ()):
         if not np.array_equal(t.masks, spec.kinds[kind].masks):
             raise ValueError(f"the BatchNorm statistics' {kind} masks differ from the "
-                             "parameters'; build the spec with tasks.vision_spec.")
+                             "parameters'; build the spec with sdp_jax.train.families.vision_spec.")
     return stats
 
 
@@ -355,7 +359,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
       ValueError: ``remat`` not ``none`` / ``full``, an unknown ``method``; and everything
         :class:`SDPStep` refuses.
     """
-    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+
     method = step_method(method)
     if remat not in ("none", "full"):
         raise ValueError(f"remat={remat!r}; vision models take none or full (activation "
@@ -363,10 +367,10 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     task = VisionModel(cfg, spec, step_lib.DTYPES.get(dtype, jnp.float32), remat == "full",
                        unroll)
     step = step_lib.SDPStep(
-        spec, task.loss, ts.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
+        spec, task.loss, optim_lib.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
         grad_clip=optim.grad_clip, averaging=averaging, sync_every=sync_every, dtype=dtype,
         fsdp=fsdp, method=method,
-        schedule=ts.lr_schedule(optim, total_steps), init_fn=task.init,
+        schedule=optim_lib.lr_schedule(optim, total_steps), init_fn=task.init,
         total_steps=total_steps, has_aux=True, state_spec=task.stats_spec, stacked_slots=True)
     step.task = task
     return step
@@ -381,7 +385,7 @@ class VisionEval:
 
     def __init__(self, step: step_lib.SDPStep):
         if not isinstance(getattr(step, "task", None), VisionModel):
-            raise ValueError("VisionEval evaluates a step built by sdp_jax.tasks.vision_step.")
+            raise ValueError("VisionEval evaluates a step built by sdp_jax.train.families.vision_step.")
         self.step, self.task = step, step.task
         self._fns: dict = {}
         self._stats_spec = jax.tree.map(lambda _: P(), self._full_stats_shapes())
@@ -426,11 +430,11 @@ class VisionEval:
                 zeros = jax.tree.map(jnp.zeros_like, full_s)
                 _, new = self._logits(full_p, zeros, images, train=True)
                 # From zero running statistics one update leaves (1 - momentum) * batch stats.
-                return jax.tree.map(lambda x: jax.lax.pmean(x / (1 - vm.BN_MOMENTUM), AXIS_),
+                return jax.tree.map(lambda x: jax.lax.pmean(x / (1 - vm.BN_MOMENTUM), DATA),
                                     new)
             self._fns["bn"] = jax.jit(jax.shard_map(
                 local, mesh=self.step.mesh,
-                in_specs=(self.step.param_specs, self._sspec(), P(AXIS_)),
+                in_specs=(self.step.param_specs, self._sspec(), P(DATA)),
                 out_specs=self._stats_spec))
         return self._fns["bn"]
 
@@ -448,10 +452,10 @@ class VisionEval:
                 logz = jax.nn.logsumexp(logits, -1)
                 nll = logz - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
                 right = (jnp.argmax(logits, -1) == labels) & valid
-                return (jax.lax.psum(jnp.sum(jnp.where(valid, nll, 0.0)), AXIS_),
-                        jax.lax.psum(jnp.sum(right), AXIS_),
-                        jax.lax.psum(jnp.sum(valid), AXIS_))
-            specs = (self.step.param_specs, self._sspec(), P(AXIS_), P(AXIS_), P(AXIS_))
+                return (jax.lax.psum(jnp.sum(jnp.where(valid, nll, 0.0)), DATA),
+                        jax.lax.psum(jnp.sum(right), DATA),
+                        jax.lax.psum(jnp.sum(valid), DATA))
+            specs = (self.step.param_specs, self._sspec(), P(DATA), P(DATA), P(DATA))
             if recalibrated:
                 specs += (self._stats_spec,)
             self._fns[recalibrated] = jax.jit(jax.shard_map(
@@ -473,15 +477,15 @@ class VisionEval:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model families as the hooks of the one training loop (sdp_jax.loop.train)
+# Model families as the hooks of the one training loop (sdp_jax.train.loop.train)
 # ----------------------------------------------------------------------------------------------
 
 class _Family:
-    """The hooks a model family gives :func:`sdp_jax.config.resolve` and
-    :func:`sdp_jax.loop.train`; everything else about a run is written once in those two. (A
+    """The hooks a model family gives :func:`sdp_jax.train.run.resolve` and
+    :func:`sdp_jax.train.loop.train`; everything else about a run is written once in those two. (A
     new family is a subclass here and a case in :func:`family_of`.)
 
-    Attributes and methods (``spec`` is the run's :class:`sdp_jax.config.RunSpec`):
+    Attributes and methods (``spec`` is the run's :class:`sdp_jax.train.run.RunSpec`):
       kind: ``language-model`` or ``vision`` (for messages);
       rate_key: the throughput field of ``metrics.jsonl`` (``tokens_per_s``...);
       positive_fields / non_negative_fields: the family's own run-control fields;
@@ -489,7 +493,7 @@ class _Family:
       aligns: whether ``align_every`` can measure its gradient alignment
         (:meth:`sdp_jax.step.SDPStep.alignment_fn`);
       template(config): ``(the family's default config, the name of its function in
-        sdp_jax.config)``: the schema a config must have;
+        sdp_jax.train.config)``: the schema a config must have;
       model_config(config): the model's config, after checking the model and data fields;
       plan(config, model, workers, pipe): the run's :class:`sdp_jax.spec.SDPSpec`;
       record(plan): what a checkpoint stores to recognise the masks (docs/design.md
@@ -498,7 +502,7 @@ class _Family:
       data(config, spec, rows, log, train=True): ``(train, evaluation data)`` of this
         process (``train=False``: what evaluation needs alone): ``train(s)``
         is the training iterator from step ``s + 1`` on, ``rows`` the ``(first, count)`` rows
-        of every global batch the process loads (:func:`sdp_jax.data.sharding_rows`); it logs
+        of every global batch the process loads (:func:`sdp_jax.train.data.sharding_rows`); it logs
         the data's description first and raises for bad data before returning;
       step(config, spec, mesh): the :class:`sdp_jax.step.SDPStep`;
       batch_shapes(config, spec): the global batch as ``jax.ShapeDtypeStruct`` (a tuple for
@@ -533,7 +537,7 @@ class _Family:
 
 
 class LanguageModelFamily(_Family):
-    """A LLaMA run (optionally pipelined) in :func:`sdp_jax.loop.train`: validation of the
+    """A LLaMA run (optionally pipelined) in :func:`sdp_jax.train.loop.train`: validation of the
     model and data fields, the spec, the data, the step, the evaluation (``val_loss``
     nats/token and, for byte-level data, ``val_bpb`` bits/byte) and the summary fields."""
 
@@ -543,11 +547,9 @@ class LanguageModelFamily(_Family):
     rate_key = "tokens_per_s"
 
     def template(self, config):
-        from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
         return config_lib.base_config(), "base_config"
 
     def model_config(self, config) -> LlamaConfig:
-        from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
         model = LlamaConfig.from_config(config.model)
         if config.seq_len > model.max_seq_len:
             raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
@@ -564,22 +566,20 @@ class LanguageModelFamily(_Family):
     def plan(self, config, model, workers, pipe) -> spec_lib.SDPSpec:
         """The masks (with a pipeline, over one stage's ``L / P`` blocks, the same in every
         stage)."""
-        from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+
         s = config.sdp
-        return ts.make_plan(s.variant, model, workers, s.coverage, s.scheme, s.mask_seed,
+        return llama.make_plan(s.variant, model, workers, s.coverage, s.scheme, s.mask_seed,
                             s.allow_nonuniform, s.allow_disconnected, pipe=pipe)
 
     def added_fields(self) -> dict:
         """Config fields added after checkpoints were first written, with the value older
         runs used."""
-        from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
         return {"fsdp": False, "dtype": "float32",
                 "pipeline": dict(pl.PipelineConfig().__dict__), **OPTIM_ADDED}
 
     def data(self, config, spec, rows, log, train: bool = True):
         """``(start -> train iterator, validation batches)`` of this process's ``rows``
         (``train=False``: ``(None, validation batches)``, the training set not read)."""
-        from sdp_jax import data as data_lib  # pylint: disable=g-import-not-at-top
         kw = dict(seq_len=config.seq_len, global_batch=spec.global_batch,
                   vocab_size=spec.model.vocab_size, rows=rows)
         log(data_lib.describe(config.data))   # a bad path fails here, before any compile
@@ -606,22 +606,21 @@ class LanguageModelFamily(_Family):
 
     def model_flops_per_item(self, config, spec) -> float:
         """Training FLOPs per token of the subnetwork a worker runs
-        (:func:`sdp_jax.train_step.model_flops_per_token`): ``k`` blocks per stage under
+        (:func:`sdp_jax.models.llama.model_flops_per_token`): ``k`` blocks per stage under
         forward block masking, ``C`` of every block's width under N-SDP, the whole model under
         backward masking."""
-        from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+
         plan, forward = spec.plan, spec.plan.regime == "forward"
         blocks = (plan.kinds[spec_lib.BLOCK].k * spec.pipe.stages
                   if forward and spec_lib.BLOCK in plan.kinds else None)
         width = plan.coverage if forward and spec_lib.BLOCK not in plan.kinds else 1.0
-        return ts.model_flops_per_token(spec.model, config.seq_len, blocks, width)
+        return llama.model_flops_per_token(spec.model, config.seq_len, blocks, width)
 
     def param_count(self, spec) -> int:
         return spec.model.param_count()["total"]
 
     def describe(self, config, spec) -> list[str]:
         """The pipeline's log line (none without one)."""
-        from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
         pipe, m = spec.pipe, spec.model
         if pipe.stages == 1:
             return []
@@ -644,7 +643,6 @@ class LanguageModelFamily(_Family):
         b = boundary_bytes(config, spec, compiled)
         fields.update(boundary_bytes_per_token=b["per_token"],
                       boundary_bytes_per_step=b["per_boundary"])
-        from sdp_jax.train_step import fmt_bytes  # pylint: disable=g-import-not-at-top
         return [f"stage boundaries: {fmt_bytes(b['per_boundary'])} per boundary per worker "
                 f"per step ({b['per_token']:.1f} bytes/token, forward and backward, from the "
                 "compiled program)"], fields
@@ -684,15 +682,14 @@ class LanguageModelFamily(_Family):
 def boundary_bytes(config, spec, compiled) -> dict:
     """Stage-boundary bytes of a pipelined run's compiled train step
     (:func:`sdp_jax.pipeline.boundary_bytes` with the run's tokens per worker, stages and RVQ
-    codebook synchronization; ``spec`` from :func:`sdp_jax.config.resolve`)."""
-    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
+    codebook synchronization; ``spec`` from :func:`sdp_jax.train.run.resolve`)."""
     return pl.boundary_bytes(compiled, tokens_per_worker=config.batch_per_worker * config.seq_len,
                              stages=spec.pipe.stages,
                              codebook_bytes=pl.codebook_sync_bytes(spec.model, spec.pipe))
 
 
 class VisionFamily(_Family):
-    """An image-classification run (ResNet-18, WRN-18, Swin-T) in :func:`sdp_jax.loop.train`:
+    """An image-classification run (ResNet-18, WRN-18, Swin-T) in :func:`sdp_jax.train.loop.train`:
     validation of the model and data fields, the stage-balanced spec, the data, the step, the
     full model's test accuracy and loss (BatchNorm statistics re-estimated when subnetworks
     trained them, :attr:`VisionEval.recalibrate`) and the summary fields."""
@@ -703,12 +700,10 @@ class VisionFamily(_Family):
     rate_key = "images_per_s"
 
     def template(self, config):
-        from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
         return (config_lib.vision_config(config.model.name, config.data.get("dataset", "digits")),
                 "vision_config")
 
     def model_config(self, config) -> vm.VisionConfig:
-        from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
         ds = config.data.dataset
         if ds not in vision_data.DATASETS:
             raise ValueError(f"unknown data.dataset={ds!r}; choose one of "
@@ -741,7 +736,6 @@ class VisionFamily(_Family):
 
     def _train(self, config, spec, seed, rows):
         """``start -> iterator`` over this process's ``rows`` of the training batches."""
-        from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
         m = spec.model
         kw = dict(image_size=m.image_size, channels=m.in_channels,
                   global_batch=spec.global_batch, seed=seed, rows=rows)
@@ -752,7 +746,6 @@ class VisionFamily(_Family):
         """``(start -> train iterator, (test batches, BatchNorm batches))`` of this process's
         ``rows``; the BatchNorm batches (``start -> iterator``, another seed) re-estimate the
         full model's statistics."""
-        from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
         m = spec.model
         log(vision_data.describe(config.data))
         test = vision_data.make_eval_batches(
@@ -785,10 +778,10 @@ class VisionFamily(_Family):
         activation checkpointing the vision step has no loop, so every layer is counted;
         backward variants count their full backward pass) times the ``W`` workers; None under
         ``remat`` (a scan, whose body XLA counts once)."""
-        from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+
         if config.remat != "none":
             return [], {"model_flops_per_step": None}
-        flops = ts.flops_per_device(compiled) * spec.workers
+        flops = costs.flops_per_device(compiled) * spec.workers
         return [], {"model_flops_per_step": flops or None}
 
     def param_count(self, spec) -> int:

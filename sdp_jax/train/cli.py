@@ -25,6 +25,15 @@ from typing import NoReturn
 from absl import flags
 from ml_collections import config_flags
 
+# The repository's configs/ folder (the commands' default config files live there).
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "configs")
+
+
+def config_file(name: str) -> str:
+    """The path of ``configs/NAME`` in the checkout this package runs from."""
+    return os.path.join(CONFIGS, name)
+
 
 def flag_values(default_config: str, argv: list[str] | None = None, prog: str = "", *,
                 into: flags.FlagValues | None = None, name: str = "config",
@@ -149,8 +158,8 @@ def parse(fv: flags.FlagValues, argv: list[str], prog: str, doc: str = "",
         _config_error(prog, e)
 
 
-# Fields every run config has (sdp_jax.config.base_config and vision_config).
-# What tells a run config from another ConfigDict; sdp_jax.config.resolve names any other
+# Fields every run config has (sdp_jax.train.config.base_config and vision_config).
+# What tells a run config from another ConfigDict; sdp_jax.train.run.resolve names any other
 # missing field.
 REQUIRED = ("model", "data", "sdp", "num_cpu_devices")   # (read before the validation)
 
@@ -160,7 +169,7 @@ def _check_config(config, path: str, prog: str) -> None:
                [k for k in REQUIRED if k not in config])
     if not hasattr(config, "keys") or missing:
         error(prog, f"config file {path!r}: get_config() must return a run config (a "
-              "ConfigDict from sdp_jax.config.base_config() or vision_config())"
+              "ConfigDict from sdp_jax.train.config.base_config() or vision_config())"
               + (f"; it lacks {', '.join(missing)}" if missing else
                  f", not {type(config).__name__}"))
 

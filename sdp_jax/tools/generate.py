@@ -1,9 +1,9 @@
 """Sample text from a trained language-model run's full model.
 
-    python -m sdp_jax.generate --workdir runs/default --prompt "def " --length 200
-    python -m sdp_jax.generate --workdir runs/default --prompt "import " --temperature 0.8 \\
+    python -m sdp_jax.tools.generate --workdir runs/default --prompt "def " --length 200
+    python -m sdp_jax.tools.generate --workdir runs/default --prompt "import " --temperature 0.8 \\
         --top_k 40 --seed 1
-    python -m sdp_jax.generate --export runs/default/export --prompt "def "
+    python -m sdp_jax.tools.generate --export runs/default/export --prompt "def "
 
 ``--prompt`` is text for byte-level runs (every data source but llm.c shards); runs on token
 shards take ``--prompt_ids 1,2,3`` and print token ids. The same seed, prompt and checkpoint
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import sys
 
-from sdp_jax import trained as trained_lib
+from sdp_jax.tools import trained as trained_lib
+from sdp_jax.train import cli
 
-PROG = "python -m sdp_jax.generate"
+PROG = "python -m sdp_jax.tools.generate"
 
 
 def define(fv) -> None:
@@ -34,13 +35,12 @@ def define(fv) -> None:
     flags.DEFINE_integer("top_k", 0, "sample among the k likeliest tokens (0 = all)",
                          flag_values=fv)
     flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
-    flags.DEFINE_string("export", None, "a folder python -m sdp_jax.export wrote "
+    flags.DEFINE_string("export", None, "a folder python -m sdp_jax.tools.export wrote "
                         "(instead of --workdir)", flag_values=fv)
 
 
 def main(argv=None) -> str | list[int]:
     """The command line; prints and returns the sample (text, or token ids)."""
-    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
     fv, config = trained_lib.command(PROG, __doc__, argv, define)
     try:
         trained_lib.language_model(config, "generate")

@@ -3,14 +3,14 @@ exported, without the training data iterator.
 
 The command lines are thin wrappers over this module:
 
-    python -m sdp_jax.evaluate --workdir runs/default                 # full-model validation loss
-    python -m sdp_jax.generate --workdir runs/default --prompt "def " --length 200
-    python -m sdp_jax.export --workdir runs/default --out runs/default/export
+    python -m sdp_jax.tools.evaluate --workdir runs/default                 # full-model validation loss
+    python -m sdp_jax.tools.generate --workdir runs/default --prompt "def " --length 200
+    python -m sdp_jax.tools.export --workdir runs/default --out runs/default/export
 
-Each reads ``WORKDIR/config.json`` (written by :func:`sdp_jax.loop.train` when a run starts)
+Each reads ``WORKDIR/config.json`` (written by :func:`sdp_jax.train.loop.train` when a run starts)
 and accepts ``--config.FIELD=VALUE`` overrides of it (e.g. ``--config.data.source=text
 --config.data.val_files=...`` to evaluate on other data). The checkpoint must come from the
-same trajectory config (:meth:`sdp_jax.checkpoint.CheckpointManager.check_compatible`).
+same trajectory config (:meth:`sdp_jax.train.checkpoint.CheckpointManager.check_compatible`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,21 @@ from typing import Any
 
 import numpy as np
 
+from sdp_jax import mesh as mesh_lib
+from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.spec import flatten, unflatten
+from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import cli, loop
+from sdp_jax.train import families
+from sdp_jax.train import run as run_lib
+from sdp_jax.train.families import LanguageModel
+
 EXPORT_FILE = "model.safetensors"
 
 
 @dataclasses.dataclass
 class Trained:
-    """A run restored for use: ``config`` (ConfigDict), ``spec`` (:class:`sdp_jax.config.
+    """A run restored for use: ``config`` (ConfigDict), ``spec`` (:class:`sdp_jax.train.config.
     RunSpec`), ``builder`` (:class:`sdp_jax.step.SDPStep`), ``state`` (its train state on the
     mesh) and ``step`` (the checkpoint's step; None for an export)."""
     config: Any
@@ -58,10 +67,8 @@ def read_config(workdir: str):
                          "once to write it).")
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
-    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import tasks  # pylint: disable=g-import-not-at-top
-    template = tasks.family_of(config).template(config)[0]
-    for key in config_lib.RUN_CONTROL:   # newer than the run, not part of its trajectory
+    template = families.family_of(config).template(config)[0]
+    for key in run_lib.RUN_CONTROL:   # newer than the run, not part of its trajectory
         if key not in config and key in template:
             config[key] = template[key]
     config.lock()
@@ -71,9 +78,7 @@ def read_config(workdir: str):
 def _builder(config):
     import jax  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
-    spec = config_lib.resolve(config, jax.device_count())
+    spec = run_lib.resolve(config, jax.device_count())
     return spec, loop.make_step(config, spec, loop.make_mesh(spec))
 
 
@@ -86,8 +91,6 @@ def load(workdir: str, config=None, step: int = 0) -> Trained:
     Raises:
       ValueError: no config.json or no checkpoint, a missing step (naming those kept), a
         checkpoint of another config, or an unreadable one (before any compute)."""
-    from sdp_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
     saved = read_config(workdir)
     config = saved if config is None else config
     path = os.path.join(workdir, "checkpoints")
@@ -124,7 +127,6 @@ def evaluation(trained: Trained, log=None) -> dict:
     config's evaluation data: ``{val_loss[, val_bpb]}`` (nats/token, bits/byte) for language
     models, ``{test_loss, test_acc}`` for vision. Reads only the evaluation data (and, for
     vision, the training images of BatchNorm re-estimation); no training iterator."""
-    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
     config, spec, builder = trained.config, trained.spec, trained.builder
     log = log or (lambda _: None)
     rows = loop.process_rows(builder.mesh, spec)
@@ -139,14 +141,13 @@ def language_model(config, what: str):
     Raises:
       ValueError: a vision run, or a pipeline with compressed boundaries (its full model is
         not a plain LLaMA)."""
-    from sdp_jax.models.llama import LlamaConfig  # pylint: disable=g-import-not-at-top
     if config.model.get("name", "llama") != "llama":
         raise ValueError(f"{what} serves language-model runs; {config.model.name} is a vision "
-                         "model (python -m sdp_jax.evaluate evaluates it).")
+                         "model (python -m sdp_jax.tools.evaluate evaluates it).")
     if config.pipeline.stages > 1 and config.pipeline.method != "none":
         raise ValueError(f"{what}: this run's stage boundaries are compressed "
                          f"(pipeline.method={config.pipeline.method}), so its full model is "
-                         "not a plain LLaMA; python -m sdp_jax.evaluate evaluates it.")
+                         "not a plain LLaMA; python -m sdp_jax.tools.evaluate evaluates it.")
     return LlamaConfig.from_config(config.model)
 
 
@@ -163,7 +164,6 @@ def export(trained: Trained, out: str) -> str:
         already (never overwritten: choose another folder)."""
     from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
     language_model(trained.config, "export")
     path = export_target(out)
     os.makedirs(out, exist_ok=True)
@@ -179,7 +179,6 @@ def export(trained: Trained, out: str) -> str:
 
 def flatten_export(params: dict) -> dict:
     """A nested parameter dict as the export's flat ``{"blocks.attn.wq": float32 array}``."""
-    from sdp_jax.spec import flatten  # pylint: disable=g-import-not-at-top
     return {".".join(map(str, p)): np.ascontiguousarray(x, np.float32)
             for p, x in flatten(params).items()}
 
@@ -212,11 +211,10 @@ def read_export(out: str) -> tuple[Any, dict]:
       ValueError: no export in ``out``."""
     from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax.spec import unflatten  # pylint: disable=g-import-not-at-top
     path = os.path.join(out, EXPORT_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"{out!r} has no {EXPORT_FILE}: give a folder python -m "
-                         "sdp_jax.export wrote.")
+                         "sdp_jax.tools.export wrote.")
     try:
         flat = load_file(path)
     except Exception as e:  # noqa: BLE001 (safetensors' errors of a damaged file)
@@ -285,7 +283,6 @@ def _next_token(cfg, temperature: float, top_k: int):
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax.tasks import LanguageModel  # pylint: disable=g-import-not-at-top
     graphdef = LanguageModel(cfg).graphdef
 
     @jax.jit
@@ -337,7 +334,6 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     from absl import flags  # pylint: disable=g-import-not-at-top
     from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
     if argv is None:   # the command line: a signal ends it with one line, never a traceback
         cli.exit_on_signals()
     argv = [prog] + (sys.argv[1:] if argv is None else list(argv))
@@ -361,7 +357,7 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
         config = read_config(source[1])
     except ValueError as e:
         cli.error(prog, f"{source[1]!r} has no config.json: give a folder python -m "
-                        "sdp_jax.export wrote." if source[0] == "--export" else str(e))
+                        "sdp_jax.tools.export wrote." if source[0] == "--export" else str(e))
     fv = tool_flags(define)
     try:
         config_flags.DEFINE_config_dict("config", config, "the run's config.json; override "
@@ -376,15 +372,5 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
         cli.error(prog, f"unexpected arguments {rest[1:]}; flags look like --workdir=DIR")
     if source[0] == "--export" and fv["step"].present:
         cli.error(prog, "--step chooses a checkpoint of --workdir; an export has one step")
-    simulate_devices(fv.config)
+    mesh_lib.simulate_cpu_devices(fv.config.num_cpu_devices)
     return fv, fv.config
-
-
-def simulate_devices(config) -> None:
-    """Simulate ``config.num_cpu_devices`` CPU devices, as the run had, when JAX has not
-    started yet (ignored on GPU and TPU; an in-process caller keeps its devices)."""
-    import jax  # pylint: disable=g-import-not-at-top
-    try:
-        jax.config.update("jax_num_cpu_devices", int(config.num_cpu_devices))
-    except RuntimeError:
-        pass

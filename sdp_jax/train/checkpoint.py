@@ -9,7 +9,7 @@ Each step directory holds two items:
   mask matrix (docs/design.md invariant 7) and the resolved worker count, checked before
   anything is restored.
 
-The data position is the step itself (:func:`sdp_jax.data.iterate`), so nothing per process is
+The data position is the step itself (:func:`sdp_jax.train.data.iterate`), so nothing per process is
 stored and a checkpoint resumes on another number of processes, devices or grain workers when
 the worker count ``W`` is the same (docs/design.md invariant 8). Checkpoints of earlier releases
 also hold a ``data`` item (grain's iterator state per process); it is not read.

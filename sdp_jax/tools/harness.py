@@ -1,12 +1,12 @@
 """Downstream evaluation through lm-evaluation-harness (``pip install -e '.[eval]'``).
 
 :class:`SDPJaxLM` serves a trained byte-level language-model run (its latest checkpoint, or
-an export of :mod:`sdp_jax.export`) to the harness as the model ``sdp_jax``: ``loglikelihood``
+an export of :mod:`sdp_jax.tools.export`) to the harness as the model ``sdp_jax``: ``loglikelihood``
 (multiple-choice tasks: the paper's ARC-Easy, BoolQ, HellaSwag, OpenBookQA, SciQ),
 ``loglikelihood_rolling`` (perplexity tasks) and greedy ``generate_until``. This module runs
 the harness's own command line with that model registered:
 
-    python -m sdp_jax.harness --model sdp_jax --model_args workdir=runs/default \\
+    python -m sdp_jax.tools.harness --model sdp_jax --model_args workdir=runs/default \\
         --tasks arc_easy,boolq,hellaswag,openbookqa,sciq --batch_size 16
 
 (the harness downloads the tasks' datasets, or reads them from its cache; any of its flags
@@ -20,6 +20,10 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+
+from sdp_jax import mesh as mesh_lib
+from sdp_jax.tools import trained
+from sdp_jax.train.families import LanguageModel
 
 try:
     from lm_eval.api.model import LM
@@ -39,7 +43,7 @@ class SDPJaxLM(LM):
 
     Args:
       workdir: a training run's folder (its latest checkpoint, or ``step``).
-      export: instead, a folder :mod:`sdp_jax.export` wrote.
+      export: instead, a folder :mod:`sdp_jax.tools.export` wrote.
       step: the checkpoint's step (0: the latest).
       batch_size: sequences per forward pass (each padded to the run's ``seq_len``).
 
@@ -59,15 +63,13 @@ class SDPJaxLM(LM):
         import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
         from flax import nnx  # pylint: disable=g-import-not-at-top
 
-        from sdp_jax import trained  # pylint: disable=g-import-not-at-top
-        from sdp_jax.tasks import LanguageModel  # pylint: disable=g-import-not-at-top
         if (workdir is None) == (export is None):
             raise ValueError("give model_args workdir=RUN_DIR or export=EXPORT_DIR (one).")
         if export is not None:
             config, params = trained.read_export(export)
         else:
             config = trained.read_config(workdir)
-            trained.simulate_devices(config)   # restoring needs the run's W devices
+            mesh_lib.simulate_cpu_devices(config.num_cpu_devices)   # restoring needs the run's W devices
             params = trained.load(workdir, config, int(step)).full_params()
         cfg = trained.language_model(config, "the lm-eval adapter")
         if not trained.byte_level(config):
@@ -135,7 +137,6 @@ class SDPJaxLM(LM):
     def generate_until(self, requests) -> list[str]:
         """lm-eval: greedy continuation of each context, up to ``max_gen_toks`` (default 64)
         bytes, cut at the first of the ``until`` strings."""
-        from sdp_jax import trained  # pylint: disable=g-import-not-at-top
         out = []
         for ctx, kw in (r.args for r in requests):
             until = kw.get("until") or []
@@ -151,7 +152,7 @@ class SDPJaxLM(LM):
 def main(argv=None) -> None:
     """The harness's own command line (``lm_eval``), with the model ``sdp_jax`` registered."""
     if LM is object:
-        print("python -m sdp_jax.harness: error: lm-evaluation-harness is not installed: "
+        print("python -m sdp_jax.tools.harness: error: lm-evaluation-harness is not installed: "
               "pip install -e '.[eval]'", file=sys.stderr)
         sys.exit(2)
     from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top

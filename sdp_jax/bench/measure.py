@@ -9,7 +9,7 @@
     python -m sdp_jax.bench --config configs/resnet18_cifar.py --variants ddp,n-sdp \\
         --config.sdp.coverage=0.5
 
-The config is loaded as ``train.py`` loads it (:mod:`sdp_jax.cli`: ``--config`` file, any field
+The config is loaded as ``train.py`` loads it (:mod:`sdp_jax.train.cli`: ``--config`` file, any field
 overridden as ``--config.FIELD=VALUE``) and validated by the same code before any compile; the
 SDP variants of ``--variants`` run at ``config.sdp.coverage`` (DDP at C = 1) on
 ``config.workers`` devices (0: 8).
@@ -27,7 +27,7 @@ devices when no accelerator is present) and compiled:
 * ``--measure_time``: a few real steps on random tokens, median wall time per step, all variants
   side by side in one process.
 * ``--reference``: a row for plain ``jax.jit`` DDP of the same model, loss and optimizer
-  (:mod:`sdp_jax.reference`; not the averaging ``--config.sdp.method=reference``) and every
+  (:mod:`sdp_jax.bench.jit_reference`; not the averaging ``--config.sdp.method=reference``) and every
   row's ratios to it; with ``b-sdp`` among the variants also one for plain jit of the model cut
   to the ``k`` blocks a B-SDP worker runs (what B-SDP's step cannot beat: the embedding, head
   and loss are not pruned), and B-SDP's step time against it.
@@ -46,6 +46,19 @@ import os
 import statistics
 import sys
 import time
+
+from sdp_jax import comm, costs
+from sdp_jax import mesh as mesh_lib
+from sdp_jax import spec as spec_lib
+from sdp_jax.bench import jit_reference as reference
+from sdp_jax.models import llama
+from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.spec import BLOCK
+from sdp_jax.train import cli
+from sdp_jax.train import families
+from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train import run as run_lib
+from sdp_jax.train.run import resolve
 
 # Singh et al., arXiv 2507.09029, Sec. 5 (LLaMA 1B, 8 GPUs): per-device peak memory (GB) and bytes
 # communicated per step (MB), as printed in the paper; None where the paper gives no figure.
@@ -66,27 +79,23 @@ PAPER_SETTINGS = (  # label, variant, fsdp, remat
 
 def _plan(config, variant, workers, coverage):
     """(the variant's spec at ``coverage``, whether its masks are uniform)."""
-    from sdp_jax import train_step as ts
-    from sdp_jax.models.llama import LlamaConfig
 
     model, sdp = LlamaConfig.from_config(config.model), config.sdp
     try:
-        return ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed), True
+        return llama.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed), True
     except ValueError:  # e.g. W*C = 5.5 at 1B: near-uniform masks, as in the paper
-        return ts.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
+        return llama.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
                             allow_nonuniform=True), False
 
 
 def _builder(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unroll=False):
-    from sdp_jax import tasks
-    from sdp_jax import train_step as ts
-    from sdp_jax.models.llama import LlamaConfig
+
 
     model = LlamaConfig.from_config(config.model)
-    optim = ts.OptimConfig.from_config(config.optim)
+    optim = optim_lib.OptimConfig.from_config(config.optim)
     sdp = config.sdp
     plan, uniform = _plan(config, variant, workers, coverage)
-    b = tasks.language_model_step(model, plan, optim, mesh, config.steps, method=sdp.method,
+    b = families.language_model_step(model, plan, optim, mesh, config.steps, method=sdp.method,
                                   unroll=unroll, fsdp=fsdp, remat=remat, dtype=dtype)
     return b, uniform
 
@@ -114,8 +123,7 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
       (ddp and b-sdp: ``6N + 12 L T d`` per token times the worker's tokens),
       ``params_per_device``, ``compile_s``.
     """
-    from sdp_jax import train_step as ts
-    from sdp_jax.models.llama import LlamaConfig
+
 
     t0 = time.time()
     builder, uniform = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
@@ -134,7 +142,7 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
                                          for k, t in plan.kinds.items()),
             "uniform": uniform, **figures,
             "model_flops_per_device": (
-                ts.model_flops_per_token(LlamaConfig.from_config(config.model), config.seq_len,
+                llama.model_flops_per_token(LlamaConfig.from_config(config.model), config.seq_len,
                                          plan.kinds["block"].k) * tokens
                 if variant in ("ddp", "b-sdp") else None),
             "params_per_device": builder.per_device_param_count(),
@@ -146,8 +154,7 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
     step compiled for the config's global batch; ``unrolled()`` builds the same step with the
     block scan unrolled, compiled for the FLOP count (XLA's cost analysis counts a loop body
     once)."""
-    from sdp_jax import comm
-    from sdp_jax import train_step as ts
+
 
     import jax
     import numpy as np
@@ -156,7 +163,7 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
                                        np.int32)
     compiled = builder.compiled_train_step(batch_shape)
     traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
-    return {**ts.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
+    return {**costs.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
             "comm_in_backward_loop": traffic["in_backward_loop"],
             "flops_per_device": _count_flops(unrolled, batch_shape) if flops else None}
@@ -170,12 +177,11 @@ def _count_flops(unrolled, batch_shape) -> float:
     the held branch (``F_h``) and every block the other (``F_u``), and a worker holding ``k``
     of ``L`` blocks does ``F_u + (k / L) (F_h - F_u)`` (the blocks are alike and each branch's
     cost is the same in every block)."""
-    from sdp_jax import train_step as ts
-    from sdp_jax.spec import BLOCK
+
 
     def count(b, branch=None):
         b.count_branch = branch
-        return ts.flops_per_device(b.compiled_train_step(batch_shape))
+        return costs.flops_per_device(b.compiled_train_step(batch_shape))
     b = unrolled()
     if not b.skips_unheld():
         return count(b)
@@ -185,25 +191,22 @@ def _count_flops(unrolled, batch_shape) -> float:
 
 def _reference(config, mesh, remat: str, dtype: str, unroll: bool = False,
                blocks: int | None = None):
-    from sdp_jax import reference
-    from sdp_jax import train_step as ts
-    from sdp_jax.models.llama import LlamaConfig
+
     model = LlamaConfig.from_config(config.model)
     if blocks is not None:
         model = dataclasses.replace(model, n_layers=blocks)
-    return reference.JitDDP(model, ts.OptimConfig.from_config(config.optim), mesh, config.steps,
+    return reference.JitDDP(model, optim_lib.OptimConfig.from_config(config.optim), mesh, config.steps,
                             remat=remat, dtype=dtype, unroll=unroll)
 
 
 def measure_reference(config, workers: int, mesh, *, remat: str = "none",
                       dtype: str = "float32", flops: bool = True,
                       blocks: int | None = None) -> dict:
-    """:func:`measure` for the plain ``jax.jit`` DDP reference (:mod:`sdp_jax.reference`):
+    """:func:`measure` for the plain ``jax.jit`` DDP reference (:mod:`sdp_jax.bench.jit_reference`):
     the same row fields, ``variant`` ``jit-ddp``, ``regime`` ``jit``. ``blocks``: the same
     model cut to that many blocks (the plain-jit model of the subnetwork a B-SDP worker runs;
     setting ``jit-ddp k/L``, field ``blocks``); None: all of them."""
-    from sdp_jax import reference
-    from sdp_jax import train_step as ts
+
 
     t0 = time.time()
     builder = _reference(config, mesh, remat, dtype, blocks=blocks)
@@ -218,7 +221,7 @@ def measure_reference(config, workers: int, mesh, *, remat: str = "none",
             "fsdp": False, "remat": remat, "dtype": dtype, "attention": config.model.attention,
             "regime": "jit", "coverage": 1.0,
             "workers": workers, "held_per_worker": "all", "uniform": True, **figures,
-            "model_flops_per_device": ts.model_flops_per_token(model, config.seq_len)
+            "model_flops_per_device": llama.model_flops_per_token(model, config.seq_len)
             * config.batch_per_worker * config.seq_len,
             "params_per_device": builder.per_device_param_count(),
             "compile_s": round(time.time() - t0, 1)}
@@ -234,9 +237,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     compile gives FLOPs too; with it a second compile with the block scans unrolled does).
     Near-uniform masks are used when ``W * C`` is not whole for some stage (``uniform``
     False)."""
-    from sdp_jax import comm
-    from sdp_jax import train_step as ts
-    from sdp_jax.config import resolve
+
 
     def variant_config(nonuniform: bool):
         c = _variant_config(config, variant, coverage, workers, nonuniform)
@@ -270,10 +271,10 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
             "remat": remat,
             "dtype": dtype, "regime": spec.plan.regime, "coverage": spec.plan.coverage,
             "workers": workers, "held_per_worker": held or "all", "uniform": uniform,
-            **ts.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
+            **costs.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
             "comm_in_backward_loop": traffic["in_backward_loop"],
-            "flops_per_device": ts.flops_per_device(counted) if flops else None,
+            "flops_per_device": costs.flops_per_device(counted) if flops else None,
             "model_flops_per_device": None,
             "params_per_device": builder.per_device_param_count(),
             "compile_s": round(time.time() - t0, 1)}
@@ -298,7 +299,6 @@ def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, rema
 
     rng = np.random.default_rng(0)
     jobs = []
-    from sdp_jax import reference
     for run in runs:
         if run["variant"] == reference.LABEL:
             builder = _reference(config, mesh, remat, dtype, blocks=run.get("blocks"))
@@ -395,7 +395,6 @@ def reference_lines(rows: list[dict]) -> list[str]:
     """One line per row against the plain-jit DDP row (``jit-ddp``), if present: ratios of
     peak memory, bytes communicated, FLOPs and (timed) step time, each ours / jit; the step
     time as :func:`paired_ratio` (and the ratio of the medians beside it)."""
-    from sdp_jax import reference
     ref = next((r for r in rows if r["variant"] == reference.LABEL and r.get("blocks") is None),
                None)
     if ref is None:
@@ -496,13 +495,12 @@ def paper_chart(rows: list[dict], path: str, title: str = "LLaMA 1B") -> None:
 def paper_check(config, workers: int = 8) -> None:
     """Raise ValueError, before any compile, unless the paper's B-SDP C = 0.6875 is realizable
     for the config's language model on ``workers`` workers."""
-    from sdp_jax import train_step as ts
-    from sdp_jax.models.llama import LlamaConfig
+
     if _is_vision(config) or config.get("pipeline", {}).get("stages", 1) > 1:
         raise ValueError("--paper compares unpipelined LLaMA runs (configs/llama_1b.py); give "
                          "a language-model config without pipeline stages.")
     try:
-        ts.make_plan("b-sdp", LlamaConfig.from_config(config.model), workers, 0.6875,
+        llama.make_plan("b-sdp", LlamaConfig.from_config(config.model), workers, 0.6875,
                      config.sdp.scheme, config.sdp.mask_seed, allow_nonuniform=True)
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"--paper runs B-SDP at the paper's C = 0.6875, which needs 0.6875 x "
@@ -555,7 +553,6 @@ def out_folder(prog: str, path: str, files: tuple = (), overwrite: bool = True) 
     """Create the ``--out`` folder now, or exit with a one-line error (status 2) naming why it
     cannot be; without ``overwrite``, also when it already holds one of ``files`` (the
     repository's own figures in ``docs/bench`` are not rewritten by accident)."""
-    from sdp_jax import cli
     there = [f for f in files if os.path.exists(os.path.join(path, f))]
     if there and not overwrite:
         cli.error(prog, f"--out {path!r} already holds {', '.join(there)}; give another --out "
@@ -576,27 +573,9 @@ def _write_rows(path: str | None, rows: list[dict]) -> None:
         print(f"wrote {path}")
 
 
-def _simulate_devices(workers) -> None:
-    """Raise the simulated CPU device count to ``workers`` (ignored on GPU/TPU), before
-    anything initializes a backend (the validation builds specs with ``jax.eval_shape``). Only
-    raised, never lowered; a caller whose backend is already up (tests) keeps its devices, and
-    :func:`_mesh` then names a shortfall."""
-    import jax
-    if isinstance(workers, int) and not isinstance(workers, bool) \
-            and workers > int(jax.config.jax_num_cpu_devices):
-        try:
-            jax.config.update("jax_num_cpu_devices", workers)
-        except RuntimeError:   # backend already initialized
-            pass
-
-
 def _mesh(workers: int):
-    import jax
-    _simulate_devices(workers)
-    if jax.device_count() < workers:
-        raise ValueError(f"--workers={workers} but only {jax.device_count()} "
-                         f"{jax.devices()[0].platform} devices are present")
-    return jax.make_mesh((workers,), ("data",), devices=jax.devices()[:workers])
+    mesh_lib.simulate_cpu_devices(workers)
+    return mesh_lib.make_mesh(workers)
 
 
 PROG = "python -m sdp_jax.bench"
@@ -612,12 +591,10 @@ RENAMED = {"workers": "--config.workers=N", "coverage": "--config.sdp.coverage=C
 
 def flag_values(argv: list[str] | None = None):
     """The bench's flags: ``--config`` (default ``configs/llama_1b.py``; fields overridden as
-    ``--config.FIELD=VALUE``, :mod:`sdp_jax.cli`), ``--variants``, ``--flops``,
+    ``--config.FIELD=VALUE``, :mod:`sdp_jax.train.cli`), ``--variants``, ``--flops``,
     ``--measure_time``, ``--time_steps``, ``--paper``, ``--out``, ``--json``."""
     from absl import flags
-    from sdp_jax import cli
-    fv = cli.flag_values(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), "configs", "llama_1b.py"), argv, PROG)
+    fv = cli.flag_values(cli.config_file("llama_1b.py"), argv, PROG)
     flags.DEFINE_list("variants", ["ddp", "b-sdp"],
                       "comma-separated: ddp,b-sdp,n-sdp,bb-sdp,nb-sdp (the SDP variants at "
                       "config.sdp.coverage, ddp at C = 1)", flag_values=fv)
@@ -627,7 +604,7 @@ def flag_values(argv: list[str] | None = None):
                          "step time (language models)", flag_values=fv)
     flags.DEFINE_integer("time_steps", 50, "timed steps per variant", flag_values=fv)
     flags.DEFINE_boolean("reference", False, "add a row for plain jax.jit DDP of the same model, "
-                         "loss and optimizer (sdp_jax/reference.py), and each row's ratios to "
+                         "loss and optimizer (sdp_jax/bench/jit_reference.py), and each row's ratios to "
                          "it (language models, without FSDP); with b-sdp also plain jit of the "
                          "k blocks a B-SDP worker runs", flag_values=fv)
     flags.DEFINE_boolean("paper", False, "the paper's 1B comparison (DDP, FSDP+AC, B-SDP, "
@@ -645,8 +622,6 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     ``sys.argv[1:]``). Returns the rows; a bad flag or config exits with status 2 and a
     one-line error before any compile. ``check_only``: stop after the validation (no compile;
     the documentation check of every shown command, ``tests/test_docs.py``)."""
-    from sdp_jax import cli
-    from sdp_jax import config as config_lib
     argv = sys.argv[1:] if argv is None else list(argv)
     fv = flag_values([PROG] + argv)
     rest = cli.parse(fv, [PROG] + argv, PROG, __doc__, RENAMED)
@@ -698,10 +673,10 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     variants = [v.strip() for v in fv.variants if v.strip()]
     if len(set(variants)) != len(variants):
         err(f"--variants {','.join(fv.variants)!r} names a variant twice")
-    from sdp_jax import train_step as ts
-    bad = [v for v in variants if v not in ts.VARIANTS]
+
+    bad = [v for v in variants if v not in spec_lib.VARIANTS]
     if bad or not variants:
-        err(f"unknown variants {bad or fv.variants!r}; choose from {','.join(ts.VARIANTS)}")
+        err(f"unknown variants {bad or fv.variants!r}; choose from {','.join(spec_lib.VARIANTS)}")
     if tuple(config.sdp.get("stage_blocks", ()) or ()) and not any(
             v in ("b-sdp", "bb-sdp") for v in variants):
         err(f"config.sdp.stage_blocks={tuple(config.sdp.stage_blocks)} applies to the block "
@@ -721,9 +696,9 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         if "seq_len" in config:   # the bench may measure longer sequences than the model's
             config.model.max_seq_len = max(config.model.get("max_seq_len", 0), config.seq_len)
     if not check_only:   # (a check leaves the caller's JAX devices as they are)
-        _simulate_devices(workers)   # before the validation initializes a backend
+        mesh_lib.simulate_cpu_devices(workers)   # before the validation initializes a backend
     try:
-        config_lib.canonical_dtype(config)
+        run_lib.canonical_dtype(config)
         for v in variants:   # one validation place for every field, before any compile
             _resolve(config, v, max(workers, 1))
         if check_only:
@@ -736,7 +711,6 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
 
     if _is_vision(config):
         return _main_vision(fv, config, config_path, variants, workers, mesh)
-    from sdp_jax.models.llama import LlamaConfig
     model = LlamaConfig.from_config(config.model)
     fsdp, remat, dtype = config.fsdp, config.remat, config.dtype
     rows = []
@@ -800,13 +774,11 @@ def _resolve(config, variant: str, workers: int):
     ``workers`` devices, near-uniform masks allowed (the paper's 1B setting needs them)."""
     c = _variant_config(config, variant, 1.0 if variant == "ddp" else config.sdp.coverage,
                         config.workers, True)
-    from sdp_jax import config as config_lib
-    return config_lib.resolve(c, workers)
+    return run_lib.resolve(c, workers)
 
 
 def _is_vision(config) -> bool:
-    from sdp_jax import tasks
-    return isinstance(tasks.family_of(config), tasks.VisionFamily)
+    return isinstance(families.family_of(config), families.VisionFamily)
 
 
 def _main_vision(fv, config, config_path, variants, workers, mesh):
@@ -832,6 +804,3 @@ def _main_vision(fv, config, config_path, variants, workers, mesh):
     _write_rows(fv.json, rows)
     return rows
 
-
-if __name__ == "__main__":
-    sys.exit(0 if main() else 1)

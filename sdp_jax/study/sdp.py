@@ -52,17 +52,18 @@ import re
 import signal
 import sys
 
+from sdp_jax import mesh as mesh_lib
+from sdp_jax.bench import measure as bench
+from sdp_jax.train import curves
+from sdp_jax.train import cli, loop
+from sdp_jax.train import run as run_lib
+
 PROG = "python -m sdp_jax.study sdp"
 ARMS = ("lm", "digits", "gap")
 VARIANTS = ("ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp")
 BUDGETS = ("step", "flop")
 FORWARD = ("b-sdp", "n-sdp")   # the variants whose steps cost C of DDP's block FLOPs
 GAP_SCHEMES = ("cyclic", "random", "grouped")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _default(name: str) -> str:
-    return os.path.join(_ROOT, "configs", name)
 
 
 def flag_values(argv: list[str]):
@@ -71,11 +72,10 @@ def flag_values(argv: list[str]):
     ``--budgets``, ``--seeds``, ``--gap_coverage``, ``--align_every``, ``--out``."""
     from absl import flags  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
-    fv = cli.flag_values(_default("llama_study.py"), argv, PROG, name="lm_config",
+    fv = cli.flag_values(cli.config_file("llama_study.py"), argv, PROG, name="lm_config",
                          help_text="language-model run config of the lm and gap arms; "
                          "override a field as --lm_config.FIELD=VALUE")
-    cli.flag_values(_default("resnet18_study.py"), argv, PROG, into=fv, name="vision_config",
+    cli.flag_values(cli.config_file("resnet18_study.py"), argv, PROG, into=fv, name="vision_config",
                     help_text="vision run config of the digits arm; override a field as "
                     "--vision_config.FIELD=VALUE")
     flags.DEFINE_list("arms", list(ARMS), "arms to run: lm, digits, gap", flag_values=fv)
@@ -129,7 +129,6 @@ def plan(arms, variants, coverages, budgets, seeds, gap_coverage) -> list[dict]:
 
 def run_config(base, run: dict, align_every: int):
     """``base`` (an arm's config) set up for one run of :func:`plan`."""
-    from sdp_jax import bench  # pylint: disable=g-import-not-at-top
     c = bench._variant_config(base, run["variant"], run["coverage"], base.workers)
     with c.unlocked():
         c.flop_matched = run["budget"] == "flop"
@@ -146,9 +145,8 @@ def run_config(base, run: dict, align_every: int):
 
 def read_metrics(workdir: str, loss_key: str) -> tuple[list, dict]:
     """``(evaluation curve [(step, loss)], mean of each alignment over the run)`` from a run's
-    ``metrics.jsonl`` (:func:`sdp_jax.plot.read_run`)."""
-    from sdp_jax import plot  # pylint: disable=g-import-not-at-top
-    records = plot.read_run(workdir)["records"]
+    ``metrics.jsonl`` (:func:`sdp_jax.train.curves.read_run`)."""
+    records = curves.read_run(workdir)["records"]
     curve = [(r["step"], r[loss_key]) for r in records if r.get(loss_key) is not None]
     align = {k: [r[k] for r in records if r.get(k) is not None]
              for k in ("grad_alignment", "update_alignment")}
@@ -482,7 +480,6 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     exits with status 2 and a one-line error before any compile or training; ``check_only``
     stops after that validation (the documentation check, ``tests/test_docs.py``). A run that
     diverges (a non-finite loss) is recorded as such and the study goes on."""
-    from sdp_jax import bench, cli  # pylint: disable=g-import-not-at-top
     argv = [PROG] + (sys.argv[2:] if argv is None else list(argv))
     fv = flag_values(argv)
     rest = cli.parse(fv, argv, PROG, __doc__)
@@ -513,18 +510,16 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         if bases[arm].stop_at_step:
             err(f"--{flag[arm]}.stop_at_step={bases[arm].stop_at_step}: the study trains every "
                 "run to its end; stop it with Ctrl-C (a rerun resumes) and drop the flag")
-    bench._simulate_devices(max(bases[a].num_cpu_devices for a in arms))
+    mesh_lib.simulate_cpu_devices(max(bases[a].num_cpu_devices for a in arms))
     import jax  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
 
     def folder(run):
         return os.path.join(fv.out, run["arm"], f"seed{run['seed']}", run["name"])
 
     for arm in arms:   # each arm's config as DDP: its own errors are not a coverage's
         try:
-            config_lib.resolve(run_config(bases[arm], dict(
+            run_lib.resolve(run_config(bases[arm], dict(
                 arm=arm, variant="ddp", coverage=1.0, budget="step", scheme=None,
                 seed=seeds[0]), fv.align_every), jax.device_count())
         except ValueError as e:
@@ -540,7 +535,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             if run_config(bases["lm"], twin, fv.align_every).to_dict() == c.to_dict():
                 where = folder(twin)
         try:
-            spec = config_lib.resolve(c, jax.device_count())
+            spec = run_lib.resolve(c, jax.device_count())
         except ValueError as e:
             why = _one_line(e, flag[run["arm"]])
             if run["arm"] == "gap":
@@ -614,7 +609,6 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
 def write(rows: list[dict], out: str) -> list[str]:
     """``study_sdp.json``, ``study_sdp.md`` and the PNGs of ``rows`` into ``out``; returns the
     paths written."""
-    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
     path = os.path.join(out, "study_sdp.json")
     if os.path.exists(path):   # earlier pieces' rows, replaced by this invocation's
         with open(path) as f:

@@ -30,6 +30,8 @@ import grain
 import ml_collections
 import numpy as np
 
+from sdp_jax.train.data import iterate, layout_free_batches, process_rows
+
 DATASETS = ("digits", "cifar10", "cifar100")
 CLASSES = {"digits": 10, "cifar10": 10, "cifar100": 100}
 # Per-channel mean / std of the training images in [0, 1] (the values torchvision users quote).
@@ -176,8 +178,8 @@ def train_dataset(data_cfg: Any, *, image_size: int, channels: int, global_batch
 
     The stream of training images (reshuffled every epoch, augmented with a seed per example)
     is cut into global batches of ``global_batch`` (running on across epochs), and this
-    process gets its ``rows`` of each (:func:`sdp_jax.data.process_rows`,
-    :func:`sdp_jax.data.layout_free_batches`): the same global batches on any process layout.
+    process gets its ``rows`` of each (:func:`sdp_jax.train.data.process_rows`,
+    :func:`sdp_jax.train.data.layout_free_batches`): the same global batches on any process layout.
 
     Returns:
       a ``grain.MapDataset`` of (images float32 [b, H, W, C] normalized, labels int32 [b])
@@ -186,7 +188,6 @@ def train_dataset(data_cfg: Any, *, image_size: int, channels: int, global_batch
     Raises:
       ValueError: see :func:`open_split`; a split with fewer images than a global batch.
     """
-    from sdp_jax.data import layout_free_batches, process_rows
 
     rows = process_rows(global_batch, process_index, process_count, rows)
     src = open_split(data_cfg, "train", image_size, channels)
@@ -210,8 +211,7 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)
 
 def make_train_iterator(data_cfg: Any, *, start: int = 0, **kwargs):
     """The iterator of :func:`train_dataset` (same keyword arguments) from batch ``start``
-    (:func:`sdp_jax.data.iterate`, with ``data_cfg.worker_count`` grain worker processes)."""
-    from sdp_jax.data import iterate
+    (:func:`sdp_jax.train.data.iterate`, with ``data_cfg.worker_count`` grain worker processes)."""
 
     return iterate(train_dataset(data_cfg, **kwargs), start, int(data_cfg.worker_count),
                    READ_OPTIONS)
@@ -226,7 +226,6 @@ def make_eval_batches(data_cfg: Any, *, image_size: int, channels: int, global_b
       list of (images float32 [b, H, W, C], labels int32 [b], valid bool [b]); the last batch is
       padded (``valid`` False) so that every example is counted exactly once.
     """
-    from sdp_jax.data import process_rows
 
     first, per = process_rows(global_batch, process_index, process_count, rows)
     src = open_split(data_cfg, "test", image_size, channels)

@@ -1,14 +1,6 @@
-"""The run configuration (``ml_collections.ConfigDict``) of every model family, and the one place
-that validates it.
-
-:func:`base_config` (language models) and :func:`vision_config` (image classifiers) share one
-schema: the ``sdp``, ``optim`` and run-control fields are defined once (:func:`_run_fields`);
-a family adds its ``model`` and ``data`` sections and a few fields of its own (language models:
-``seq_len``, ``eval_batches``, ``pipeline``; vision: ``eval_limit``, ``eval_bn_batches``,
-``sdp.stage_blocks``). :func:`resolve` validates a config of either family before any compute
-and derives the run's static facts (:class:`RunSpec`), for ``train.py``, the bench and the study.
-
-Every field can be overridden on the command line: ``--config.sdp.coverage=0.5``.
+"""The one place that validates a run config (:mod:`sdp_jax.train.config`) of any model family,
+before any compute: :func:`resolve` checks every field and derives the run's static facts
+(:class:`RunSpec`) for ``train.py``, the bench, the studies and the tools.
 """
 
 from __future__ import annotations
@@ -21,141 +13,13 @@ from typing import Any
 import jax
 import ml_collections
 
-from sdp_jax import data
-
-
-def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The fields of every run config (set on ``c``; families change some defaults)."""
-    c.sdp = ml_collections.ConfigDict(dict(
-        variant="ddp",            # ddp | b-sdp | n-sdp | bb-sdp | nb-sdp
-        coverage=1.0,             # C: fraction of blocks / neurons / heads each worker holds
-        scheme="cyclic",          # cyclic | random | grouped (disconnected: allow_disconnected)
-        mask_seed=0,              # seed of the random scheme
-        allow_nonuniform=False,   # accept W*C not whole (near-uniform multiplicities)
-        allow_disconnected=False, # accept a mask graph with spectral gap 0
-        average="gradients",      # gradients (every step) | parameters (every sync_every steps)
-        sync_every=1,             # H: steps between parameter averagings (average=parameters)
-        method="auto",            # averaging: auto (= alltoall) | alltoall | reference (masked psum)
-    ))
-    c.optim = ml_collections.ConfigDict(dict(
-        name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
-        grad_clip=1.0,
-        schedule="cosine",        # cosine | wsd (warm-up, stable, decay: steps may grow on resume)
-        cooldown_fraction=0.2))   # wsd: the last fraction of the steps decays linearly
-    c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
-    c.remat = "none"            # activation checkpointing per block: none | full | dots (vision: none | full)
-    c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
-    c.workers = 0               # W data-parallel workers; 0 = every device
-    c.num_cpu_devices = 8       # simulated devices when only a CPU is present
-    c.batch_per_worker = 8      # examples per worker per step (b); global batch = W * b
-    c.steps = 300               # optimizer steps (the DDP budget when flop_matched)
-    c.flop_matched = False      # SDP runs ceil(steps / C) steps (the paper's FLOP-matched budget)
-    c.eval_every = 100          # steps between full-model evaluations (and at the end)
-    c.log_every = 10            # steps between progress updates
-    c.checkpoint_every = 100    # steps between checkpoints (and at the end); 0 = only at the end
-    c.keep_checkpoints = 2
-    c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
-    c.peak_flops = 0.0          # FLOP/s per device for MFU; 0 = the device's known bf16 peak (none on CPU)
-    c.align_every = 0           # steps between gradient-alignment measurements; 0 = off
-    c.seed = 0
-    return c
-
-
-def base_config() -> ml_collections.ConfigDict:
-    """A language-model run; the ``configs/llama_*.py`` files set the model shape on top.
-
-    Sections: ``model`` (:class:`sdp_jax.models.llama.LlamaConfig` fields), ``data``
-    (:func:`sdp_jax.data.default_data_config`), ``sdp`` (variant and mask recipe), ``pipeline``
-    (:class:`sdp_jax.pipeline.PipelineConfig` fields), ``optim``
-    (:class:`sdp_jax.train_step.OptimConfig` fields), and run control at the top level.
-    """
-    c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(
-        name="llama", vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384,
-        max_seq_len=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
-        attention="dot_product",   # dot_product | cudnn (NVIDIA GPU, bf16) | chunked (any)
-        attention_chunk=128))      # query rows per chunk of attention=chunked
-    c.data = data.default_data_config()
-    _run_fields(c)
-    # Pipeline stages on the mesh axis `stage` (W * stages devices), with compressed boundaries
-    # (MAPL): see sdp_jax.pipeline.PipelineConfig. stages=1: no pipeline.
-    c.pipeline = ml_collections.ConfigDict(dict(
-        stages=1, microbatches=4,
-        schedule="gpipe",         # gpipe | 1f1b (one forward, one backward: less memory)
-        method="none",            # none | fixed | unconstrained | mapl
-        ratio=4,                  # compression d / r
-        anchor_rank=16,           # r_a of the factorized anchor embeddings (0 = none)
-        proj_lr=0.01, proj_momentum=0.9, polar_steps=10,  # the Stiefel optimizer (mapl)
-        rvq_levels=0,             # residual vector quantization of the payload (0 = off)
-        rvq_codebook=256, rvq_beta=0.25))
-    c.seq_len = 128             # tokens per sequence (T)
-    c.eval_batches = 8          # validation batches of W * b sequences
-    return c
-
-
-def paper_scale_config(*, d_model: int, n_layers: int, n_heads: int, d_ff: int,
-                       tie_embeddings: bool, coverage: float) -> ml_collections.ConfigDict:
-    """Shared settings of the paper-scale configs (``llama_134m``, ``llama_500m``, ``llama_1b``):
-    vocab 32000 (the LLaMA tokenizer's), llm.c token shards, every device a worker (8 on a
-    CPU: ``num_cpu_devices``), B-SDP, 1024-token
-    sequences, 8 per worker, AdamW peak 6e-4 with 500 warm-up steps. ``W * coverage`` need not
-    be whole (the paper's 1B setting): near-uniform masks are allowed."""
-    c = base_config()
-    c.model.update(vocab_size=32000, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                   n_kv_heads=n_heads, d_ff=d_ff, max_seq_len=2048, tie_embeddings=tie_embeddings)
-    c.data.source = "llmc"
-    c.sdp.variant = "b-sdp"
-    c.sdp.coverage = coverage
-    c.sdp.allow_nonuniform = True
-    c.workers = 0               # every device (several processes need every device a worker)
-    c.seq_len = 1024
-    c.batch_per_worker = 8
-    c.steps = 10000
-    c.eval_every = 500
-    c.checkpoint_every = 500
-    c.optim.lr = 6e-4
-    c.optim.warmup_steps = 500
-    return c
-
-
-def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
-    """An image-classification run (``configs/resnet18_*.py``, ``wrn18_*``, ``swin_t_*``).
-
-    Sections: ``model`` (:class:`sdp_jax.models.vision.VisionConfig` fields; ``num_classes=0``
-    takes the dataset's), ``data`` (:func:`sdp_jax.vision_data.default_vision_data_config`),
-    and the ``sdp``, ``optim`` and run-control fields of every run (:func:`_run_fields`, with
-    vision defaults: AdamW 2e-3 with warm-up and cosine decay), with ``eval_limit`` (test images per evaluation; 0 =
-    the whole test split) instead of ``eval_batches``, ``eval_bn_batches`` (see
-    :attr:`sdp_jax.tasks.VisionEval.recalibrate`) and ``sdp.stage_blocks``.
-    """
-    from sdp_jax import vision_data  # pylint: disable=g-import-not-at-top
-
-    c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(name=name, num_classes=0, image_size=32,
-                                             in_channels=3, subnet_rescale=True))
-    if name in ("resnet18", "wrn18"):
-        c.model.update(width=64, widen=2 if name == "wrn18" else 1, depths=(2, 2, 2, 2))
-    else:
-        c.model.update(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window=4,
-                       patch=2, mlp_ratio=4)
-    c.data = vision_data.default_vision_data_config()
-    c.data.dataset = dataset
-    _run_fields(c)
-    # Block variants: blocks per worker in each stage, e.g. (1, 2, 4, 1); () = apportion C.
-    c.sdp.stage_blocks = ml_collections.FieldReference((), field_type=tuple)
-    c.optim.update(lr=2e-3, min_lr_ratio=0.01, warmup_steps=100, weight_decay=0.05, b2=0.999)
-    c.batch_per_worker = 64     # images per worker per step
-    c.steps = 8000
-    c.eval_every = 1000
-    c.eval_limit = 0
-    c.eval_bn_batches = 8       # forward-masking SDP with BatchNorm: re-estimate the full
-                                # model's BatchNorm statistics on this many training batches
-    c.log_every = 50
-    c.checkpoint_every = 1000
-    return c
-
-
-# ---------------------------------------------------------------------------- validation
+from sdp_jax import pipeline as pl
+from sdp_jax import spec as spec_lib
+from sdp_jax import step as step_lib
+from sdp_jax.models.vision import MODELS
+from sdp_jax.train import families
+from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train.config import base_config, vision_config
 
 # Fields that do not change the training trajectory: a checkpoint written under other values
 # still resumes (remat: same results, may change).
@@ -172,10 +36,10 @@ class RunSpec:
     """Everything a run config resolves to before compute (host-side values; no arrays).
 
     Attributes:
-      family: the model family's run hooks (:func:`sdp_jax.tasks.family_of`).
+      family: the model family's run hooks (:func:`sdp_jax.train.families.family_of`).
       model: the model's config (:class:`sdp_jax.models.llama.LlamaConfig` or
         :class:`sdp_jax.models.vision.VisionConfig`).
-      optim: :class:`sdp_jax.train_step.OptimConfig`.
+      optim: :class:`sdp_jax.train.optimizer.OptimConfig`.
       plan: the spec (masks) of the run; with a pipeline, of one stage.
       workers: ``W``; total_steps: the run's optimizer steps (FLOP-matched when asked);
       global_batch: ``W * batch_per_worker`` examples per step.
@@ -203,7 +67,6 @@ def _check_schema(config, family) -> None:
     """Refuse a config whose fields differ from its family's schema: a ``model`` section of
     another model (e.g. ``model.name`` switched by an override), a missing field, or an
     unknown one (a typo in a hand-written ``get_config``), naming the field."""
-    from sdp_jax.models.vision import MODELS  # pylint: disable=g-import-not-at-top
     template, maker = family.template(config)
     name, mine = config.model.get("name", "llama"), set(template.model)
     others = set(base_config().model).union(
@@ -228,11 +91,11 @@ def _check_schema(config, family) -> None:
         field, default = missing[0]
         shown = "a section" if isinstance(default, ml_collections.ConfigDict) else repr(default)
         raise ValueError(f"config.{field} is missing; build the run config on "
-                         f"sdp_jax.config.{maker}() (default {field}: {shown}) or add the "
+                         f"sdp_jax.train.config.{maker}() (default {field}: {shown}) or add the "
                          "field to your get_config().")
     if unknown:
         raise ValueError(f"config.{unknown[0]} is not a field of a {family.kind} run config "
-                         f"(sdp_jax.config.{maker}()); correct or remove it in your "
+                         f"(sdp_jax.train.config.{maker}()); correct or remove it in your "
                          "get_config().")
 
 
@@ -253,11 +116,8 @@ def resolve(config, device_count: int) -> RunSpec:
       ValueError: with the bad value and a fix, for any invalid or missing field (run control,
         step settings, workers, model, data, masks, warm-up longer than the run).
     """
-    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
-    from sdp_jax import tasks  # pylint: disable=g-import-not-at-top
-    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
     canonical_dtype(config)
-    family = tasks.family_of(config)
+    family = families.family_of(config)
     _check_schema(config, family)
     for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
                  "num_cpu_devices") + family.positive_fields:
@@ -278,7 +138,7 @@ def resolve(config, device_count: int) -> RunSpec:
         raise ValueError(f"config.sdp.coverage={cov!r} must be a number in (0, 1] (the fraction "
                          "of components each worker holds; 1 for ddp).")
     model = family.model_config(config)
-    optim = ts.OptimConfig.from_config(config.optim)
+    optim = optim_lib.OptimConfig.from_config(config.optim)
     _check_step_fields(config, family.remat)
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
     if pipe.stages > 1:
@@ -340,9 +200,6 @@ def _check_step_fields(config, remat: tuple | None = None) -> None:
       ValueError: naming the bad value and the choices: an unknown averaging mode or method,
         a bad ``sync_every``, ``sync_every`` without parameter averaging, parameter averaging
         with a backward-masking variant or with FSDP."""
-    from sdp_jax import spec as spec_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import step as step_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import tasks  # pylint: disable=g-import-not-at-top
     sdp, remat, fsdp = config.sdp, tuple(remat or step_lib.REMAT), config.fsdp
     if not isinstance(fsdp, bool):
         raise ValueError(f"config.fsdp={fsdp!r} must be True or False.")
@@ -351,7 +208,7 @@ def _check_step_fields(config, remat: tuple | None = None) -> None:
                          "(activation checkpointing of every block).")
     if config.dtype not in step_lib.DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
-    tasks.step_method(sdp.method, "config.sdp.method")
+    families.step_method(sdp.method, "config.sdp.method")
     if sdp.average not in step_lib.AVERAGING:
         raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
     _integer(sdp.sync_every, "sdp.sync_every", 1)
@@ -380,11 +237,10 @@ def canonical_dtype(config) -> None:
 def total_steps(config, coverage: float, steps: int | None = None) -> int:
     """The optimizer steps of a run of ``steps`` (default ``config.steps``): ``steps``, or
     under ``flop_matched`` an SDP run's ``ceil(steps / C)``
-    (:func:`sdp_jax.train_step.flop_matched_steps`)."""
-    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
+    (:func:`flop_matched_steps`)."""
     steps = config.steps if steps is None else steps
     if config.flop_matched and config.sdp.variant != "ddp":
-        return ts.flop_matched_steps(steps, coverage)
+        return flop_matched_steps(steps, coverage)
     return steps
 
 
@@ -397,3 +253,9 @@ def trajectory_config(config) -> dict[str, Any]:
     for k in MODEL_EXECUTION:
         d.get("model", {}).pop(k, None)
     return d
+
+
+def flop_matched_steps(ddp_steps: int, coverage: float) -> int:
+    """FLOP-matched budget (Singh et al., Sec. 5): an SDP run at coverage C takes ``1/C`` times
+    the optimizer steps of the DDP budget, rounded up."""
+    return int(math.ceil(ddp_steps / coverage - 1e-9))

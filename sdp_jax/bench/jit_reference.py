@@ -4,8 +4,8 @@ This is the program a JAX user writes without this project (as in the flax examp
 MaxText's DDP setting): one ``jax.jit`` of the whole train step, the global batch sharded over
 the mesh axis ``data`` (``P('data')``), parameters and optimizer state replicated, and XLA's
 SPMD partitioner inserting the gradient all-reduce. The model, its loss
-(:meth:`sdp_jax.tasks.LanguageModel.loss`), the optimizer (:func:`sdp_jax.train_step.
-make_optimizer`), the clipped update (:func:`sdp_jax.step.clipped_update`), mixed precision and
+(:meth:`sdp_jax.train.families.LanguageModel.loss`), the optimizer
+(:func:`sdp_jax.train.optimizer.make_optimizer`), the clipped update (:func:`sdp_jax.step.clipped_update`), mixed precision and
 activation checkpointing are the SDP step's, so in float32 the only difference from
 :class:`sdp_jax.step.SDPStep`'s DDP is the formulation: ``jax.jit`` with shardings against
 ``jax.shard_map`` with explicit collectives (``tests/test_bench.py`` checks that both take the
@@ -24,9 +24,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import step as step_lib
-from sdp_jax import tasks
-from sdp_jax import train_step as ts
 from sdp_jax.models.llama import BLOCK_KEY, LlamaConfig
+from sdp_jax.train import families
+from sdp_jax.train import optimizer as optim_lib
 
 LABEL = "jit-ddp"
 
@@ -49,7 +49,7 @@ class JitDDP:
       ValueError: ``remat`` or ``dtype`` not one of the above.
     """
 
-    def __init__(self, cfg: LlamaConfig, optim: ts.OptimConfig, mesh, total_steps: int, *,
+    def __init__(self, cfg: LlamaConfig, optim: optim_lib.OptimConfig, mesh, total_steps: int, *,
                  remat: str = "none", dtype: str = "float32", unroll: bool = False):
         step_lib.check_remat_dtype(remat, dtype)
         self.cfg, self.remat, self.unroll = cfg, remat, unroll
@@ -59,8 +59,8 @@ class JitDDP:
                          axis_types=(AxisType.Auto,) * len(mesh.axis_names))
         self.dtype = step_lib.DTYPES[dtype]
         self.grad_clip = optim.grad_clip
-        self.model = tasks.LanguageModel(cfg)
-        self.optimizer = ts.make_optimizer(optim, total_steps)
+        self.model = families.LanguageModel(cfg)
+        self.optimizer = optim_lib.make_optimizer(optim, total_steps)
         self.compact_shapes = self.model.shapes   # (every device holds every parameter)
         self._step = None
 

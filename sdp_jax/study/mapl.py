@@ -1,6 +1,6 @@
 """The MAPL study: validation loss against bytes per token crossing the pipeline-stage boundaries
 (``python -m sdp_jax.study`` or ``python -m sdp_jax.study mapl``); ``python -m sdp_jax.study
-sdp`` is the SDP study of every variant against DDP (sdp_jax/study_sdp.py).
+sdp`` is the SDP study of every variant against DDP (sdp_jax/study/sdp.py).
 
     python -m sdp_jax.study                       # configs/llama_mapl.py -> runs/mapl_study
     python -m sdp_jax.study --seeds 0,1 --out /tmp/mapl       # every run with two seeds
@@ -8,7 +8,7 @@ sdp`` is the SDP study of every variant against DDP (sdp_jax/study_sdp.py).
     python -m sdp_jax.study --bytes_only --ratios 4,8,16      # compiled-program bytes only
     python -m sdp_jax.study --bytes_only --schedules gpipe,1f1b --methods none,mapl --ratios 8
 
-The config is loaded as ``train.py`` loads it (:mod:`sdp_jax.cli`; e.g.
+The config is loaded as ``train.py`` loads it (:mod:`sdp_jax.train.cli`; e.g.
 ``--config.pipeline.rvq_levels=2`` adds residual vector quantization to the compressed payloads).
 
 Every run trains the same model on the same data with the same token budget (the config's steps,
@@ -22,7 +22,7 @@ Bytes per token are read from the compiled train step
 boundary, for one worker, divided by that worker's tokens per step; they include the GPipe bubble
 ticks, ``(M + P - 1) / M`` of the useful transfers under GPipe, ``(M + 2 (P - 1)) / M`` under
 1F1B). The peak bytes per device are the compiled train step's (argument + temporaries + output
-- aliased, :func:`sdp_jax.train_step.memory_stats`). ``--schedules`` runs (or with
+- aliased, :func:`sdp_jax.costs.memory_stats`). ``--schedules`` runs (or with
 ``--bytes_only`` measures) every method under each pipeline schedule (``gpipe``, ``1f1b``;
 default: the config's ``pipeline.schedule``); a 1F1B run's folder ends in ``_1f1b``.
 
@@ -38,6 +38,13 @@ import json
 import os
 import signal
 import sys
+
+from sdp_jax import costs
+from sdp_jax import mesh as mesh_lib
+from sdp_jax.bench import measure as bench
+from sdp_jax.train import cli, loop
+from sdp_jax.train import families
+from sdp_jax.train import run as run_lib
 
 # = sdp_jax.pipeline.METHODS / SCHEDULES (tests/test_pipeline.py), not imported so that --help
 # stays fast
@@ -73,19 +80,16 @@ def _with(config, method: str, ratio: int, seed: int, schedule: str):
 
 def measure_bytes(config) -> dict:
     """Compile the config's pipelined train step (no training) and read its boundary bytes
-    (:func:`sdp_jax.tasks.boundary_bytes`) and, as ``peak_bytes_per_device``, its compiled peak
-    (:func:`sdp_jax.train_step.memory_stats`, bytes)."""
+    (:func:`sdp_jax.train.families.boundary_bytes`) and, as ``peak_bytes_per_device``, its compiled peak
+    (:func:`sdp_jax.costs.memory_stats`, bytes)."""
     import jax  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import loop, tasks  # pylint: disable=g-import-not-at-top
-    from sdp_jax import train_step as ts  # pylint: disable=g-import-not-at-top
 
-    spec = config_lib.resolve(config, jax.device_count())
+    spec = run_lib.resolve(config, jax.device_count())
     builder = loop.make_step(config, spec, loop.make_mesh(spec))
     compiled = builder.compiled_train_step(spec.family.batch_shapes(config, spec))
-    return {**tasks.boundary_bytes(config, spec, compiled),
-            "peak_bytes_per_device": ts.memory_stats(compiled)["peak_bytes_per_device"]}
+    return {**families.boundary_bytes(config, spec, compiled),
+            "peak_bytes_per_device": costs.memory_stats(compiled)["peak_bytes_per_device"]}
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -202,13 +206,11 @@ RENAMED = {"bytes-only": "--bytes_only",
 
 def flag_values(argv: list[str] | None = None):
     """The study's flags: ``--config`` (default ``configs/llama_mapl.py``; fields overridden
-    as ``--config.FIELD=VALUE``, :mod:`sdp_jax.cli`), ``--out``, ``--methods``, ``--ratios``,
+    as ``--config.FIELD=VALUE``, :mod:`sdp_jax.train.cli`), ``--out``, ``--methods``, ``--ratios``,
     ``--seeds``, ``--schedules``, ``--bytes_only``."""
     from absl import flags  # pylint: disable=g-import-not-at-top
 
-    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
-    fv = cli.flag_values(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), "configs", "llama_mapl.py"), argv, PROG)
+    fv = cli.flag_values(cli.config_file("llama_mapl.py"), argv, PROG)
     flags.DEFINE_string("out", os.path.join("runs", "mapl_study"),
                         "folder of the runs and of study.md / study.json / study.png "
                         "(bytes.md / bytes.json with --bytes_only)", flag_values=fv)
@@ -224,23 +226,11 @@ def flag_values(argv: list[str] | None = None):
 
 
 def main(argv=None, check_only: bool = False) -> list[dict]:
-    """The study's command line (``argv`` without the program name; default
-    ``sys.argv[1:]``). Returns one row per run; a bad flag or config exits with status 2 and
+    """The MAPL study's command line (``argv`` without the program name and the subcommand;
+    default ``sys.argv[1:]``; ``python -m sdp_jax.study`` dispatches to it). Returns one row per run; a bad flag or config exits with status 2 and
     a one-line error before any compile or training. ``check_only``: stop after the
     validation (the documentation check, ``tests/test_docs.py``)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if args[:1] == ["sdp"]:   # the SDP study (sdp_jax/study_sdp.py)
-        from sdp_jax import study_sdp  # pylint: disable=g-import-not-at-top
-        return study_sdp.main(args[1:], check_only=check_only)
-    if args[:1] == ["mapl"]:
-        args = args[1:]
-    elif any(a.lower() in ("sdp", "mapl") and not (i and args[i - 1].startswith("--")
-                                                   and "=" not in args[i - 1])
-             for i, a in enumerate(args)):   # (not a flag's value, as in --out sdp)
-        from sdp_jax import cli  # pylint: disable=g-import-not-at-top
-        cli.error(PROG, "the subcommand comes first, before any flag: python -m sdp_jax.study "
-                  "sdp --out ... (or mapl); lowercase")
-    from sdp_jax import bench, cli  # pylint: disable=g-import-not-at-top
     argv = [PROG] + args
     fv = flag_values(argv)
     rest = cli.parse(fv, argv, PROG, __doc__, RENAMED)
@@ -272,10 +262,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
                 + (f": unknown {', '.join(map(repr, bad))}" if bad else "")
                 + f"; give distinct schedules from {', '.join(SCHEDULES)}, e.g. gpipe,1f1b")
     import jax  # pylint: disable=g-import-not-at-top
-    if config.num_cpu_devices > int(jax.config.jax_num_cpu_devices):  # raised, never lowered
-        jax.config.update("jax_num_cpu_devices", config.num_cpu_devices)
-    from sdp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-    from sdp_jax import loop  # pylint: disable=g-import-not-at-top
+    mesh_lib.simulate_cpu_devices(config.num_cpu_devices)
 
     configs = {}
     for seed in seeds[:1] if fv.bytes_only else seeds:
@@ -286,7 +273,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             run = (f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}"
                    + (f", {sc}" if len(schedules) > 1 else ""))
             try:
-                spec = config_lib.resolve(c, jax.device_count())
+                spec = run_lib.resolve(c, jax.device_count())
             except ValueError as e:
                 err(f"{run}: {e}".replace("--config.pipeline.ratio", "--ratios"))
             try:
@@ -345,6 +332,3 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
              f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
     return rows
 
-
-if __name__ == "__main__":
-    main()

@@ -1,20 +1,15 @@
-"""Training curves of finished (or stopped) runs: validation loss against steps, tokens (images)
-and training FLOPs, the FLOP-matched view of the SDP paper (Singh et al., Sec. 5).
-
-    python -m sdp_jax.plot runs/default runs/ddp --out runs/compare
-
-reads each run directory's ``metrics.jsonl`` and ``summary.json`` (written by
-:func:`sdp_jax.loop.train`) and writes ``curves.png`` into ``--out`` (default: the first run's
-directory). Every finished run writes its own ``curves.png`` this way.
+"""A run's training curves: validation loss against steps, tokens (images) and training FLOPs,
+the FLOP-matched view of the SDP paper (Singh et al., Sec. 5), read from the run directory's
+``metrics.jsonl`` and ``summary.json`` (written by :func:`sdp_jax.train.loop.train`), drawn into
+``curves.png``. Every finished run writes its own; ``python -m sdp_jax.tools.plot`` draws several
+runs side by side.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
-PROG = "python -m sdp_jax.plot"
 # the evaluation loss key of each family (language models, vision), and its unit
 EVAL_KEYS = (("val_loss", "validation loss (nats/token)"), ("test_loss", "test loss (nats)"))
 
@@ -102,38 +97,3 @@ def curves(workdirs: list[str], out: str | None = None) -> str:
     out = out or workdirs[0]
     os.makedirs(out, exist_ok=True)
     return draw(runs, os.path.join(out, "curves.png"))
-
-
-def main(argv=None, check_only: bool = False) -> str | None:
-    """The command line: run directories, then ``--out DIR``. Errors are one line (status
-    2). ``check_only``: stop after parsing (the documentation check, ``tests/test_docs.py``).
-    Returns the PNG's path."""
-    from absl import flags  # pylint: disable=g-import-not-at-top
-
-    from sdp_jax import cli  # pylint: disable=g-import-not-at-top
-    argv = [PROG] + (sys.argv[1:] if argv is None else list(argv))
-    fv = flags.FlagValues()
-    flags.DEFINE_string("out", None, "folder for curves.png (default: the first run's)",
-                        flag_values=fv)
-    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        print(__doc__.strip() + "\n\n" + fv.get_help())
-        sys.exit(0)
-    try:
-        dirs = fv(argv)[1:]
-    except flags.Error as e:
-        cli.error(PROG, f"{e}; see {PROG} --help")
-    if not dirs:
-        cli.error(PROG, "give one or more run directories, e.g. "
-                        f"{PROG} runs/default runs/ddp --out runs/compare")
-    if check_only:
-        return None
-    try:
-        path = curves(dirs, fv.out)
-    except (ValueError, OSError) as e:
-        cli.error(PROG, str(e))
-    print(f"wrote {path}")
-    return path
-
-
-if __name__ == "__main__":
-    main()

@@ -326,7 +326,7 @@ def read_llmc_shard(path: os.PathLike | str) -> np.ndarray:
     """
     path = os.fspath(path)
     hint = (
-        "convert your tokens with sdp_jax.data.write_llmc_shard(path, tokens) "
+        "convert your tokens with sdp_jax.train.data.write_llmc_shard(path, tokens) "
         "or check that the file was copied completely"
     )
     size = os.path.getsize(path)

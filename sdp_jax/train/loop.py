@@ -1,7 +1,7 @@
 """The one training loop of every run, for every model family and for pipelines.
 
-:func:`train` validates the config (:func:`sdp_jax.config.resolve`), builds the data, the mesh
-and the step through the run's model family (:func:`sdp_jax.tasks.family_of`: the spec, the
+:func:`train` validates the config (:func:`sdp_jax.train.run.resolve`), builds the data, the mesh
+and the step through the run's model family (:func:`sdp_jax.train.families.family_of`: the spec, the
 data, the :class:`sdp_jax.step.SDPStep`, the evaluation and the family's log and summary
 fields), and then, written once for every family:
 
@@ -15,7 +15,7 @@ fields), and then, written once for every family:
 * saves orbax checkpoints every ``checkpoint_every`` steps, at ``stop_at_step``, at the end and
   when SIGINT / SIGTERM arrives (a second signal aborts without saving);
 * never checkpoints a non-finite state (:func:`check_finite`);
-* writes ``summary.json`` and the run's ``curves.png`` (:mod:`sdp_jax.plot`); a finished run
+* writes ``summary.json`` and the run's ``curves.png`` (:mod:`sdp_jax.tools.plot`); a finished run
   rerun only re-reads its summary.
 """
 
@@ -33,14 +33,16 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from sdp_jax import checkpoint as ckpt_lib
-from sdp_jax import cli
-from sdp_jax import config as config_lib
-from sdp_jax import data as data_lib
+from sdp_jax import costs
+from sdp_jax import mesh as mesh_lib
 from sdp_jax import step as step_lib
-from sdp_jax import train_step as ts
-from sdp_jax.sync import AXIS
-from sdp_jax.train_step import fmt_bytes, memory_stats
+from sdp_jax.costs import fmt_bytes, memory_stats
+from sdp_jax.train import curves
+from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import cli
+from sdp_jax.train import data as data_lib
+from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train import run as run_lib
 
 FINITE_KEYS = ("train_loss", "grad_norm", "val_loss", "test_loss")
 
@@ -266,8 +268,8 @@ def check_workdir_is_dir(workdir: str) -> None:
                              + " as a run writes it; use another --workdir.")
 
 
-def compatibility(config, spec: config_lib.RunSpec) -> dict:
-    """Keyword arguments of :meth:`sdp_jax.checkpoint.CheckpointManager.check_compatible` for
+def compatibility(config, spec: run_lib.RunSpec) -> dict:
+    """Keyword arguments of :meth:`sdp_jax.train.checkpoint.CheckpointManager.check_compatible` for
     a run: the family's added fields, and ``steps`` allowed to grow under the ``wsd``
     schedule (extending a run; under ``cosine`` the refusal names that option)."""
     wsd = spec.optim.schedule == "wsd"
@@ -278,7 +280,7 @@ def compatibility(config, spec: config_lib.RunSpec) -> dict:
 
 
 def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = None,
-                     spec: config_lib.RunSpec | None = None, lock: WorkdirLock | None = None):
+                     spec: run_lib.RunSpec | None = None, lock: WorkdirLock | None = None):
     """Create ``workdir`` and its checkpoint manager; refuse (before compute) a latest
     checkpoint written under another config or other masks (``compat``: the keyword
     arguments of :func:`compatibility`). Logs an extension (``steps`` grown under ``wsd``;
@@ -306,13 +308,13 @@ def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = Non
             manager.close()
             raise
         if before is not None and before < config.steps:
-            old, new = (config_lib.total_steps(config, spec.plan.coverage, n)
+            old, new = (run_lib.total_steps(config, spec.plan.coverage, n)
                         for n in (before, config.steps))
             log(f"extending the run from {old} to {new} optimizer steps (wsd schedule: the "
                 f"stable rate until the last {config.optim.cooldown_fraction:g} of them)"
                 + (f"; the checkpoint at step {latest} is past the cool-down start of the "
                    f"{old}-step schedule, so the rate steps back up to the stable one"
-                   if latest > ts.cooldown_start(spec.optim, old) else ""))
+                   if latest > optim_lib.cooldown_start(spec.optim, old) else ""))
     return manager, latest
 
 
@@ -350,30 +352,15 @@ def restore_or_init(manager, latest, builder, seed: int, announce: bool = True):
 
 
 
-def make_mesh(spec: config_lib.RunSpec):
-    """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of
-    ``W x P`` when pipelined (:func:`sdp_jax.pipeline.make_mesh`). With several processes the
-    devices are taken in process order, so that each process's devices are adjacent on
-    ``data`` and it loads one contiguous range of rows (``jax.make_mesh`` may reorder them for
-    a TPU's topology)."""
-    from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
-
-    from sdp_jax import pipeline as pl  # pylint: disable=g-import-not-at-top
-    devices = jax.devices()[:spec.workers * spec.pipe.stages]
-    if spec.pipe.stages > 1:
-        mesh = pl.make_mesh(spec.workers, spec.pipe.stages, devices)
-    else:
-        mesh = jax.make_mesh((spec.workers,), (AXIS,), devices=devices)
-    if jax.process_count() > 1:
-        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-        mesh = Mesh(np.asarray(ordered, dtype=object).reshape(mesh.devices.shape),
-                    mesh.axis_names, axis_types=mesh.axis_types)
-    return mesh
+def make_mesh(spec: run_lib.RunSpec):
+    """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices, or
+    ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order."""
+    return mesh_lib.make_mesh(spec.workers, spec.pipe.stages)
 
 
-def process_rows(mesh, spec: config_lib.RunSpec) -> tuple[int, int]:
+def process_rows(mesh, spec: run_lib.RunSpec) -> tuple[int, int]:
     """``(first, count)``: the rows of every global batch this process loads
-    (:func:`sdp_jax.data.sharding_rows` of the batch's sharding on ``mesh``)."""
+    (:func:`sdp_jax.train.data.sharding_rows` of the batch's sharding on ``mesh``)."""
     return data_lib.sharding_rows(step_lib.batch_sharding(mesh), spec.global_batch)
 
 
@@ -387,29 +374,29 @@ def batch_putter(builder):
     return put
 
 
-def make_step(config, spec: config_lib.RunSpec, mesh):
+def make_step(config, spec: run_lib.RunSpec, mesh):
     """The :class:`sdp_jax.step.SDPStep` of a run config (``spec`` from
-    :func:`sdp_jax.config.resolve`, ``mesh`` from :func:`make_mesh`)."""
+    :func:`sdp_jax.train.run.resolve`, ``mesh`` from :func:`make_mesh`)."""
     return spec.family.step(config, spec, mesh)
 
 
-def _meta(config, spec: config_lib.RunSpec) -> dict:
+def _meta(config, spec: run_lib.RunSpec) -> dict:
     """What a checkpoint records to refuse another run: the trajectory config, the masks and
     the resolved worker count (``config.workers=0`` is every device, which can change)."""
-    return {"config": config_lib.trajectory_config(config),
+    return {"config": run_lib.trajectory_config(config),
             "masks": spec.family.record(spec.plan), "workers": spec.workers}
 
 
-def check_workdir(config, workdir: str, spec: config_lib.RunSpec | None = None) -> None:
+def check_workdir(config, workdir: str, spec: run_lib.RunSpec | None = None) -> None:
     """Refuse, before any compute, a ``workdir`` whose latest checkpoint another config wrote.
 
     Raises:
       ValueError: listing the differing fields (see
-        :meth:`sdp_jax.checkpoint.CheckpointManager.check_compatible`)."""
+        :meth:`sdp_jax.train.checkpoint.CheckpointManager.check_compatible`)."""
     path = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(path):
         return
-    spec = spec or config_lib.resolve(config, jax.device_count())
+    spec = spec or run_lib.resolve(config, jax.device_count())
     manager = ckpt_lib.CheckpointManager(path, keep=config.keep_checkpoints)
     try:
         latest = manager.latest_step()
@@ -462,7 +449,7 @@ class WorkdirLock:
 def train(config, workdir: str) -> dict[str, Any]:
     """Train (or resume) the run ``config`` (any model family; pipelined or not) in ``workdir``.
 
-    Validates the config (:func:`sdp_jax.config.resolve`), the data and the checkpoint's
+    Validates the config (:func:`sdp_jax.train.run.resolve`), the data and the checkpoint's
     compatibility before any compute, builds the mesh and the step (the family's
     :class:`sdp_jax.step.SDPStep`), restores or initializes, compiles, and runs the loop.
 
@@ -500,7 +487,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
     t_start = time.time()
     import matplotlib  # noqa: F401  (the writers of the end: a broken install fails now)
     import tensorboardX  # noqa: F401
-    spec = config_lib.resolve(config, jax.device_count())
+    spec = run_lib.resolve(config, jax.device_count())
     family = spec.family
     check_workdir_is_dir(workdir)
     mesh = make_mesh(spec)
@@ -598,10 +585,10 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
         state=state, start=start, total=total, manager=manager, meta=meta,
         train_iter=train_iter, wall=lambda: prev_wall + time.time() - t_start,
         flops_per_item=None if per_item is None else per_item / len(devices),
-        peak=ts.peak_flops(devices[0].device_kind, config.peak_flops),
+        peak=costs.peak_flops(devices[0].device_kind, config.peak_flops),
         once={"peak_bytes_per_device": mem["peak_bytes_per_device"]})
     if jax.process_count() > 1:   # every process waits for the others' last writes
-        multihost_utils.sync_global_devices("sdp_jax.loop.train: end")
+        multihost_utils.sync_global_devices("sdp_jax.train.loop.train: end")
     done = step >= total
     if done and not last_eval:
         last_eval = evaluate(state)
@@ -611,9 +598,8 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
         write_atomically(path, json.dumps(out, indent=2))
     if done:
         if jax.process_index() == 0:
-            from sdp_jax import plot  # pylint: disable=g-import-not-at-top
             try:
-                plot.curves([workdir])
+                curves.curves([workdir])
             except (ValueError, OSError, RuntimeError) as e:   # the run itself is complete
                 log(f"warning: curves.png not drawn ({type(e).__name__}: {e})")
         log(f"done: {out['steps']} steps in {out['wall_s']:.0f}s; {family.done_line(out)}; "

@@ -1,6 +1,6 @@
 """Start a command as several JAX processes on this machine (``jax.distributed`` on 127.0.0.1).
 
-    python -m sdp_jax.launch --processes 2 -- python train.py --config configs/llama_tiny.py \\
+    python -m sdp_jax.train.launch --processes 2 -- python train.py --config configs/llama_tiny.py \\
         --config.num_cpu_devices=2 --config.workers=0 --workdir runs/two
 
 Each process gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`` (a free port unless ``--port``),
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Sequence
 
-PROG = "python -m sdp_jax.launch"
+PROG = "python -m sdp_jax.train.launch"
 
 
 def free_port() -> int:

@@ -1,0 +1,68 @@
+"""The mesh: its axis names, simulated CPU devices, and the run's device mesh.
+
+One place for the names every collective uses (``data``: the W data-parallel workers;
+``stage``: the P pipeline stages) and for the one rule by which a CPU-only machine simulates
+several devices (docs/design.md, "One step in flight on a CPU").
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+DATA = "data"     # the data-parallel workers (W): every holder mean is over this axis
+STAGE = "stage"   # the pipeline stages (P): sdp_jax.pipeline
+
+
+def simulate_cpu_devices(count) -> None:
+    """Simulate at least ``count`` CPU devices: the one rule of ``train.py``, the bench, the
+    studies and the tools.
+
+    The count is only raised, never lowered, and only before JAX's backend starts (the
+    setting affects the CPU platform alone: GPU and TPU runs use their real devices). Once a
+    backend is up (a test process, a caller that already used JAX) its devices stay as they
+    are and :func:`make_mesh` names a shortfall. A ``count`` that is not a positive integer
+    is left alone here: the config's validation names it (``sdp_jax.train.run.resolve``).
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        return
+    if count <= int(jax.config.jax_num_cpu_devices):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:   # the backend already started: keep its devices
+        pass
+
+
+def make_mesh(workers: int, stages: int = 1, devices=None) -> Mesh:
+    """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of shape
+    ``(W, P)`` when pipelined (axis types Auto: the pipeline's averaging is written in the
+    global view and partitioned by XLA).
+
+    With several processes the devices are taken in process order, so that each process's
+    devices are adjacent on ``data`` and it loads one contiguous range of batch rows
+    (``jax.make_mesh`` may reorder them for a TPU's topology).
+
+    Raises:
+      ValueError: fewer devices than ``W * P`` (names the counts and the fix).
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    need = workers * stages
+    if need > len(devices):
+        what = "workers" if stages == 1 else f"workers * pipeline.stages = {workers} * {stages} ="
+        raise ValueError(f"{what} {need} devices needed, {len(devices)} "
+                         f"{devices[0].platform if devices else ''} devices present; lower "
+                         "--config.workers" + (" or --config.pipeline.stages" if stages > 1 else "")
+                         + " (on a CPU, raise --config.num_cpu_devices).")
+    devices = devices[:need]
+    if stages > 1:
+        mesh = jax.make_mesh((workers, stages), (DATA, STAGE),
+                             axis_types=(AxisType.Auto,) * 2, devices=devices)
+    else:
+        mesh = jax.make_mesh((workers,), (DATA,), devices=devices)
+    if jax.process_count() > 1:
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        mesh = Mesh(np.asarray(ordered, dtype=object).reshape(mesh.devices.shape),
+                    mesh.axis_names, axis_types=mesh.axis_types)
+    return mesh

@@ -1,0 +1,146 @@
+"""The run configuration (``ml_collections.ConfigDict``) of every model family: its fields and
+defaults. The one place that validates it is :func:`sdp_jax.train.run.resolve`.
+
+:func:`base_config` (language models) and :func:`vision_config` (image classifiers) share one
+schema: the ``sdp``, ``optim`` and run-control fields are defined once (:func:`_run_fields`);
+a family adds its ``model`` and ``data`` sections and a few fields of its own (language models:
+``seq_len``, ``eval_batches``, ``pipeline``; vision: ``eval_limit``, ``eval_bn_batches``,
+``sdp.stage_blocks``).
+
+Every field can be overridden on the command line: ``--config.sdp.coverage=0.5``.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from sdp_jax.train import data, vision_data
+
+
+def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The fields of every run config (set on ``c``; families change some defaults)."""
+    c.sdp = ml_collections.ConfigDict(dict(
+        variant="ddp",            # ddp | b-sdp | n-sdp | bb-sdp | nb-sdp
+        coverage=1.0,             # C: fraction of blocks / neurons / heads each worker holds
+        scheme="cyclic",          # cyclic | random | grouped (disconnected: allow_disconnected)
+        mask_seed=0,              # seed of the random scheme
+        allow_nonuniform=False,   # accept W*C not whole (near-uniform multiplicities)
+        allow_disconnected=False, # accept a mask graph with spectral gap 0
+        average="gradients",      # gradients (every step) | parameters (every sync_every steps)
+        sync_every=1,             # H: steps between parameter averagings (average=parameters)
+        method="auto",            # averaging: auto (= alltoall) | alltoall | reference (masked psum)
+    ))
+    c.optim = ml_collections.ConfigDict(dict(
+        name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
+        grad_clip=1.0,
+        schedule="cosine",        # cosine | wsd (warm-up, stable, decay: steps may grow on resume)
+        cooldown_fraction=0.2))   # wsd: the last fraction of the steps decays linearly
+    c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
+    c.remat = "none"            # activation checkpointing per block: none | full | dots (vision: none | full)
+    c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
+    c.workers = 0               # W data-parallel workers; 0 = every device
+    c.num_cpu_devices = 8       # simulated devices when only a CPU is present
+    c.batch_per_worker = 8      # examples per worker per step (b); global batch = W * b
+    c.steps = 300               # optimizer steps (the DDP budget when flop_matched)
+    c.flop_matched = False      # SDP runs ceil(steps / C) steps (the paper's FLOP-matched budget)
+    c.eval_every = 100          # steps between full-model evaluations (and at the end)
+    c.log_every = 10            # steps between progress updates
+    c.checkpoint_every = 100    # steps between checkpoints (and at the end); 0 = only at the end
+    c.keep_checkpoints = 2
+    c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
+    c.peak_flops = 0.0          # FLOP/s per device for MFU; 0 = the device's known bf16 peak (none on CPU)
+    c.align_every = 0           # steps between gradient-alignment measurements; 0 = off
+    c.seed = 0
+    return c
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """A language-model run; the ``configs/llama_*.py`` files set the model shape on top.
+
+    Sections: ``model`` (:class:`sdp_jax.models.llama.LlamaConfig` fields), ``data``
+    (:func:`sdp_jax.train.data.default_data_config`), ``sdp`` (variant and mask recipe), ``pipeline``
+    (:class:`sdp_jax.pipeline.PipelineConfig` fields), ``optim``
+    (:class:`sdp_jax.train.optimizer.OptimConfig` fields), and run control at the top level.
+    """
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(
+        name="llama", vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384,
+        max_seq_len=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
+        attention="dot_product",   # dot_product | cudnn (NVIDIA GPU, bf16) | chunked (any)
+        attention_chunk=128))      # query rows per chunk of attention=chunked
+    c.data = data.default_data_config()
+    _run_fields(c)
+    # Pipeline stages on the mesh axis `stage` (W * stages devices), with compressed boundaries
+    # (MAPL): see sdp_jax.pipeline.PipelineConfig. stages=1: no pipeline.
+    c.pipeline = ml_collections.ConfigDict(dict(
+        stages=1, microbatches=4,
+        schedule="gpipe",         # gpipe | 1f1b (one forward, one backward: less memory)
+        method="none",            # none | fixed | unconstrained | mapl
+        ratio=4,                  # compression d / r
+        anchor_rank=16,           # r_a of the factorized anchor embeddings (0 = none)
+        proj_lr=0.01, proj_momentum=0.9, polar_steps=10,  # the Stiefel optimizer (mapl)
+        rvq_levels=0,             # residual vector quantization of the payload (0 = off)
+        rvq_codebook=256, rvq_beta=0.25))
+    c.seq_len = 128             # tokens per sequence (T)
+    c.eval_batches = 8          # validation batches of W * b sequences
+    return c
+
+
+def paper_scale_config(*, d_model: int, n_layers: int, n_heads: int, d_ff: int,
+                       tie_embeddings: bool, coverage: float) -> ml_collections.ConfigDict:
+    """Shared settings of the paper-scale configs (``llama_134m``, ``llama_500m``, ``llama_1b``):
+    vocab 32000 (the LLaMA tokenizer's), llm.c token shards, every device a worker (8 on a
+    CPU: ``num_cpu_devices``), B-SDP, 1024-token
+    sequences, 8 per worker, AdamW peak 6e-4 with 500 warm-up steps. ``W * coverage`` need not
+    be whole (the paper's 1B setting): near-uniform masks are allowed."""
+    c = base_config()
+    c.model.update(vocab_size=32000, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                   n_kv_heads=n_heads, d_ff=d_ff, max_seq_len=2048, tie_embeddings=tie_embeddings)
+    c.data.source = "llmc"
+    c.sdp.variant = "b-sdp"
+    c.sdp.coverage = coverage
+    c.sdp.allow_nonuniform = True
+    c.workers = 0               # every device (several processes need every device a worker)
+    c.seq_len = 1024
+    c.batch_per_worker = 8
+    c.steps = 10000
+    c.eval_every = 500
+    c.checkpoint_every = 500
+    c.optim.lr = 6e-4
+    c.optim.warmup_steps = 500
+    return c
+
+
+def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
+    """An image-classification run (``configs/resnet18_*.py``, ``wrn18_*``, ``swin_t_*``).
+
+    Sections: ``model`` (:class:`sdp_jax.models.vision.VisionConfig` fields; ``num_classes=0``
+    takes the dataset's), ``data`` (:func:`sdp_jax.train.vision_data.default_vision_data_config`),
+    and the ``sdp``, ``optim`` and run-control fields of every run (:func:`_run_fields`, with
+    vision defaults: AdamW 2e-3 with warm-up and cosine decay), with ``eval_limit`` (test images per evaluation; 0 =
+    the whole test split) instead of ``eval_batches``, ``eval_bn_batches`` (see
+    :attr:`sdp_jax.train.families.VisionEval.recalibrate`) and ``sdp.stage_blocks``.
+    """
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(name=name, num_classes=0, image_size=32,
+                                             in_channels=3, subnet_rescale=True))
+    if name in ("resnet18", "wrn18"):
+        c.model.update(width=64, widen=2 if name == "wrn18" else 1, depths=(2, 2, 2, 2))
+    else:
+        c.model.update(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window=4,
+                       patch=2, mlp_ratio=4)
+    c.data = vision_data.default_vision_data_config()
+    c.data.dataset = dataset
+    _run_fields(c)
+    # Block variants: blocks per worker in each stage, e.g. (1, 2, 4, 1); () = apportion C.
+    c.sdp.stage_blocks = ml_collections.FieldReference((), field_type=tuple)
+    c.optim.update(lr=2e-3, min_lr_ratio=0.01, warmup_steps=100, weight_decay=0.05, b2=0.999)
+    c.batch_per_worker = 64     # images per worker per step
+    c.steps = 8000
+    c.eval_every = 1000
+    c.eval_limit = 0
+    c.eval_bn_batches = 8       # forward-masking SDP with BatchNorm: re-estimate the full
+                                # model's BatchNorm statistics on this many training batches
+    c.log_every = 50
+    c.checkpoint_every = 1000
+    return c

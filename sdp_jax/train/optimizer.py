@@ -1,0 +1,150 @@
+"""The optimizer of a run: AdamW (or SGD) with its learning-rate schedule, and the optimizer
+of a pipelined run (the Stiefel-manifold transform for the boundary projectors).
+
+Clipping is not here: the step clips by the holder-averaged global norm
+(:func:`sdp_jax.sync.global_norm`, docs/design.md invariant 6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import optax
+
+from sdp_jax import fields, stiefel
+from sdp_jax import pipeline as pl
+
+SCHEDULES = ("cosine", "wsd")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up, a decay schedule and global-norm clipping. ``lr`` is the
+    peak learning rate; it decays to ``lr * min_lr_ratio``. ``schedule``: ``cosine`` (cosine
+    decay over the whole run, Loshchilov & Hutter 2017) or ``wsd`` (warm-up, stable, decay:
+    the peak rate held until the last ``cooldown_fraction`` of the steps, then a linear
+    cool-down; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed
+    Training Durations", Sec. 3), whose runs can be extended (``steps`` may grow on
+    resume)."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    cooldown_fraction: float = 0.2
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        if self.name not in ("adamw", "sgd"):
+            raise ValueError(f"optim.name={self.name!r}; choose adamw or sgd.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule={self.schedule!r}; choose "
+                             f"{' or '.join(SCHEDULES)} (--config.optim.schedule=...).")
+
+        def check(name, ok, rule):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not ok(v):
+                raise ValueError(f"optim.{name}={v!r} must be {rule} "
+                                 f"(--config.optim.{name}=...).")
+        check("lr", lambda v: 0 < v < 3.4e38, "a finite number > 0 (in float32)")
+        if self.name == "adamw" and self.lr > 1:
+            raise ValueError(f"optim.lr={self.lr!r} is not a usable AdamW learning rate: AdamW "
+                             "moves every weight by about lr per step (LLaMA-style runs use "
+                             "1e-4 .. 1e-2); set --config.optim.lr <= 1.")
+        check("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
+        check("warmup_steps", lambda v: v >= 0 and float(v).is_integer(), "an integer >= 0")
+        check("weight_decay", lambda v: v >= 0, ">= 0")
+        check("b1", lambda v: 0 <= v < 1, "in [0, 1)")
+        check("b2", lambda v: 0 <= v < 1, "in [0, 1)")
+        check("eps", lambda v: v > 0, "> 0")
+        check("grad_clip", lambda v: v >= 0, ">= 0 (0 = no clipping)")
+        check("cooldown_fraction", lambda v: 0 < v <= 1, "in (0, 1]")
+
+    @classmethod
+    def from_config(cls, cfg) -> "OptimConfig":
+        return fields.from_section(cls, cfg, "optim")
+
+
+def cooldown_start(optim: OptimConfig, total_steps: int) -> int:
+    """The step after which a ``wsd`` schedule of ``total_steps`` leaves its stable phase
+    (``total_steps - round(cooldown_fraction * total_steps)``, never inside the warm-up)."""
+    warm = min(optim.warmup_steps, max(total_steps - 1, 0))
+    return max(total_steps - round(optim.cooldown_fraction * total_steps), warm)
+
+
+def lr_schedule(optim: OptimConfig, total_steps: int):
+    """optax schedule (step -> learning rate): linear warm-up from 0 to ``lr`` over
+    ``warmup_steps``, then ``cosine`` decay to ``lr * min_lr_ratio`` at ``total_steps``, or
+    (``wsd``) ``lr`` held until :func:`cooldown_start` and a linear cool-down to the floor at
+    ``total_steps``. Up to its cool-down a ``wsd`` schedule does not depend on
+    ``total_steps``, which is why such a run may be extended."""
+    warm = min(optim.warmup_steps, max(total_steps - 1, 0))
+    floor = optim.lr * optim.min_lr_ratio
+    if optim.schedule == "wsd":
+        stable = cooldown_start(optim, total_steps)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, optim.lr, warm) if warm else optax.constant_schedule(
+                optim.lr),
+             optax.constant_schedule(optim.lr),
+             optax.linear_schedule(optim.lr, floor, max(total_steps - stable, 1))],
+            [warm, stable])
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=optim.lr, warmup_steps=warm,
+        decay_steps=max(total_steps, warm + 1), end_value=floor)
+
+
+def _decay_mask(params):
+    # No weight decay on norm scales (standard for LLaMA pre-training).
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any("norm" in str(getattr(k, "key", k)) for k in path), params)
+
+
+def make_optimizer(optim: OptimConfig, total_steps: int,
+                   decay_mask=None) -> optax.GradientTransformation:
+    """AdamW (or plain SGD with decoupled weight decay) without clipping: clipping is done by the
+    step from the holder-averaged gradient norm. ``decay_mask``: params -> bool tree of the
+    leaves that get weight decay (default: all but norm scales)."""
+    sched = lr_schedule(optim, total_steps)
+    mask = _decay_mask if decay_mask is None else decay_mask
+    if optim.name == "sgd":
+        return optax.chain(optax.add_decayed_weights(optim.weight_decay, mask=mask),
+                           optax.sgd(sched))
+    return optax.adamw(sched, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                       weight_decay=optim.weight_decay, mask=mask)
+
+
+def pipeline_optimizer(pipe: pl.PipelineConfig, optim, total_steps: int) -> optax.GradientTransformation:
+    """The optimizer of a pipelined run: AdamW (or SGD) from ``optim``
+    (:class:`OptimConfig`) for every weight but the boundary projectors, no
+    weight decay on norm scales and boundary parameters; :func:`sdp_jax.stiefel.stiefel_sgd`
+    (warm-up and cosine decay to ``pipe.proj_lr * optim.min_lr_ratio``) for ``stiefel_A``;
+    no update for ``frozen*`` leaves. Leaves are routed by name (:func:`sdp_jax.pipeline.projector_key`)."""
+    def names(path):
+        return [str(getattr(k, "key", k)) for k in path]
+
+    def label(params):
+        def one(path, _):
+            keys = names(path)
+            if any(pl.FROZEN in k for k in keys):
+                return pl.FROZEN
+            return stiefel.PROJECTOR if any(stiefel.PROJECTOR in k for k in keys) \
+                else stiefel.OTHER
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    def decay(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not any(n in k for k in names(path) for n in ("norm", "boundary")),
+            params)
+    adamw = make_optimizer(optim, total_steps, decay_mask=decay)
+    sched = lr_schedule(dataclasses.replace(optim, lr=pipe.proj_lr), total_steps)
+    proj = stiefel.stiefel_sgd(sched, pipe.proj_momentum, pipe.polar_steps)
+    return optax.partition({stiefel.PROJECTOR: proj, pl.FROZEN: optax.set_to_zero(),
+                            stiefel.OTHER: adamw}, label)
