@@ -19,13 +19,15 @@ from absl import app, flags, logging
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # run from a checkout without installing
 
-import jax  # noqa: E402
-
-from sdp_jax import mesh as mesh_lib  # noqa: E402
-from sdp_jax.train import cli, launch, loop  # noqa: E402
-from sdp_jax.train.run import resolve  # noqa: E402
+from sdp_jax.train import cli  # noqa: E402  (light: absl and ml_collections)
 
 cli.exit_on_signals()   # a signal from here on: one line and 128 + signal, never a traceback
+
+import jax  # noqa: E402  (the heavy imports after the signal handlers)
+
+from sdp_jax import mesh as mesh_lib  # noqa: E402
+from sdp_jax.train import launch, loop  # noqa: E402
+from sdp_jax.train.run import resolve  # noqa: E402
 
 PROG = "python train.py"
 DEFAULT_CONFIG = os.path.join(_HERE, "configs", "llama_small.py")
