@@ -631,31 +631,6 @@ def _eqn_depends(eqn, ins: list) -> list:
     return [True] * len(eqn.outvars)
 
 
-_KEPT = ("embed", "final_norm", "lm_head")
-
-
-def legacy_layout(tree, to_old: bool):
-    """A train state (or its abstract form) in the layout that pipelined checkpoints had before
-    the pipeline became the loss of the one step (``to_old``: parameters
-    ``{kept: {embed, final_norm, lm_head}, blocks, boundary}``, in the optimizer state too), or
-    back (``to_old=False``). Block and boundary leaves are unchanged."""
-    if isinstance(tree, dict):
-        tree = {k: legacy_layout(v, to_old) for k, v in tree.items()}
-        if to_old and "blocks" in tree and "embed" in tree:
-            tree["kept"] = {k: tree.pop(k) for k in _KEPT if k in tree}
-            tree.setdefault("boundary", {})   # method none stored an empty boundary
-        elif not to_old and "blocks" in tree and isinstance(tree.get("kept"), dict):
-            tree.update(tree.pop("kept"))
-            if tree.get("boundary") == {}:
-                del tree["boundary"]
-        return tree
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*[legacy_layout(v, to_old) for v in tree])
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(legacy_layout(v, to_old) for v in tree)
-    return tree
-
-
 def boundary_param_count(model, pipe: PipelineConfig) -> int:
     """Elements of the boundary parameters (projectors, anchors, codebooks; frozen ones
     included), stored on every device."""

@@ -43,9 +43,11 @@ def pytest_sessionfinish(session, exitstatus):
 def compact_opt_state(builder, state):
     """The optimizer state of a backward-masked ``state`` in the compact layout that its
     checkpoints stored before the sharded update (each worker's held components; every moment
-    rebuilt from the shards), placed as ``builder.legacy``'s first layout reads it."""
+    rebuilt from the shards), placed as the first migration's layout reads it (sdp_jax.train.migrations)."""
     import jax
-    (to_old, _), *_ = builder.legacy
+
+    from sdp_jax.train import migrations
+    (to_old, _), *_ = migrations.layouts(builder)
     old = to_old(builder.abstract_state())["opt_state"]
     keys = set(builder.param_shapes)
 
@@ -63,7 +65,7 @@ def compact_opt_state(builder, state):
 def resume_from_old_layout(ck, path, old_state, abstract, refused, config, run_a, run_b):
     """Replace the checkpoint at ``path`` (run ``run_b``, a copy of ``run_a`` stopped early)
     by ``old_state`` in an earlier layout; the current layout alone must refuse it (raising
-    ``refused``); then both runs finish and ``run_b``, resumed through ``legacy``, ends with
+    ``refused``); then both runs finish and ``run_b``, resumed through its migration, ends with
     ``run_a``'s final validation loss."""
     import pytest
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import grimp
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sdp_jax"

@@ -19,6 +19,7 @@ from sdp_jax.models import llama
 from sdp_jax.models.llama import Llama, LlamaConfig, next_token_loss
 from sdp_jax.study import mapl as study
 from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import migrations
 from sdp_jax.train import families
 from sdp_jax.train import loop
 from sdp_jax.train import optimizer as optim_lib
@@ -127,7 +128,7 @@ def test_pipelined_ddp_equals_unpipelined_ddp_after_3_steps():
                                       20)
     piped = _step("none", optim=SGD)
     # the schedule runs the blocks once per microbatch: averaging stays after the backward pass
-    assert plain._loop_tables and not piped._loop_tables
+    assert plain.in_loop_tables and not piped.in_loop_tables
     tok = [jax.random.randint(jax.random.key(i), (8, T + 1), 0, 64) for i in range(3)]
     s1, l1 = _train(plain, [plain.put_batch(t) for t in tok])
     s2, l2 = _train(piped, [piped.put_batch(t) for t in tok])
@@ -456,7 +457,7 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     c = tiny_pipe(**{"sdp.variant": "b-sdp", "sdp.coverage": 0.5, "model.n_layers": 8,
                      "sdp.allow_disconnected": True})
     spec = resolve(c, 8)
-    old = pl.legacy_layout(loop.make_step(c, spec, loop.make_mesh(spec)).abstract_state(),
+    old = migrations.pipeline_kept(loop.make_step(c, spec, loop.make_mesh(spec)).abstract_state(),
                            True)
     lines = sorted(f"{jax.tree_util.keystr(p)} {tuple(x.shape)} {x.dtype}"
                    for p, x in jax.tree_util.tree_leaves_with_path(old))
@@ -473,7 +474,7 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     path = b / "checkpoints" / "4" / "state"
     ck = ocp.StandardCheckpointer()
     state = ck.restore(path, abstract)
-    resume_from_old_layout(ck, path, pl.legacy_layout(state, True), abstract, Exception, c, a,
+    resume_from_old_layout(ck, path, migrations.pipeline_kept(state, True), abstract, Exception, c, a,
                            b)
 
 

@@ -12,6 +12,7 @@ import pytest
 from conftest import compact_opt_state, resume_from_old_layout
 
 from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import migrations
 from sdp_jax.train import loop
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train.run import resolve
@@ -576,7 +577,7 @@ def test_backward_masking_resumes_a_checkpoint_of_the_compact_optimizer_state(tm
     shutil.copytree(a, b)
     spec = resolve(c, 4)
     builder = loop.make_step(c, spec, loop.make_mesh(spec))
-    (_, from_old), = builder.legacy
+    (_, from_old), = migrations.layouts(builder)
     abstract = builder.abstract_state()
     path = b / "checkpoints" / "3" / "state"
     ck = ocp.StandardCheckpointer()

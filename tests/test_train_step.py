@@ -297,14 +297,14 @@ def test_averaging_inside_the_backward_loop_equals_averaging_after_it(mesh, batc
     the owners' shards) give the parameters of the full-size masked psum after the backward
     pass (method='reference'; under backward masking its reduce-scatter)."""
     b = builder(mesh, variant, coverage, remat=remat)
-    loop = b._loop_tables
+    loop = b.in_loop_tables
     assert (variant == "bb-sdp") != bool(loop) and all(p[0] == "blocks" for p in loop)
     kinds = {("grouped" if t.grouped else "owners") if t is not None else "mean"
              for t in loop.values()}
     assert kinds == {"ddp": {"mean"}, "n-sdp": {"grouped"}, "nb-sdp": {"grouped"},
                      "b-sdp": {"owners"}, "bb-sdp": set()}[variant], kinds   # (bb: after it)
     ref = builder(mesh, variant, coverage, method="reference", remat=remat)
-    assert not ref._loop_tables
+    assert not ref.in_loop_tables
     s, losses = run(b, batches)
     s_ref, l_ref = run(ref, batches)
     np.testing.assert_allclose(losses, l_ref, rtol=1e-6)
@@ -336,11 +336,11 @@ def test_averaging_stays_after_the_loop_where_the_loop_cannot_hold_it(mesh):
     """FSDP (its own reduce-scatter), periodic parameter averaging, block-level backward
     masking (at loop step i only block i's holders have its gradient) and the reference psum
     keep the averaging after the backward pass."""
-    assert not builder(mesh, "ddp", 1.0, fsdp=True)._loop_tables
-    assert not builder(mesh, "b-sdp", 0.5, averaging="parameters", sync_every=2)._loop_tables
-    assert not builder(mesh, "bb-sdp", 0.5)._loop_tables
-    assert not builder(mesh, "nb-sdp", 0.5, method="reference")._loop_tables
-    assert not builder(mesh, "n-sdp", 0.5, method="reference")._loop_tables
+    assert not builder(mesh, "ddp", 1.0, fsdp=True).in_loop_tables
+    assert not builder(mesh, "b-sdp", 0.5, averaging="parameters", sync_every=2).in_loop_tables
+    assert not builder(mesh, "bb-sdp", 0.5).in_loop_tables
+    assert not builder(mesh, "nb-sdp", 0.5, method="reference").in_loop_tables
+    assert not builder(mesh, "n-sdp", 0.5, method="reference").in_loop_tables
 
 
 

@@ -12,6 +12,7 @@ from sdp_jax import costs
 from sdp_jax import spec as sdp
 from sdp_jax.models import vision as vm
 from sdp_jax.train import families
+from sdp_jax.train import migrations
 from sdp_jax.train import optimizer as optim_lib
 
 W = 4
@@ -391,7 +392,7 @@ def test_state_layout_equals_that_of_earlier_checkpoints(mesh, cfg, variant, n, 
     a = b.abstract_state()
     assert set(a) == {"params", "stats", "opt_state", "step"}
     if variant == "nb-sdp":   # since the sharded update (ZeRO-2) a legacy layout, converted
-        (to_old, _), = b.legacy
+        (to_old, _), = migrations.layouts(b)
         a = to_old(a)
     rows = [(jax.tree_util.keystr(p), tuple(int(d) for d in x.shape), str(x.dtype),
              "data" in str(x.sharding.spec)) for p, x in jax.tree_util.tree_flatten_with_path(a)[0]]
@@ -403,9 +404,9 @@ def test_state_layout_equals_that_of_earlier_checkpoints(mesh, cfg, variant, n, 
 def test_compact_optimizer_state_of_earlier_checkpoints_converts(mesh, variant):
     """Backward-masked vision checkpoints from before the sharded update stored each worker's
     compact optimizer state (list-form block slots, full-size leaves: no block runner); the
-    step's ``legacy`` conversion gives back the moments of the sharded layout exactly."""
+    step's migration (sdp_jax.train.migrations) gives back the moments of the sharded layout exactly."""
     b, state, _ = _run(mesh, RESNET, variant, 0.5, _batches(mesh, RESNET, n=1))
-    (_, from_old), = b.legacy
+    (_, from_old), = migrations.layouts(b)
     back = from_old({**state, "opt_state": compact_opt_state(b, state)})["opt_state"]
     for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(state["opt_state"]), strict=True):
         assert x.sharding == y.sharding

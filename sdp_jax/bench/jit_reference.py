@@ -5,7 +5,7 @@ MaxText's DDP setting): one ``jax.jit`` of the whole train step, the global batc
 the mesh axis ``data`` (``P('data')``), parameters and optimizer state replicated, and XLA's
 SPMD partitioner inserting the gradient all-reduce. The model, its loss
 (:meth:`sdp_jax.train.families.LanguageModel.loss`), the optimizer
-(:func:`sdp_jax.train.optimizer.make_optimizer`), the clipped update (:func:`sdp_jax.step.clipped_update`), mixed precision and
+(:func:`sdp_jax.train.optimizer.make_optimizer`), the clipped update (:func:`sdp_jax.update.clipped_update`), mixed precision and
 activation checkpointing are the SDP step's, so in float32 the only difference from
 :class:`sdp_jax.step.SDPStep`'s DDP is the formulation: ``jax.jit`` with shardings against
 ``jax.shard_map`` with explicit collectives (``tests/test_bench.py`` checks that both take the
@@ -23,7 +23,10 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax import runner, update
+from sdp_jax import state as state_lib
 from sdp_jax import step as step_lib
+from sdp_jax.mesh import DATA
 from sdp_jax.models.llama import BLOCK_KEY, LlamaConfig
 from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib
@@ -51,13 +54,13 @@ class JitDDP:
 
     def __init__(self, cfg: LlamaConfig, optim: optim_lib.OptimConfig, mesh, total_steps: int, *,
                  remat: str = "none", dtype: str = "float32", unroll: bool = False):
-        step_lib.check_remat_dtype(remat, dtype)
+        runner.check_remat_dtype(remat, dtype)
         self.cfg, self.remat, self.unroll = cfg, remat, unroll
         # The same devices with automatic (GSPMD) sharding propagation, as plain-jit programs
         # are written: no sharding in the types (jax.make_mesh's default axis type is Explicit).
         self.mesh = Mesh(mesh.devices, mesh.axis_names,
                          axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-        self.dtype = step_lib.DTYPES[dtype]
+        self.dtype = runner.DTYPES[dtype]
         self.grad_clip = optim.grad_clip
         self.model = families.LanguageModel(cfg)
         self.optimizer = optim_lib.make_optimizer(optim, total_steps)
@@ -66,7 +69,7 @@ class JitDDP:
 
     @property
     def workers(self) -> int:
-        return self.mesh.shape[step_lib.AXIS]
+        return self.mesh.shape[DATA]
 
     def batch_sharding(self) -> NamedSharding:
         """Rows of the global batch split over ``data``."""
@@ -95,8 +98,8 @@ class JitDDP:
     def loss(self, params: dict, tokens: jax.Array) -> jax.Array:
         """Mean next-token loss (nats/token, float32) of the global batch ``tokens`` int32
         ``[W b, T + 1]``, computed in the compute dtype."""
-        p = jax.tree.map(lambda x: step_lib.cast_floating(x, self.dtype), params)
-        run = step_lib.scan_runner(lambda h, block: (self.model.block(block, h), None),
+        p = jax.tree.map(lambda x: runner.cast_floating(x, self.dtype), params)
+        run = runner.scan_runner(lambda h, block: (self.model.block(block, h), None),
                                    p[BLOCK_KEY], train=True, remat=self.remat,
                                    unroll=self.unroll)
         return self.model.loss(p, tokens, run)
@@ -104,7 +107,7 @@ class JitDDP:
     def _train_step(self, state, tokens):
         loss, grads = jax.value_and_grad(self.loss)(state["params"], tokens)
         norm = optax.global_norm(grads)
-        params, opt_state = step_lib.clipped_update(self.optimizer, grads, norm, self.grad_clip,
+        params, opt_state = update.clipped_update(self.optimizer, grads, norm, self.grad_clip,
                                                     state["opt_state"], state["params"])
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         return new, {"train_loss": loss, "grad_norm": norm}
@@ -122,6 +125,7 @@ class JitDDP:
     def compiled_train_step(self, batch: jax.ShapeDtypeStruct):
         """The step compiled for abstract inputs (nothing materialized): ``batch`` the global
         batch's shape, int32 ``[W b, T + 1]``."""
-        state = step_lib.abstract_state(self, {"params": self.model.shapes})
+        state = state_lib.abstract_state(self.optimizer, {"params": self.model.shapes},
+                                         self.model.shapes, self.shardings())
         tokens = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=self.batch_sharding())
         return self.train_step_fn().lower(state, tokens).compile()

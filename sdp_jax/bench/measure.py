@@ -54,8 +54,7 @@ from sdp_jax.bench import jit_reference as reference
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.spec import BLOCK
-from sdp_jax.train import cli
-from sdp_jax.train import families
+from sdp_jax.train import cli, families
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import run as run_lib
 from sdp_jax.train.run import resolve
@@ -172,7 +171,7 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
 def _count_flops(unrolled, batch_shape) -> float:
     """FLOPs per device of one step (XLA's count on the program ``unrolled()`` builds). Where
     a worker's unheld blocks skip their weight gradients (``bb-sdp`` with activation
-    checkpointing, :func:`sdp_jax.step.held_weight_grads`), XLA counts each block's
+    checkpointing, :func:`sdp_jax.runner.held_weight_grads`), XLA counts each block's
     conditional as its costliest branch; the step is then counted twice, every block taking
     the held branch (``F_h``) and every block the other (``F_u``), and a worker holding ``k``
     of ``L`` blocks does ``F_u + (k / L) (F_h - F_u)`` (the blocks are alike and each branch's
@@ -180,8 +179,7 @@ def _count_flops(unrolled, batch_shape) -> float:
 
 
     def count(b, branch=None):
-        b.count_branch = branch
-        return costs.flops_per_device(b.compiled_train_step(batch_shape))
+        return costs.flops_per_device(b.compiled_train_step(batch_shape, count_branch=branch))
     b = unrolled()
     if not b.skips_unheld():
         return count(b)

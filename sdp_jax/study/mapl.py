@@ -42,8 +42,7 @@ import sys
 from sdp_jax import costs
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.bench import measure as bench
-from sdp_jax.train import cli, loop
-from sdp_jax.train import families
+from sdp_jax.train import cli, families, loop
 from sdp_jax.train import run as run_lib
 
 # = sdp_jax.pipeline.METHODS / SCHEDULES (tests/test_pipeline.py), not imported so that --help

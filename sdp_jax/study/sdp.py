@@ -54,8 +54,7 @@ import sys
 
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.bench import measure as bench
-from sdp_jax.train import curves
-from sdp_jax.train import cli, loop
+from sdp_jax.train import cli, curves, loop
 from sdp_jax.train import run as run_lib
 
 PROG = "python -m sdp_jax.study sdp"

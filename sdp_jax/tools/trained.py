@@ -29,8 +29,7 @@ from sdp_jax import mesh as mesh_lib
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.spec import flatten, unflatten
 from sdp_jax.train import checkpoint as ckpt_lib
-from sdp_jax.train import cli, loop
-from sdp_jax.train import families
+from sdp_jax.train import cli, families, loop
 from sdp_jax.train import run as run_lib
 from sdp_jax.train.families import LanguageModel
 

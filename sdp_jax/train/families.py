@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import costs, stiefel, sync
+from sdp_jax import costs, runner, stiefel, sync
 from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
 from sdp_jax import step as step_lib
@@ -101,7 +101,7 @@ class LanguageModel:
         """Mean next-token loss (nats/token, float32) of the residual stream ``h``."""
         return next_token_loss(self._head_model(kept).logits(h), targets)
 
-    def loss(self, kept: dict, tokens, run: step_lib.Runner):
+    def loss(self, kept: dict, tokens, run: runner.Runner):
         """Next-token loss (nats/token, float32) of embedding -> ``run`` -> head.
 
         Under activation checkpointing the sequence is cut into up to ``LOSS_CHUNKS`` equal
@@ -179,8 +179,6 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
                             init_fn=init, has_aux=True,
                             param_metrics=ortho if pipe.compressed else None, **kw)
     step.pipeline = sched
-    step.legacy = step.legacy + ((lambda t: pl.legacy_layout(t, True),
-                                  lambda t: pl.legacy_layout(t, False)),)
     return step
 
 
@@ -364,7 +362,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
     if remat not in ("none", "full"):
         raise ValueError(f"remat={remat!r}; vision models take none or full (activation "
                          "checkpointing of every block).")
-    task = VisionModel(cfg, spec, step_lib.DTYPES.get(dtype, jnp.float32), remat == "full",
+    task = VisionModel(cfg, spec, runner.DTYPES.get(dtype, jnp.float32), remat == "full",
                        unroll)
     step = step_lib.SDPStep(
         spec, task.loss, optim_lib.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
@@ -523,7 +521,7 @@ class _Family:
 
     positive_fields: tuple = ()
     non_negative_fields: tuple = ()
-    remat = step_lib.REMAT
+    remat = runner.REMAT
     aligns = False
 
     def record(self, plan) -> dict:

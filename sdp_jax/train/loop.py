@@ -37,9 +37,8 @@ from sdp_jax import costs
 from sdp_jax import mesh as mesh_lib
 from sdp_jax import step as step_lib
 from sdp_jax.costs import fmt_bytes, memory_stats
-from sdp_jax.train import curves
 from sdp_jax.train import checkpoint as ckpt_lib
-from sdp_jax.train import cli
+from sdp_jax.train import cli, curves, migrations
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import run as run_lib
@@ -321,7 +320,7 @@ def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = Non
 def restore_or_init(manager, latest, builder, seed: int, announce: bool = True):
     """The latest checkpoint's state, or a fresh one.
 
-    A checkpoint in an earlier layout of the same run (``builder.legacy``: pairs of functions
+    A checkpoint in an earlier layout of the same run (:func:`sdp_jax.train.migrations.layouts`: pairs of functions
     ``(current abstract state -> that layout's, restored state -> current)``) is read in that
     layout and converted.
 
@@ -334,7 +333,7 @@ def restore_or_init(manager, latest, builder, seed: int, announce: bool = True):
         try:
             state = manager.restore(latest, abstract)
         except ValueError:
-            for to_old, from_old in getattr(builder, "legacy", ()):
+            for to_old, from_old in migrations.layouts(builder):
                 try:
                     state = from_old(manager.restore(latest, to_old(abstract)))
                     break

@@ -14,6 +14,7 @@ import jax
 import ml_collections
 
 from sdp_jax import pipeline as pl
+from sdp_jax import runner
 from sdp_jax import spec as spec_lib
 from sdp_jax import step as step_lib
 from sdp_jax.models.vision import MODELS
@@ -200,13 +201,13 @@ def _check_step_fields(config, remat: tuple | None = None) -> None:
       ValueError: naming the bad value and the choices: an unknown averaging mode or method,
         a bad ``sync_every``, ``sync_every`` without parameter averaging, parameter averaging
         with a backward-masking variant or with FSDP."""
-    sdp, remat, fsdp = config.sdp, tuple(remat or step_lib.REMAT), config.fsdp
+    sdp, remat, fsdp = config.sdp, tuple(remat or runner.REMAT), config.fsdp
     if not isinstance(fsdp, bool):
         raise ValueError(f"config.fsdp={fsdp!r} must be True or False.")
     if config.remat not in remat:
         raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(remat)} "
                          "(activation checkpointing of every block).")
-    if config.dtype not in step_lib.DTYPES:
+    if config.dtype not in runner.DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
     families.step_method(sdp.method, "config.sdp.method")
     if sdp.average not in step_lib.AVERAGING:

@@ -1,0 +1,397 @@
+"""The parameter sources of the SDP step, one per regime: where a worker's parameters come from
+when its model runs, and where their gradients go.
+
+* :class:`Compact`: forward masking (``ddp``, ``b-sdp``, ``n-sdp``): the worker's compact
+  subnetwork alone runs (docs/design.md invariant 4); with the block runner the block
+  gradients are averaged inside the backward loop (:func:`in_loop_tables`).
+* :class:`BackwardHeld`: backward masking (``bb-sdp``, ``nb-sdp``) without FSDP: the full
+  forward pass on every worker, gradients only into the held components, sent to the owners
+  of their shards (ZeRO-2: the optimizer updates each device's ``1/W``).
+* :class:`FsdpGather`: FSDP with the block runner: each block gathered from its shards when it
+  runs (only the held blocks, neurons and heads under forward masking).
+* :class:`FsdpWhole`: FSDP without the block runner: the whole model gathered at the start of
+  the step, the worker's subnetwork pruned from it.
+
+Each runs inside ``jax.shard_map`` over ``data``; :meth:`grads` returns ``(loss, aux,
+gradient, parameters, new model state)``, the gradient and parameters flat in the optimizer's
+layout (compact, or ``S`` with the mean over holders already taken under FSDP and backward
+masking). Pipeline stages are not a source of their own: the state layout drops the stage axis
+(:meth:`sdp_jax.state.StateLayout.unstage`) and every source runs per stage.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from sdp_jax import layout as layout_lib
+from sdp_jax import spec as spec_lib
+from sdp_jax import sync
+from sdp_jax.mesh import DATA
+from sdp_jax.runner import GATHERED, ModelCall, held_weight_grads
+from sdp_jax.state import Kind, StateLayout
+
+_flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
+
+
+def in_loop_tables(state: StateLayout, call: ModelCall, method: str) -> dict:
+    """The block leaves whose gradients are averaged inside the backward loop
+    (:func:`sdp_jax.sync.mean_in_backward`: {local path: None for a plain mean, or the leaf's
+    holder tables}); the others are averaged after the backward pass.
+
+    In the loop: the block runner, gradient averaging by ``alltoall``, no FSDP (its
+    reduce-scatter is the transpose of its gathers), no periodic averaging, no pipeline (its
+    schedule runs the blocks once per microbatch, which would repeat the collectives). Leaves
+    stored per worker (``C``) held by every worker (DDP's blocks) get a plain mean, N-SDP's
+    neuron leaves (loop step i is layer i on every worker) the holder mean of layer i.
+    B-SDP's blocks cannot be averaged there: loop step i runs a different block on each worker
+    (its i-th held one); their gradients go to the owners inside the loop (the first
+    all_to_all leg of :func:`sdp_jax.sync.holder_mean`) and come back averaged after it
+    (:func:`sdp_jax.sync.sinks_to_mean`). Replicated leaves (N-SDP's norms) are averaged after
+    the loop, where their mean leaves the step invariant. Under backward masking (every block
+    runs on every worker) the neuron leaves of ``nb-sdp`` go to their owners' shards inside
+    the loop (the first all_to_all leg of layer i at loop step i), where the sharded update
+    reads them; ``bb-sdp``'s blocks stay after it (at loop step i only the holders of block i
+    have its gradient).
+    """
+    lay, spec = state.layout, state.spec
+    if (call.block_fn is None or state.fsdp or state.periodic or state.staged
+            or method != "alltoall"):
+        return {}
+    if spec.backward:   # N-SDP's neuron leaves, left in the owners' shards (ZeRO-2)
+        if spec_lib.BLOCK in spec.kinds:
+            return {}
+        return {p: lay.holder_tables(p) for p, lf in lay.leaves.items()
+                if call.in_block(p) and lf.form == layout_lib.NEURON
+                and not lay.holder_tables(p).full}
+    out = {}
+    for p, lf in lay.leaves.items():
+        if not call.in_block(p) or state.param_layout.get(p) != Kind.COMPACT \
+                or lf.form == layout_lib.KEPT:
+            continue
+        if lay.holder_tables(p).full:
+            out[p] = None
+        elif lf.form == layout_lib.NEURON and spec_lib.BLOCK not in spec.kinds:
+            out[p] = lay.holder_tables(p)   # grouped: layer i at loop step i
+        elif lf.form == layout_lib.STACK:
+            out[p] = lay.holder_tables(p)   # to the owners in the loop, back after it
+    return out
+
+
+class Compact:
+    """Forward masking: the worker's compact subnetwork (flat local leaves) alone runs."""
+
+    def __init__(self, state: StateLayout, call: ModelCall, tables: dict):
+        self.state, self.call, self.tables = state, call, tables
+
+    def loss(self, local: dict, batch, *stats, sinks=None, orders=None, average=True):
+        """The loss of the local leaves; with the block runner, block gradients averaged
+        inside the backward loop (``sinks``: :func:`sdp_jax.sync.owner_sinks` of B-SDP's
+        blocks), in the orders of :func:`sdp_jax.sync.cotangent_orders`, which are recorded in
+        the dict ``orders`` if given (for :func:`sdp_jax.sync.sinks_to_mean`). With
+        ``average=False`` the gradients stay the worker's own, and ``local`` may be any stack
+        of blocks, e.g. the full model's (:mod:`sdp_jax.alignment`).
+
+        Raises:
+          ValueError: a block traced twice with different gradient orders (its rows would
+            reach the same sinks in two layouts)."""
+        call = self.call
+        if call.block_fn is None:
+            return call.loss(local, batch, *stats)
+        blocks = {p: x for p, x in local.items() if call.in_block(p)}
+        kept = {p: x for p, x in local.items() if not call.in_block(p)}
+        n = next(iter(blocks.values())).shape[0]
+        tables = self.tables if average else {}
+        found = {} if orders is None else orders
+
+        def prepare(x, i, run):
+            new = sync.cotangent_orders(run, x)
+            if found and new != found:
+                raise ValueError(f"the blocks were traced twice with different gradient "
+                                 f"orders ({found} and {new}); run each block once per loss "
+                                 f"or average after the loop (--config.sdp.method=reference)")
+            found.update(new)
+            return sync.mean_in_backward(x, tables, i, DATA, sinks, orders=found)
+        prepare = prepare if tables else None
+        return call.call(kept, n, lambda p, i, x: call.cast(x[p]), batch, xs=blocks,
+                         prepare=prepare)
+
+    def differentiable(self, local: dict) -> dict:
+        """The local leaves as the gradient is taken of them: replicated ones varying over
+        ``data`` (each worker's own gradient, not summed by ``shard_map``)."""
+        return {lp: sync.to_varying(x) if self.state.param_layout.get(lp) == Kind.REPLICATED
+                else x for lp, x in local.items()}
+
+    def grads(self, params, batch, stats=None, count_branch=None):
+        """(loss, aux, local gradient, local parameters, new model state), flat, compact."""
+        st, call = self.state, self.call
+        local = st.to_local(st.strip(params))
+        state_local = st.state_local(stats)
+        extra = () if state_local is None else (state_local,)
+        diff = self.differentiable(local)
+        owners = {p: t for p, t in self.tables.items() if t is not None and not t.grouped}
+        if not owners:
+            loss, aux, g, new = call.value_and_grad(self.loss, diff, batch, *extra)
+            return loss, aux, g, local, new
+        # B-SDP: block gradients reach their owners inside the backward loop, as gradients of
+        # zero accumulators (sinks), and come back averaged after it.
+        sinks, orders = sync.owner_sinks({p: local[p] for p in owners}, owners, DATA), {}
+        loss, aux, (g, sums), new = call.value_and_grad(
+            lambda both, *a: self.loss(both[0], *a, sinks=both[1], orders=orders),
+            (diff, sinks), batch, *extra)
+        g.update(sync.sinks_to_mean(sums, {p: g[p] for p in owners}, owners, DATA, orders))
+        return loss, aux, g, local, new
+
+
+class BackwardHeld:
+    """Backward masking without FSDP: every worker holds the full model (replicated); the full
+    forward pass runs, and gradients flow only into the components the worker holds."""
+
+    def __init__(self, state: StateLayout, call: ModelCall, tables: dict, method: str):
+        self.state, self.call, self.tables, self.method = state, call, tables, method
+
+    def skips_unheld(self) -> bool:
+        """Whether a worker's unheld blocks skip their weight gradients
+        (:func:`sdp_jax.runner.held_weight_grads`): whole blocks (``bb-sdp``) with the block
+        runner and full activation checkpointing (which recomputes each block in the backward
+        pass anyway)."""
+        lay, call = self.state.layout, self.call
+        return (call.block_fn is not None and call.remat == "full"
+                and spec_lib.BLOCK in self.state.spec.kinds
+                and all(lf.form in (layout_lib.KEPT, layout_lib.STACK)
+                        for p, lf in lay.leaves.items() if call.in_block(p)))
+
+    def loss(self, mine: dict, full: dict, batch, sinks=None, count_branch=None):
+        """The full forward pass with the block runner; gradients flow only into ``mine``
+        (this worker's compact part of every masked leaf, and the always-kept leaves) and, for
+        the leaves sent to their owners inside the loop (not in ``mine``), into ``sinks``
+        (:func:`sdp_jax.sync.owner_sinks`). ``count_branch``: see
+        :meth:`sdp_jax.step.SDPStep.compiled_train_step`."""
+        lay, spec, call = self.state.layout, self.state.spec, self.call
+        my = sync.worker_index(DATA)
+        frozen = jax.lax.stop_gradient(full)
+        bt = spec.kinds.get(spec_lib.BLOCK)
+        tables = self.tables
+        xs = prepare = None
+        if tables:   # this worker's values of the in-loop leaves, scanned layer by layer
+            pruned = lay.prune(frozen, my)
+            xs = {"own": {p: pruned[p] for p in tables}, "sink": sinks}
+            prepare = lambda x, i, run: {   # noqa: E731
+                "own": sync.mean_in_backward(x["own"], tables, i, DATA, x["sink"])}
+
+        def get(p, g, x):
+            lf = lay.leaves[p]
+            if lf.form == layout_lib.KEPT:
+                return call.cast(jax.lax.dynamic_index_in_dim(mine[p], g, 0, False))
+            base = jax.lax.dynamic_index_in_dim(frozen[p], g, 0, False)
+            if lf.form == layout_lib.STACK:   # held: the differentiable copy; else frozen
+                s = jnp.asarray(bt.slot)[my, g]
+                own = jax.lax.dynamic_index_in_dim(mine[p], jnp.maximum(s, 0), 0, False)
+                return call.cast(jnp.where(s >= 0, own, base))
+            a = lf.rule.axis
+            idx = jnp.asarray(lay.indices(lf))[my, g]
+            own = (x["own"][p] if p in tables
+                   else jax.lax.dynamic_index_in_dim(mine[p], g, 0, False))
+            own = jnp.moveaxis(own, a - 1, 0)
+            base = jnp.moveaxis(base, a - 1, 0).at[idx].set(own)
+            return call.cast(jnp.moveaxis(base, 0, a - 1))
+
+        kept = {p: x for p, x in mine.items() if not call.in_block(p)}
+        apply = self._held_apply(mine, frozen, count_branch) if self.skips_unheld() else None
+        return call.call(kept, spec.n_blocks, get, batch, xs=xs, prepare=prepare, apply=apply)
+
+    def _held_apply(self, mine: dict, frozen: dict, count_branch):
+        """``apply(g, _, h)`` of the block runner where held blocks alone compute weight
+        gradients (:func:`sdp_jax.runner.held_weight_grads`)."""
+        lay, call = self.state.layout, self.call
+        bt = self.state.spec.kinds[spec_lib.BLOCK]
+        my = sync.worker_index(DATA)
+
+        def apply(g, _, h):
+            s = jnp.asarray(bt.slot)[my, g]
+            at = lambda x, j: jax.lax.dynamic_index_in_dim(x, j, 0, False)  # noqa: E731
+            own, base, always = {}, {}, {}
+            for p, lf in lay.leaves.items():
+                if not call.in_block(p):
+                    continue
+                if lf.form == layout_lib.KEPT:
+                    always[p] = at(mine[p], g)
+                else:
+                    own[p], base[p] = at(mine[p], jnp.maximum(s, 0)), at(frozen[p], g)
+            return held_weight_grads(
+                lambda leaves, h: call.block({p: call.cast(x) for p, x in leaves.items()}, h),
+                s >= 0, own, base, always, h, branch=count_branch)
+        return apply
+
+    def mean_shards(self, g: dict, done: dict | None = None) -> dict:
+        """A worker's gradient (flat; compact leaves of the block subtree, full-size leaves
+        elsewhere, of which only the entries it holds count) -> the mean over each entry's
+        holders (docs/design.md invariant 2) in layout ``S``, float32 (or wider). Compact
+        leaves go to the owners of their pieces (the first all_to_all leg of
+        :func:`sdp_jax.sync.holder_shards`: ``(W-1)/W`` of the compact bytes per device);
+        full-size masked leaves (every leaf with ``method="psum"``, the reference) are masked,
+        scaled by ``1 / holders`` and reduce-scattered (``(W-1)/W`` of their bytes);
+        always-kept leaves outside the blocks (``R`` in the optimizer) are all-reduced.
+        ``done``: {path: the mean already in layout ``S`` (sent inside the backward loop)}."""
+        st = self.state
+        my = sync.worker_index(DATA)
+        out = dict(done or {})
+        tabs = {p: t for p, t in st.rows.items() if t is not None and p not in out}
+        if tabs and self.method == "psum":   # the reference: every leaf full-size
+            g, tabs = st.zero_embedded(g), {}
+        if tabs:
+            for p, x in sync.holder_shards({p: g[p] for p in tabs}, tabs, DATA).items():
+                out[p] = x if tabs[p].grouped else x[0]
+        for p, x in g.items():
+            if p in tabs or p in out:
+                continue
+            x = x.astype(sync._sum_dtype([x]))
+            if st.compact_layout[p] == Kind.REPLICATED:   # always-kept, updated whole
+                out[p] = jax.lax.pmean(x, DATA)
+                continue
+            mask, inv = st.spec.leaf_mask(p), jnp.asarray(st.inv_holders[p], x.dtype)
+            x = x * (inv if mask is None else jnp.asarray(mask, x.dtype)[my] * inv)
+            rows = st.to_shards(p, x)
+            out[p] = jax.lax.psum_scatter(rows, DATA, scatter_dimension=rows.ndim - 1,
+                                          tiled=True)
+        return out
+
+    def grads(self, params, batch, stats=None, count_branch=None):
+        """(loss, aux, the masked-mean gradient and the parameters in layout ``S`` (``R`` for
+        always-kept leaves outside the blocks), new model state)."""
+        st, call, tables = self.state, self.call, self.tables
+        state_local = st.state_local(stats)
+        extra = () if state_local is None else (state_local,)
+        full = _flatten(params)
+        my = sync.worker_index(DATA)
+        if call.block_fn is None:   # the full gradient, masked to this worker's part
+            loss, aux, g, new = call.value_and_grad(call.loss, sync.to_varying(full), batch,
+                                                    *extra)
+            return loss, aux, self.mean_shards(g), st.my_shards(full), new
+        local = st.layout.prune(full, my)
+        diff = {p: sync.to_varying(x) if st.layout.leaves[p].form == layout_lib.KEPT else x
+                for p, x in local.items() if p not in tables}   # (kept: local gradients)
+        sinks = sync.owner_sinks({p: local[p] for p in tables}, tables, DATA)
+        loss, aux, (g, sums), new = call.value_and_grad(
+            lambda both, *a: self.loss(both[0], *a, sinks=both[1], count_branch=count_branch),
+            (diff, sinks), full, batch, *extra)
+        done = sync.sinks_to_shards(sums, {p: local[p] for p in tables}, tables)
+        return loss, aux, self.mean_shards(g, done), st.my_shards(full), new
+
+
+class FsdpGather:
+    """FSDP with the block runner: every leaf stored once in shards (``S``), each block
+    gathered, in the compute dtype, when it runs."""
+
+    def __init__(self, state: StateLayout, call: ModelCall):
+        self.state, self.call = state, call
+
+    def loss(self, shards, batch, train=True):
+        """Train: forward variants gather only the worker's held blocks / neurons / heads
+        (all_to_all); backward variants gather whole blocks and keep the gradients of the held
+        parts only. Eval (``train=False``): the full model."""
+        st, call = self.state, self.call
+        flat = _flatten(shards)
+        my = sync.worker_index(DATA)
+        pruned, masked_grads = train and not st.spec.backward, train and st.spec.backward
+        dtype = call.dtype if call.dtype is not None else next(iter(flat.values())).dtype
+        kept = {p: st.from_shards(p, sync.fsdp_gather(x[None], st.rows_len(p), dtype)[0])
+                for p, x in flat.items() if not call.in_block(p)}
+        bt = st.spec.kinds.get(spec_lib.BLOCK)
+        n = bt.k if pruned and bt is not None else st.spec.n_blocks
+
+        def get(p, i, _):
+            x, t = flat[p], st.rows[p]
+            shape, rlen = st.spec.shapes[p], st.rows_len(p)
+            if t.grouped:  # neuron leaf: layer i, [Gc, rs]
+                sh = jax.lax.dynamic_index_in_dim(x, i, 0, False)
+                if pruned and not t.full:
+                    rows = sync.fsdp_gather(sh, rlen, dtype,
+                                            idx=sync.slot_indices(t, i, 0, t.kc))
+                else:
+                    keep = (jnp.asarray(t.held)[my, i] if masked_grads and not t.full
+                            else None)
+                    rows = sync.fsdp_gather(sh, rlen, dtype, keep=keep)
+                leaf = list((1,) + shape[1:])
+                leaf[t.axis] = rows.shape[0]
+                val = sync.from_rows(rows[None], leaf, t)[0]
+            else:  # block leaf: block (or slot) i, [L, rs]
+                if pruned and not t.full:
+                    rows = sync.fsdp_gather(x, rlen, dtype, idx=sync.slot_indices(t, 0, i, 1))
+                else:
+                    keep = (jnp.asarray(t.held)[my, 0, i][None] if masked_grads and not t.full
+                            else None)
+                    rows = sync.fsdp_gather(jax.lax.dynamic_slice_in_dim(x, i, 1, 0), rlen,
+                                            dtype, keep=keep)
+                val = rows.reshape(shape[1:])
+            return checkpoint_name(val, GATHERED)
+
+        return call.call(kept, n, get, batch, train=train)
+
+    def divide_counts(self, grads: dict) -> dict:
+        """Masked sums in layout ``S`` -> masked means (multiplicity of every row)."""
+        W, out = self.state.spec.workers, {}
+        for p, g in grads.items():
+            t = self.state.rows[p]
+            if t is None:
+                out[p] = g / W
+            else:
+                c = t.counts[0][:, None] if not t.grouped else t.counts[..., None]
+                out[p] = g / jnp.asarray(c, g.dtype)
+        return out
+
+    def grads(self, params, batch, stats=None, count_branch=None):
+        loss, aux, g, _ = self.call.value_and_grad(self.loss, params, batch)
+        return loss, aux, self.divide_counts(_flatten(g)), _flatten(params), None
+
+
+class FsdpWhole:
+    """FSDP without the block runner (list-form blocks, model state): the whole model gathered
+    at the start of the step in the compute dtype; forward variants prune the worker's
+    subnetwork from it locally, backward variants run it whole with gradients only into the
+    held parts. The gradient is the masked mean in layout ``S`` (the reduce-scatter of the
+    gather's transpose: full-size bytes)."""
+
+    def __init__(self, state: StateLayout, call: ModelCall):
+        self.state, self.call = state, call
+
+    def gathered(self, shards, dtype=None, scale=False) -> dict:
+        """Every leaf gathered whole (flat ``{path: leaf}``; an all_gather in ``dtype``,
+        default the stored one). ``scale``: each entry's gradient, in float32, scaled by
+        ``1 / holders``, so that the reduce-scatter of the transpose, the sum over workers, is
+        the masked mean."""
+        st, out = self.state, {}
+        for p, x in _flatten(shards).items():
+            inv = jnp.asarray(st.inv_holders[p]) if scale else None
+            out[p] = st.from_shards(p, sync.fsdp_gather(
+                x[None], st.rows_len(p), dtype or x.dtype, scale=inv,
+                leaf=st.spec.shapes[p])[0])
+        return out
+
+    def loss(self, shards, batch, *stats):
+        st = self.state
+        lay, my = st.layout, sync.worker_index(DATA)
+        full = self.gathered(shards, self.call.dtype, scale=True)
+        if st.spec.backward:
+            local = lay.embed(jax.lax.stop_gradient(full), lay.prune(full, my), my)
+        else:
+            local = lay.prune(full, my)
+            if st.stacked_slots:
+                local = lay.to_stored(local)
+        return self.call.loss_fn(_unflatten(local), batch, *map(_unflatten, stats))
+
+    def grads(self, params, batch, stats=None, count_branch=None):
+        state_local = self.state.state_local(stats)
+        extra = () if state_local is None else (state_local,)
+        loss, aux, g, new = self.call.value_and_grad(self.loss, params, batch, *extra)
+        return loss, aux, _flatten(g), _flatten(params), new
+
+
+def source_of(state: StateLayout, call: ModelCall, tables: dict, method: str):
+    """The parameter source of a run's regime (see the module docstring)."""
+    if state.fsdp:
+        return FsdpGather(state, call) if call.block_fn is not None else FsdpWhole(state, call)
+    if state.spec.backward:
+        return BackwardHeld(state, call, tables, method)
+    return Compact(state, call, tables)
