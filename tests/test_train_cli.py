@@ -506,7 +506,7 @@ def test_config_without_a_schema_field_is_refused():
     c = tiny()
     del c.sdp["method"]
     with pytest.raises(ValueError, match=r"config\.sdp\.method is missing; build the run config "
-                                         r"on sdp_jax\.config\.base_config\(\) \(default "
+                                         r"on sdp_jax\.train\.config\.base_config\(\) \(default "
                                          r"sdp\.method: 'auto'\)"):
         resolve(c, 8)
     v = vision_config("resnet18", "digits")
