@@ -39,7 +39,8 @@ NOT_PARSED = {
                                          "tests/test_trained.py runs the adapter through the "
                                          "harness on a local task",
 }
-RUN_ELSEWHERE = {"examples/custom_model.py": "tests/test_custom_model.py"}
+RUN_ELSEWHERE = {"examples/custom_model.py": "tests/test_custom_model.py",
+                 "examples/custom_loop.py": "tests/test_custom_loop.py"}
 # Commands the README shows as refused, with what the refusal says.
 SHOWN_AS_REFUSED = {"python train.py --config.sdp.coverage=0.3": "nearest valid coverages"}
 

@@ -53,8 +53,9 @@ class Trained:
         return self.builder.full_params(self.state["params"])
 
 
-def read_config(workdir: str):
-    """``workdir/config.json`` as a locked ``ml_collections.ConfigDict``.
+def read_config(workdir: str, task=None):
+    """``workdir/config.json`` as a locked ``ml_collections.ConfigDict`` (``task``: the
+    :class:`sdp_jax.train.task.Family` of the run when it is not a built-in one).
 
     Raises:
       ValueError: no config.json (a run from before it was written, or not a run folder)."""
@@ -66,7 +67,7 @@ def read_config(workdir: str):
                          "once to write it).")
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
-    template = families.family_of(config).template(config)[0]
+    template = (task or families.family_of(config)).template(config)[0]
     for key in run_lib.RUN_CONTROL:   # newer than the run, not part of its trajectory
         if key not in config and key in template:
             config[key] = template[key]
@@ -74,34 +75,37 @@ def read_config(workdir: str):
     return config
 
 
-def _builder(config):
+def _builder(config, task=None):
     import jax  # pylint: disable=g-import-not-at-top
 
-    spec = run_lib.resolve(config, jax.device_count())
+    spec = run_lib.resolve(config, jax.device_count(), task)
     return spec, loop.make_step(config, spec, loop.make_mesh(spec))
 
 
-def load(workdir: str, config=None, step: int = 0) -> Trained:
+def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
     """The run in ``workdir`` at checkpoint ``step`` (0: the latest).
 
     Args:
       config: the run's config (default :func:`read_config`), e.g. with overrides.
+      task: the run's :class:`sdp_jax.train.task.Family` when it is not a built-in one (a
+        user's :class:`sdp_jax.train.task.Task`, as given to :func:`sdp_jax.train.loop.train`).
 
     Raises:
       ValueError: no config.json or no checkpoint, a missing step (naming those kept), a
         checkpoint of another config, or an unreadable one (before any compute)."""
-    saved = read_config(workdir)
+    saved = read_config(workdir, task)
     config = saved if config is None else config
     path = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(path):
         raise ValueError(f"{workdir!r} has no checkpoints/" + (
             ": it is an export; give it as --export" if os.path.isfile(
                 os.path.join(workdir, EXPORT_FILE)) else "; train first."))
-    spec, builder = _builder(config)
+    spec, builder = _builder(config, task)
     # The checkpoint must be of this trajectory; other evaluation data is not another one.
     checked = copy.deepcopy(config)
-    with checked.unlocked():
-        checked.data = copy.deepcopy(saved.data)
+    if "data" in saved:   # (a user's task may have no data section)
+        with checked.unlocked():
+            checked.data = copy.deepcopy(saved.data)
     manager = ckpt_lib.CheckpointManager(path, keep=config.keep_checkpoints)
     try:
         steps = manager.all_steps()

@@ -5,7 +5,8 @@ defaults. The one place that validates it is :func:`sdp_jax.train.run.resolve`.
 schema: the ``sdp``, ``optim`` and run-control fields are defined once (:func:`_run_fields`);
 a family adds its ``model`` and ``data`` sections and a few fields of its own (language models:
 ``seq_len``, ``eval_batches``, ``pipeline``; vision: ``eval_limit``, ``eval_bn_batches``,
-``sdp.stage_blocks``).
+``sdp.stage_blocks``). A user's model (:class:`sdp_jax.train.task.Task`) adds only its ``model``
+section (:func:`task_config`).
 
 Every field can be overridden on the command line: ``--config.sdp.coverage=0.5``.
 """
@@ -52,6 +53,16 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.align_every = 0           # steps between gradient-alignment measurements; 0 = off
     c.seed = 0
     return c
+
+
+def task_config(model: dict) -> ml_collections.ConfigDict:
+    """The run config of a user's model (:meth:`sdp_jax.train.task.Task.config`): the ``sdp``,
+    ``optim`` and run-control fields of every run (:func:`_run_fields`) and the section
+    ``model`` with the fields of ``model`` (``name`` and the model's own, with their
+    defaults)."""
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(model))
+    return _run_fields(c)
 
 
 def base_config() -> ml_collections.ConfigDict:

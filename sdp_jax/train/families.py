@@ -4,8 +4,10 @@ For the step (:class:`sdp_jax.step.SDPStep`) a family gives its loss over a work
 parameters, the apply of one block (the block runner hook) and the full model's initial
 parameters; it knows nothing about SDP. For the loop (:func:`sdp_jax.train.loop.train`) and the
 config validation (:func:`sdp_jax.train.run.resolve`), :class:`LanguageModelFamily` and
-:class:`VisionFamily` give the model and data fields, the spec, the data, the step, the
-evaluation and the summary fields (:func:`family_of` picks one from a config).
+:class:`VisionFamily` implement the protocol :class:`sdp_jax.train.task.Family` (the one a
+user's own model also implements, through :class:`sdp_jax.train.task.Task`): the model and data
+fields, the spec, the data, the step, the evaluation and the summary fields (:func:`family_of`
+picks one from a config).
 
 :class:`LanguageModel`: next-token cross-entropy of a LLaMA (:mod:`sdp_jax.models.llama`) on
 int32 token batches ``[b, T + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``).
@@ -30,10 +32,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import costs, runner, stiefel, sync
+from sdp_jax import runner
 from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
 from sdp_jax import step as step_lib
+from sdp_jax import stiefel, sync
 from sdp_jax.costs import fmt_bytes
 from sdp_jax.mesh import DATA
 from sdp_jax.models import llama
@@ -43,25 +46,11 @@ from sdp_jax.train import config as config_lib
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import vision_data
+from sdp_jax.train.task import Family, compiled_flops, mean_loss, step_method, step_settings
 
 LOSS_CHUNKS = 8  # sequence pieces of the head and loss under activation checkpointing
-# config.sdp.method -> the step's averaging method
-METHODS = {"auto": "alltoall", "alltoall": "alltoall", "reference": "psum"}
 # optim fields newer than the first checkpoints, with the values those runs used (every family)
 OPTIM_ADDED = {"optim": {"schedule": "cosine", "cooldown_fraction": 0.2}}
-
-
-def step_method(method: str, name: str = "method") -> str:
-    """The :class:`sdp_jax.step.SDPStep` averaging method of a config's ``sdp.method``:
-    ``auto`` / ``alltoall`` -> ``alltoall`` (holder-only bytes), ``reference`` -> ``psum`` (the
-    full-size masked psum).
-
-    Raises:
-      ValueError: an unknown method (``name`` is how the message calls the field)."""
-    if method not in METHODS:
-        raise ValueError(f"{name}={method!r}; use one of {', '.join(METHODS)} "
-                         "(--config.sdp.method).")
-    return METHODS[method]
 
 
 class LanguageModel:
@@ -475,66 +464,10 @@ class VisionEval:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model families as the hooks of the one training loop (sdp_jax.train.loop.train)
+# Model families: the protocol of the one training loop (sdp_jax.train.task.Family)
 # ----------------------------------------------------------------------------------------------
 
-class _Family:
-    """The hooks a model family gives :func:`sdp_jax.train.run.resolve` and
-    :func:`sdp_jax.train.loop.train`; everything else about a run is written once in those two. (A
-    new family is a subclass here and a case in :func:`family_of`.)
-
-    Attributes and methods (``spec`` is the run's :class:`sdp_jax.train.run.RunSpec`):
-      kind: ``language-model`` or ``vision`` (for messages);
-      rate_key: the throughput field of ``metrics.jsonl`` (``tokens_per_s``...);
-      positive_fields / non_negative_fields: the family's own run-control fields;
-      remat: the activation checkpointing modes it supports;
-      aligns: whether ``align_every`` can measure its gradient alignment
-        (:meth:`sdp_jax.step.SDPStep.alignment_fn`);
-      template(config): ``(the family's default config, the name of its function in
-        sdp_jax.train.config)``: the schema a config must have;
-      model_config(config): the model's config, after checking the model and data fields;
-      plan(config, model, workers, pipe): the run's :class:`sdp_jax.spec.SDPSpec`;
-      record(plan): what a checkpoint stores to recognise the masks (docs/design.md
-        invariant 7);
-      added_fields(): config fields newer than some checkpoints, with the value older runs used;
-      data(config, spec, rows, log, train=True): ``(train, evaluation data)`` of this
-        process (``train=False``: what evaluation needs alone): ``train(s)``
-        is the training iterator from step ``s + 1`` on, ``rows`` the ``(first, count)`` rows
-        of every global batch the process loads (:func:`sdp_jax.train.data.sharding_rows`); it logs
-        the data's description first and raises for bad data before returning;
-      step(config, spec, mesh): the :class:`sdp_jax.step.SDPStep`;
-      batch_shapes(config, spec): the global batch as ``jax.ShapeDtypeStruct`` (a tuple for
-        several arrays, as the train iterator yields them);
-      items_per_step(config, spec): tokens or images per step; param_count(spec): the full
-        model's parameters; model_flops_per_item(config, spec): training FLOPs per token or
-        image of a worker's subnetwork (None: unknown);
-      describe(config, spec): extra log lines of the family's settings;
-      compiled(config, spec, compiled): ``(log lines, summary fields)`` read from the compiled
-        train step;
-      evaluator(config, spec, builder, data, put, log): ``state -> {name: float}``, the full
-        model's evaluation (``put(host array, ShapeDtypeStruct)`` places a batch on the mesh);
-      postfix(record), summary(config, spec, step, last_eval, last_record), done_line(summary).
-
-    Defaults: no run-control fields of its own, every remat mode, the spec's own mask record,
-    no extra log lines or compiled figures.
-    """
-
-    positive_fields: tuple = ()
-    non_negative_fields: tuple = ()
-    remat = runner.REMAT
-    aligns = False
-
-    def record(self, plan) -> dict:
-        return plan.record()
-
-    def describe(self, config, spec) -> list[str]:
-        return []
-
-    def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
-        return [], {}
-
-
-class LanguageModelFamily(_Family):
+class LanguageModelFamily(Family):
     """A LLaMA run (optionally pipelined) in :func:`sdp_jax.train.loop.train`: validation of the
     model and data fields, the spec, the data, the step, the evaluation (``val_loss``
     nats/token and, for byte-level data, ``val_bpb`` bits/byte) and the summary fields."""
@@ -542,10 +475,11 @@ class LanguageModelFamily(_Family):
     kind = "language-model"
     aligns = True
     positive_fields = ("seq_len", "eval_batches")
+    non_negative_fields = ("data.worker_count",)
     rate_key = "tokens_per_s"
 
     def template(self, config):
-        return config_lib.base_config(), "base_config"
+        return config_lib.base_config(), "sdp_jax.train.config.base_config()"
 
     def model_config(self, config) -> LlamaConfig:
         model = LlamaConfig.from_config(config.model)
@@ -590,11 +524,8 @@ class LanguageModelFamily(_Family):
                 data_lib.make_val_batches(config.data, num_batches=config.eval_batches, **kw))
 
     def step(self, config, spec, mesh) -> step_lib.SDPStep:
-        return language_model_step(
-            spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
-            averaging=config.sdp.average, sync_every=config.sdp.sync_every,
-            method=config.sdp.method, fsdp=config.fsdp, remat=config.remat, dtype=config.dtype,
-            pipe=spec.pipe)
+        return language_model_step(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
+                                   pipe=spec.pipe, **step_settings(config))
 
     def batch_shapes(self, config, spec):
         return jax.ShapeDtypeStruct((spec.global_batch, config.seq_len + 1), jnp.int32)
@@ -651,8 +582,7 @@ class LanguageModelFamily(_Family):
         shape = self.batch_shapes(config, spec)
 
         def evaluate(state):
-            v = float(np.mean([float(eval_fn(state["params"], put(b, shape)))
-                               for b in val_batches]))
+            v = mean_loss(eval_fn, state["params"], val_batches, put, shape)
             return {"val_loss": v, **({"val_bpb": v / math.log(2)} if byte_level else {})}
         return evaluate
 
@@ -686,20 +616,20 @@ def boundary_bytes(config, spec, compiled) -> dict:
                              codebook_bytes=pl.codebook_sync_bytes(spec.model, spec.pipe))
 
 
-class VisionFamily(_Family):
+class VisionFamily(Family):
     """An image-classification run (ResNet-18, WRN-18, Swin-T) in :func:`sdp_jax.train.loop.train`:
     validation of the model and data fields, the stage-balanced spec, the data, the step, the
     full model's test accuracy and loss (BatchNorm statistics re-estimated when subnetworks
     trained them, :attr:`VisionEval.recalibrate`) and the summary fields."""
 
     kind = "vision"
-    non_negative_fields = ("eval_limit", "eval_bn_batches")
+    non_negative_fields = ("eval_limit", "eval_bn_batches", "data.worker_count")
     remat = ("none", "full")
     rate_key = "images_per_s"
 
     def template(self, config):
         return (config_lib.vision_config(config.model.name, config.data.get("dataset", "digits")),
-                "vision_config")
+                "sdp_jax.train.config.vision_config()")
 
     def model_config(self, config) -> vm.VisionConfig:
         ds = config.data.dataset
@@ -755,9 +685,7 @@ class VisionFamily(_Family):
     def step(self, config, spec, mesh, unroll: bool = False) -> step_lib.SDPStep:
         """The run's step (:func:`vision_step`; ``unroll`` for FLOP counting)."""
         return vision_step(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
-                           dtype=config.dtype, remat=config.remat, fsdp=config.fsdp,
-                           averaging=config.sdp.average, sync_every=config.sdp.sync_every,
-                           method=config.sdp.method, unroll=unroll)
+                           unroll=unroll, **step_settings(config))
 
     def batch_shapes(self, config, spec):
         m, G = spec.model, spec.global_batch
@@ -776,11 +704,7 @@ class VisionFamily(_Family):
         activation checkpointing the vision step has no loop, so every layer is counted;
         backward variants count their full backward pass) times the ``W`` workers; None under
         ``remat`` (a scan, whose body XLA counts once)."""
-
-        if config.remat != "none":
-            return [], {"model_flops_per_step": None}
-        flops = costs.flops_per_device(compiled) * spec.workers
-        return [], {"model_flops_per_step": flops or None}
+        return [], compiled_flops(compiled, spec.workers, config.remat == "none")
 
     def param_count(self, spec) -> int:
         return vm.param_count(spec.model)

@@ -1,9 +1,11 @@
-"""The one training loop of every run, for every model family and for pipelines.
+"""The one training loop of every run, for every model family, for pipelines and for a user's
+own model.
 
 :func:`train` validates the config (:func:`sdp_jax.train.run.resolve`), builds the data, the mesh
-and the step through the run's model family (:func:`sdp_jax.train.families.family_of`: the spec, the
-data, the :class:`sdp_jax.step.SDPStep`, the evaluation and the family's log and summary
-fields), and then, written once for every family:
+and the step through the run's model family, a :class:`sdp_jax.train.task.Family` (a built-in
+one, :func:`sdp_jax.train.families.family_of`, or a user's :class:`sdp_jax.train.task.Task`
+given as ``task``: the spec, the data, the :class:`sdp_jax.step.SDPStep`, the evaluation and
+the family's log and summary fields), and then, written once for every family:
 
 * refuses, before any compute, a ``workdir`` whose latest checkpoint another config wrote;
 * restores the latest checkpoint (the train state; the data position is the step) or
@@ -42,6 +44,7 @@ from sdp_jax.train import cli, curves, migrations
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import run as run_lib
+from sdp_jax.train.task import Family
 
 FINITE_KEYS = ("train_loss", "grad_norm", "val_loss", "test_loss")
 
@@ -445,17 +448,23 @@ class WorkdirLock:
             self.file = None
 
 
-def train(config, workdir: str) -> dict[str, Any]:
+def train(config, workdir: str, task: Family | None = None) -> dict[str, Any]:
     """Train (or resume) the run ``config`` (any model family; pipelined or not) in ``workdir``.
 
     Validates the config (:func:`sdp_jax.train.run.resolve`), the data and the checkpoint's
     compatibility before any compute, builds the mesh and the step (the family's
     :class:`sdp_jax.step.SDPStep`), restores or initializes, compiles, and runs the loop.
 
+    ``task``: the model family, a :class:`sdp_jax.train.task.Family`; a user's model is a
+    :class:`sdp_jax.train.task.Task` (``config`` then from its ``config()``); default: the
+    built-in family of ``config.model.name`` (LLaMA or a vision model).
+
     Writes ``workdir/metrics.jsonl`` (one record per logged step: ``step``, ``train_loss``,
     ``grad_norm``, ``lr``, the family's metrics and rate: language models ``tokens_per_s`` and,
     on evaluation steps, ``val_loss`` nats/token and for byte-level data ``val_bpb``
     bits/byte; vision ``train_acc``, ``images_per_s``, ``test_loss`` nats and ``test_acc``;
+    a :class:`~sdp_jax.train.task.Task` ``examples_per_s`` and, with validation batches,
+    ``val_loss``;
     language models also ``model_flops_per_s_per_device`` and, where the device's peak is
     known, ``mfu``; with ``config.align_every``, every that many steps ``grad_alignment`` and
     ``update_alignment``, :meth:`sdp_jax.step.SDPStep.alignment_fn`), TensorBoard events
@@ -476,17 +485,17 @@ def train(config, workdir: str) -> dict[str, Any]:
     """
     lock = WorkdirLock(workdir)   # one run per workdir (:class:`WorkdirLock`)
     try:
-        return _train(config, workdir, lock)
+        return _train(config, workdir, lock, task)
     finally:
         lock.release()
 
 
-def _train(config, workdir: str, lock: WorkdirLock) -> dict[str, Any]:
+def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict[str, Any]:
     """:func:`train`, with ``lock`` taken once ``workdir`` exists."""
     t_start = time.time()
     import matplotlib  # noqa: F401  (the writers of the end: a broken install fails now)
     import tensorboardX  # noqa: F401
-    spec = run_lib.resolve(config, jax.device_count())
+    spec = run_lib.resolve(config, jax.device_count(), task)
     family = spec.family
     check_workdir_is_dir(workdir)
     mesh = make_mesh(spec)

@@ -20,6 +20,7 @@ from sdp_jax import step as step_lib
 from sdp_jax.models.vision import MODELS
 from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train import task as task_lib
 from sdp_jax.train.config import base_config, vision_config
 
 # Fields that do not change the training trajectory: a checkpoint written under other values
@@ -30,6 +31,8 @@ RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "l
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
+# What an integer field's message adds after its rule.
+HINTS = {"data.worker_count": "0 = read data in the training process"}
 
 
 @dataclasses.dataclass
@@ -37,9 +40,10 @@ class RunSpec:
     """Everything a run config resolves to before compute (host-side values; no arrays).
 
     Attributes:
-      family: the model family's run hooks (:func:`sdp_jax.train.families.family_of`).
-      model: the model's config (:class:`sdp_jax.models.llama.LlamaConfig` or
-        :class:`sdp_jax.models.vision.VisionConfig`).
+      family: the run's model family, a :class:`sdp_jax.train.task.Family` (a built-in one,
+        :func:`sdp_jax.train.families.family_of`, or the user's :class:`sdp_jax.train.task.Task`).
+      model: the model's config (:class:`sdp_jax.models.llama.LlamaConfig`,
+        :class:`sdp_jax.models.vision.VisionConfig`, or a task's frozen model section).
       optim: :class:`sdp_jax.train.optimizer.OptimConfig`.
       plan: the spec (masks) of the run; with a pipeline, of one stage.
       workers: ``W``; total_steps: the run's optimizer steps (FLOP-matched when asked);
@@ -64,22 +68,33 @@ def _integer(v, name: str, low: int, hint: str = "") -> None:
                          + (f" ({hint})." if hint else "."))
 
 
+def _value(config, name: str):
+    """The field ``name`` (dotted: ``data.worker_count``) of ``config``."""
+    for part in name.split("."):
+        config = config[part]
+    return config
+
+
 def _check_schema(config, family) -> None:
     """Refuse a config whose fields differ from its family's schema: a ``model`` section of
-    another model (e.g. ``model.name`` switched by an override), a missing field, or an
-    unknown one (a typo in a hand-written ``get_config``), naming the field."""
+    another built-in model (e.g. ``model.name`` switched by an override), a missing field, or
+    an unknown one (a typo in a hand-written ``get_config``), naming the field. The ``model``
+    section is checked here only when the family's template lists all its fields
+    (``family.fixed_model_fields``); otherwise by ``family.model_config``."""
     template, maker = family.template(config)
-    name, mine = config.model.get("name", "llama"), set(template.model)
-    others = set(base_config().model).union(
-        *(vision_config(n, "digits").model for n in MODELS)) - mine
-    extra = sorted(set(config.model) - mine)
-    if extra and set(extra) <= others:   # (a typo is left to the model's own check)
-        raise ValueError(f"config.model.name={name!r} but the model section has fields of "
-                         f"another model ({', '.join(extra)}); to train {name} give a {name} "
-                         "config file (configs/) rather than overriding model.name.")
+    if not family.fixed_model_fields:
+        name, mine = config.model.get("name", "llama"), set(template.model)
+        others = set(base_config().model).union(
+            *(vision_config(n, "digits").model for n in MODELS)) - mine
+        extra = sorted(set(config.model) - mine)
+        if extra and set(extra) <= others:   # (a typo is left to the model's own check)
+            raise ValueError(f"config.model.name={name!r} but the model section has fields of "
+                             f"another model ({', '.join(extra)}); to train {name} give a "
+                             f"{name} config file (configs/) rather than overriding "
+                             "model.name.")
     missing, unknown = [], []
     for key, value in template.items():
-        if key == "model":
+        if key == "model" and not family.fixed_model_fields:
             continue
         if key not in config:
             missing.append((key, value))
@@ -91,16 +106,14 @@ def _check_schema(config, family) -> None:
     if missing:
         field, default = missing[0]
         shown = "a section" if isinstance(default, ml_collections.ConfigDict) else repr(default)
-        raise ValueError(f"config.{field} is missing; build the run config on "
-                         f"sdp_jax.train.config.{maker}() (default {field}: {shown}) or add the "
-                         "field to your get_config().")
+        raise ValueError(f"config.{field} is missing; build the run config on {maker} "
+                         f"(default {field}: {shown}) or add the field to your config.")
     if unknown:
         raise ValueError(f"config.{unknown[0]} is not a field of a {family.kind} run config "
-                         f"(sdp_jax.train.config.{maker}()); correct or remove it in your "
-                         "get_config().")
+                         f"({maker}); correct or remove it in your config.")
 
 
-def resolve(config, device_count: int) -> RunSpec:
+def resolve(config, device_count: int, task: task_lib.Family | None = None) -> RunSpec:
     """Validate a run config of any model family and derive its static facts: the one
     validation place of ``train.py``, ``python -m sdp_jax.bench`` and ``python -m
     sdp_jax.study``.
@@ -109,25 +122,32 @@ def resolve(config, device_count: int) -> RunSpec:
     ``jax_num_cpu_devices`` and call ``jax.distributed.initialize`` before it.
 
     Args:
-      config: the run ``ConfigDict`` (:func:`base_config`, :func:`vision_config`); a ``dtype``
-        alias (``bf16``, ``fp32``) is replaced by its canonical name (:func:`canonical_dtype`).
+      config: the run ``ConfigDict`` (:func:`base_config`, :func:`vision_config`, a task's
+        :meth:`sdp_jax.train.task.Task.config`); a ``dtype`` alias (``bf16``, ``fp32``) is
+        replaced by its canonical name (:func:`canonical_dtype`).
       device_count: devices available (``jax.device_count()``).
+      task: the run's model family, a :class:`sdp_jax.train.task.Family` (e.g. a user's
+        :class:`sdp_jax.train.task.Task`); default: the built-in family of ``model.name``
+        (:func:`sdp_jax.train.families.family_of`).
 
     Raises:
       ValueError: with the bad value and a fix, for any invalid or missing field (run control,
-        step settings, workers, model, data, masks, warm-up longer than the run).
+        step settings, workers, model, data, masks, warm-up longer than the run); a ``task``
+        that is not a :class:`~sdp_jax.train.task.Family`, or a :class:`~sdp_jax.train.task.Task`
+        that lacks one of its model functions.
     """
+    if task is not None and not isinstance(task, task_lib.Family):
+        raise ValueError(f"task={task!r} is not a sdp_jax.train.task.Family; pass an instance "
+                         "of your subclass of sdp_jax.train.task.Task (e.g. task=MyTask()).")
     canonical_dtype(config)
-    family = families.family_of(config)
+    family = families.family_of(config) if task is None else task
     _check_schema(config, family)
     for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
                  "num_cpu_devices") + family.positive_fields:
-        _integer(config[name], name, 1)
+        _integer(_value(config, name), name, 1, HINTS.get(name, ""))
     for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed", "align_every") \
             + family.non_negative_fields:
-        _integer(config[name], name, 0)
-    _integer(config.data.worker_count, "data.worker_count", 0,
-             "0 = read data in the training process")
+        _integer(_value(config, name), name, 0, HINTS.get(name, ""))
     pf = config.peak_flops
     if isinstance(pf, bool) or not isinstance(pf, (int, float)) or not 0 <= pf < math.inf:
         raise ValueError(f"config.peak_flops={pf!r} must be a number >= 0 (a device's peak "
@@ -209,7 +229,7 @@ def _check_step_fields(config, remat: tuple | None = None) -> None:
                          "(activation checkpointing of every block).")
     if config.dtype not in runner.DTYPES:
         raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
-    families.step_method(sdp.method, "config.sdp.method")
+    task_lib.step_method(sdp.method, "config.sdp.method")
     if sdp.average not in step_lib.AVERAGING:
         raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
     _integer(sdp.sync_every, "sdp.sync_every", 1)
