@@ -162,6 +162,27 @@ def scan_runner(body: Callable, xs: Any, *, train: bool, remat: str, unroll: boo
 
 
 
+def _merge_hint(loss_fn: Callable, spec: spec_lib.SDPSpec) -> Callable:
+    """``loss_fn``, with flax's leaf-count error of ``nnx.merge`` (a graphdef built for another
+    depth than the parameters the loss is given) turned into a one-line error naming the fix."""
+    def loss(*args):
+        try:
+            return loss_fn(*args)
+        except ValueError as e:
+            if "Incorrect number of leaves" not in str(e):
+                raise
+            depth = (f" ({spec.local_blocks} of {spec.n_blocks} blocks per worker under "
+                     f"{spec.variant})" if spec.local_blocks else "")
+            raise ValueError(
+                f"loss_fn merged its parameters into a graphdef of another shape "
+                f"({str(e).splitlines()[0].rstrip('.')}): in training it gets the worker's "
+                f"local parameters{depth}, in evaluation the full model; build the graphdef "
+                "from the depth of the parameters it is given (e.g. nnx.graphdef(nnx.eval_shape"
+                "(lambda: Net(len(params['blocks']), nnx.Rngs(0))))) or from spec.local_blocks, "
+                "not from the full model (docs/custom_models.md).") from None
+    return loss
+
+
 class ModelCall:
     """The user's model as the step calls it: the loss on a worker's leaves in the compute
     dtype, with or without the block runner.
@@ -179,7 +200,7 @@ class ModelCall:
 
     def __init__(self, spec: spec_lib.SDPSpec, loss_fn: Callable, block_fn: Callable | None,
                  dtype, remat: str, unroll: bool, fsdp: bool, has_aux: bool, has_state: bool):
-        self.spec, self.loss_fn, self.block_fn = spec, loss_fn, block_fn
+        self.spec, self.loss_fn, self.block_fn = spec, _merge_hint(loss_fn, spec), block_fn
         self.dtype, self.remat, self.unroll, self.fsdp = dtype, remat, unroll, fsdp
         self.has_aux, self.has_state = has_aux, has_state
         self.prefix = spec.block_path if block_fn is not None else None

@@ -84,6 +84,28 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(DATA))
 
 
+def _explain_unreplicated(fn: Callable) -> Callable:
+    """``fn`` (a ``shard_map`` of the step), with the error of an update that differs between
+    workers where the state is stored replicated turned into a one-line error naming the usual
+    cause (an optimizer that reads one worker's gradient alone, docs/design.md invariant 6)."""
+    def traced(*args):
+        try:
+            return fn(*args)
+        except ValueError as e:
+            msg = str(e)
+            if "could not infer replication" not in msg or "out_specs[0]" not in msg:
+                raise
+            leaf = msg[msg.index("out_specs[0]") + len("out_specs[0]"):].split(" ")[0]
+            raise ValueError(
+                f"the updated state {leaf} differs between workers although every worker "
+                "stores it alike: the optimizer changed it by a value of one worker's own "
+                "gradient, as optax.clip_by_global_norm (or another transform that reads the "
+                "gradient's global norm) does inside shard_map; leave clipping out of the "
+                "optax chain and pass grad_clip= to SDPStep (--config.optim.grad_clip), which "
+                "clips by the holder-averaged norm (docs/design.md invariant 6).") from None
+    return traced
+
+
 def _check_mesh(spec: spec_lib.SDPSpec, mesh):
     """The step's mesh (default: the first ``W`` devices), checked against the spec."""
     W = spec.workers
@@ -379,7 +401,7 @@ class SDPStep:
             fn = jax.shard_map(lambda s, b: self._local_step(s, b, sync_now, count_branch),
                                mesh=self.mesh, in_specs=(self.state_specs, P(DATA)),
                                out_specs=(self.state_specs, P()))
-            self._train_steps[key] = jax.jit(fn, donate_argnums=0)
+            self._train_steps[key] = jax.jit(_explain_unreplicated(fn), donate_argnums=0)
         return self._train_steps[key]
 
     @property

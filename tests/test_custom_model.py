@@ -215,6 +215,33 @@ def test_bad_inputs_refused_before_compute():
         make("b-sdp", 0.5, mesh=mesh)
 
 
+def test_two_documented_mistakes_are_one_line_errors():
+    """A graphdef of the full depth under b-sdp (flax: "Incorrect number of leaves, expected 53
+    leaves, but got 29") and optax.clip_by_global_norm in the chain (a shard_map out_specs
+    error) each end in one line naming the fix (docs/custom_models.md)."""
+    spec = sdp.build(Net(), RULES, "b-sdp", W, 0.5)
+    full = nnx.graphdef(Net())
+
+    def loss_fn(params, batch):   # the mistake: the full model's graphdef
+        x, y = batch
+        return jnp.mean((nnx.merge(full, params)(x) - y) ** 2)
+    trainer = SDPStep(spec, loss_fn, optax.adam(1e-2))
+    state, batch = trainer.init(Net()), trainer.put_batch(data())
+    with pytest.raises(ValueError) as e:
+        trainer.train_step(state, batch)
+    assert "\n" not in str(e.value) and "2 of 4 blocks per worker under b-sdp" in str(e.value)
+    assert "spec.local_blocks" in str(e.value) and "Incorrect number of leaves" in str(e.value)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    trainer, _ = make("b-sdp", 0.5, clipped)
+    with pytest.raises(ValueError) as e:
+        trainer.train_step(trainer.init(Net()), trainer.put_batch(data()))
+    assert "\n" not in str(e.value) and "optax.clip_by_global_norm" in str(e.value)
+    assert "grad_clip=" in str(e.value) and "the updated state ['opt_state']" in str(e.value)
+    trainer, _ = make("b-sdp", 0.5, optax.adam(1e-2), grad_clip=1.0)   # the fix trains
+    _, m = trainer.train_step(trainer.init(Net()), trainer.put_batch(data()))
+    assert np.isfinite(float(m["train_loss"]))
+
+
 def test_mesh_of_another_size_refused():
     spec = sdp.build(Net(), RULES, "b-sdp", W, 0.5)
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
