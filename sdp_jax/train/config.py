@@ -13,9 +13,22 @@ Every field can be overridden on the command line: ``--config.sdp.coverage=0.5``
 
 from __future__ import annotations
 
+import dataclasses
 import ml_collections
 
+from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.pipeline import PipelineConfig
 from sdp_jax.train import data, vision_data
+from sdp_jax.train.optimizer import OptimConfig
+
+
+def defaults(cls, drop: tuple = (), **fields) -> ml_collections.ConfigDict:
+    """A config section with the defaults of the dataclass ``cls`` (the single place they are
+    declared: :class:`sdp_jax.train.optimizer.OptimConfig`,
+    :class:`sdp_jax.models.llama.LlamaConfig`, :class:`sdp_jax.pipeline.PipelineConfig`),
+    without the fields ``drop``, with ``fields`` added first."""
+    values = {k: v for k, v in dataclasses.asdict(cls()).items() if k not in drop}
+    return ml_collections.ConfigDict({**fields, **values})
 
 
 def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -31,11 +44,7 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         sync_every=1,             # H: steps between parameter averagings (average=parameters)
         method="auto",            # averaging: auto (= alltoall) | alltoall | reference (masked psum)
     ))
-    c.optim = ml_collections.ConfigDict(dict(
-        name="adamw", lr=3e-3, min_lr_ratio=0.1, warmup_steps=20, weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8,
-        grad_clip=1.0,
-        schedule="cosine",        # cosine | wsd (warm-up, stable, decay: steps may grow on resume)
-        cooldown_fraction=0.2))   # wsd: the last fraction of the steps decays linearly
+    c.optim = defaults(OptimConfig)   # AdamW (or SGD), schedule cosine | wsd, grad_clip
     c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
     c.remat = "none"            # activation checkpointing per block: none | full | dots (vision: none | full)
     c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
@@ -74,24 +83,14 @@ def base_config() -> ml_collections.ConfigDict:
     (:class:`sdp_jax.train.optimizer.OptimConfig` fields), and run control at the top level.
     """
     c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(
-        name="llama", vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=384,
-        max_seq_len=256, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
-        attention="dot_product",   # dot_product | cudnn (NVIDIA GPU, bf16) | chunked (any)
-        attention_chunk=128))      # query rows per chunk of attention=chunked
+    # (subnet_rescale is a field of the vision models' configs only: LLaMA runs keep the
+    # dataclass's default)
+    c.model = defaults(LlamaConfig, name="llama", drop=("subnet_rescale",))
     c.data = data.default_data_config()
     _run_fields(c)
     # Pipeline stages on the mesh axis `stage` (W * stages devices), with compressed boundaries
     # (MAPL): see sdp_jax.pipeline.PipelineConfig. stages=1: no pipeline.
-    c.pipeline = ml_collections.ConfigDict(dict(
-        stages=1, microbatches=4,
-        schedule="gpipe",         # gpipe | 1f1b (one forward, one backward: less memory)
-        method="none",            # none | fixed | unconstrained | mapl
-        ratio=4,                  # compression d / r
-        anchor_rank=16,           # r_a of the factorized anchor embeddings (0 = none)
-        proj_lr=0.01, proj_momentum=0.9, polar_steps=10,  # the Stiefel optimizer (mapl)
-        rvq_levels=0,             # residual vector quantization of the payload (0 = off)
-        rvq_codebook=256, rvq_beta=0.25))
+    c.pipeline = defaults(PipelineConfig)   # stages, schedule gpipe | 1f1b, method, ratio, ...
     c.seq_len = 128             # tokens per sequence (T)
     c.eval_batches = 8          # validation batches of W * b sequences
     return c
