@@ -8,7 +8,10 @@ import-linter contracts, checked by ``tests/test_layers.py``). From the bottom:
   -> masks, mask pytrees and tables), ``layout`` (full, compact and shard forms of the
   parameters and the host tables the collectives read), ``sync`` (holder-only averaging and
   holder-correct clipping inside ``jax.shard_map``), ``step`` (``SDPStep``: the one SDP step of
-  any model from a spec, a loss and an optax optimizer), ``pipeline`` (GPipe and 1F1B with
+  any model from a spec, a loss and an optax optimizer; a facade over ``state`` (the state's
+  layout), ``runner`` (the model call and block runner), ``sources`` (one parameter source per
+  regime), ``update`` (averaging and the optimizer step), ``evaluation`` and ``alignment``),
+  ``pipeline`` (GPipe and 1F1B with
   compressed stage boundaries), ``stiefel`` (the Stiefel-manifold optax transform of MAPL),
   ``mesh`` (the axis names ``data`` / ``stage``, simulated CPU devices, the run's mesh),
   ``costs`` (bytes and FLOPs of a compiled program), ``comm`` (its collective bytes),

@@ -119,8 +119,8 @@ class Evaluation:
           ValueError: a step with model state or stacked slots."""
         if self.state.state_spec is not None or self.state.stacked_slots:
             raise ValueError("a step with model state or stacked_slots evaluates through "
-                             "gather() (its loss updates the state or runs slots); see "
-                             "sdp_jax.train.families.VisionEval.")
+                             "gather() (its loss updates the state or runs slots): evaluate the "
+                             "gathered full model with your own loss.")
         if self._step is None:
             fn = jax.shard_map(self._local, mesh=self.state.mesh,
                                in_specs=(self.state.param_specs, P(DATA)), out_specs=P())

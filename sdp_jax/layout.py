@@ -302,7 +302,7 @@ class Layout:
 
     # ------------------------------------------------------------------ tables
     def holder_tables(self, lp: tuple):
-        """:class:`sdp_jax.HolderTables` of a compact local leaf in its rows view (list
+        """:class:`HolderTables` of a compact local leaf in its rows view (list
         block slots: of the stack of all ``k`` slots of that relative path; ``lp`` may also be
         that stack's stored path)."""
         lf = self.leaves[self.slot_leaves.get(lp, lp)]

@@ -50,8 +50,9 @@ def make_mesh(workers: int, stages: int = 1, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     need = workers * stages
     if need > len(devices):
-        what = "workers" if stages == 1 else f"workers * pipeline.stages = {workers} * {stages} ="
-        raise ValueError(f"{what} {need} devices needed, {len(devices)} "
+        what = (f"workers = {need}:" if stages == 1
+                else f"workers * pipeline.stages = {workers} * {stages} = {need}")
+        raise ValueError(f"{what} devices needed, {len(devices)} "
                          f"{devices[0].platform if devices else ''} devices present; lower "
                          "--config.workers" + (" or --config.pipeline.stages" if stages > 1 else "")
                          + " (on a CPU, raise --config.num_cpu_devices).")

@@ -171,8 +171,9 @@ def _merge_hint(loss_fn: Callable, spec: spec_lib.SDPSpec) -> Callable:
         except ValueError as e:
             if "Incorrect number of leaves" not in str(e):
                 raise
+            one_stack = spec.blocks_stacked or (spec.block_path and len(spec.stacks) <= 1)
             depth = (f" ({spec.local_blocks} of {spec.n_blocks} blocks per worker under "
-                     f"{spec.variant})" if spec.local_blocks else "")
+                     f"{spec.variant})" if one_stack and spec.local_blocks else "")
             raise ValueError(
                 f"loss_fn merged its parameters into a graphdef of another shape "
                 f"({str(e).splitlines()[0].rstrip('.')}): in training it gets the worker's "

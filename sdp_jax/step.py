@@ -68,6 +68,7 @@ from sdp_jax import alignment, sync
 from sdp_jax import spec as spec_lib
 from sdp_jax import update as update_lib
 from sdp_jax.evaluation import Evaluation
+from sdp_jax import mesh as mesh_lib
 from sdp_jax.mesh import DATA, STAGE
 from sdp_jax.runner import DTYPES, ModelCall, check_remat_dtype
 from sdp_jax.sources import BackwardHeld, in_loop_tables, source_of
@@ -115,7 +116,7 @@ def _check_mesh(spec: spec_lib.SDPSpec, mesh):
                              "devices are present; on a CPU set "
                              f"jax.config.update('jax_num_cpu_devices', {W}) before using "
                              "JAX.")
-        mesh = jax.make_mesh((W,), (DATA,), devices=jax.devices()[:W])
+        mesh = mesh_lib.make_mesh(W)
     if DATA not in mesh.shape:
         raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}, none named "
                          f"'{DATA}'; build it as jax.make_mesh(({W},), ('{DATA}',)).")
@@ -290,15 +291,15 @@ class SDPStep:
         self.state_spec, self.stacked_slots = state_spec, bool(stacked_slots)
         self.call = ModelCall(spec, loss_fn, block_fn, self.dtype, remat, unroll, fsdp,
                               has_aux, state_spec is not None)
-        self.state = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix, fsdp=fsdp,
+        self.state_layout = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix, fsdp=fsdp,
                                  periodic=self.periodic, state_spec=state_spec,
                                  stacked_slots=self.stacked_slots)
-        self.in_loop_tables = in_loop_tables(self.state, self.call, method)
-        self.source = source_of(self.state, self.call, self.in_loop_tables, method)
-        self.update = update_lib.update_of(self.state, method, self.in_loop_tables,
+        self.in_loop_tables = in_loop_tables(self.state_layout, self.call, method)
+        self.source = source_of(self.state_layout, self.call, self.in_loop_tables, method)
+        self.update = update_lib.update_of(self.state_layout, method, self.in_loop_tables,
                                            self.periodic)
-        self.evaluation = Evaluation(self.state, self.call, self.source, self.periodic)
-        st = self.state   # the layout's public names, as the step has always offered them
+        self.evaluation = Evaluation(self.state_layout, self.call, self.source, self.periodic)
+        st = self.state_layout   # the layout's public names, as the step has always offered them
         self.layout, self.staged, self.stages = st.layout, st.staged, st.stages
         self.param_layout, self.compact_layout = st.param_layout, st.compact_layout
         self.param_specs, self.param_shapes = st.param_specs, st.param_shapes
@@ -312,11 +313,11 @@ class SDPStep:
     # ------------------------------------------------------------------ the state
     def shardings(self, specs=None):
         """NamedShardings of ``specs`` (default: the state's)."""
-        return self.state.shardings(specs)
+        return self.state_layout.shardings(specs)
 
     def abstract_state(self):
         """ShapeDtypeStruct tree (with shardings) of the train state, for compile and restore."""
-        return self.state.abstract_state()
+        return self.state_layout.abstract_state()
 
     def batch_sharding(self):
         return batch_sharding(self.mesh)
@@ -324,7 +325,7 @@ class SDPStep:
     def per_device_param_count(self) -> int:
         """Parameter elements stored per device (compact where the layout is compact; a 1/W
         shard under FSDP, padding included; with a pipeline, the device's stage's blocks)."""
-        return self.state.per_device_param_count()
+        return self.state_layout.per_device_param_count()
 
     def init(self, full_params: Any) -> dict:
         """State ``{params, opt_state, step}`` (and ``stats`` with a ``state_spec``) on the mesh
@@ -336,7 +337,7 @@ class SDPStep:
         Raises:
           ValueError: the parameters (or the model state) differ in paths or shapes from the
             spec's (``state_spec``'s); a step with model state given no pair."""
-        return self.state.init(full_params)
+        return self.state_layout.init(full_params)
 
     def init_state(self, seed: int) -> dict:
         """:meth:`init` from ``init_fn(seed)`` (the constructor's ``init_fn``)."""
@@ -351,7 +352,7 @@ class SDPStep:
         ``params``; gathers the whole model to this host (one process). With
         ``optimizer_layout``, a tree in the optimizer's layout instead (``compact_specs``:
         :meth:`grads_fn`'s gradient, a moment of the optimizer state)."""
-        return self.state.full_params(params, optimizer_layout)
+        return self.state_layout.full_params(params, optimizer_layout)
 
     # ------------------------------------------------------------------ the step
     def skips_unheld(self) -> bool:
@@ -363,7 +364,7 @@ class SDPStep:
         return isinstance(self.source, BackwardHeld) and self.source.skips_unheld()
 
     def _local_step(self, state, batch, sync_now: bool, count_branch: bool | None):
-        st = self.state
+        st = self.state_layout
         state = st.unstage(state, self.state_specs)
         loss, aux, grads, local, new_stats = self.source.grads(
             state["params"], batch, state.get("stats"), count_branch=count_branch)
@@ -424,7 +425,7 @@ class SDPStep:
                 or (self.total_steps is not None and step == self.total_steps))
 
     def _averaged_grads(self, params, batch):
-        st = self.state
+        st = self.state_layout
         params = st.unstage(params, self.param_specs)
         loss, _, g, _, _ = self.source.grads(params, batch)
         g = self.update.averaged(g)

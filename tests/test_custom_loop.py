@@ -228,7 +228,7 @@ class ClipInOptions(Regression):
     (HalfBatch(), None, (r"HalfBatch\.batch\(config, 0, 32\) returned a leaf of shape "
                          r"\(16, 5\); every leaf of a global batch needs the leading axis "
                          r"size=32")),
-    (ClipInOptions(), None, (r"step_options gives grad_clip, which the run config sets "
+    (ClipInOptions(), None, (r"step_options gives grad_clip, which the run sets "
                              r"\(optim\.grad_clip\); set it there")),
 ])
 def test_a_bad_task_or_config_is_one_line_before_any_compute(tmp_path, task, edit, match):

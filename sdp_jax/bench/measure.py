@@ -123,7 +123,6 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
       ``params_per_device``, ``compile_s``.
     """
 
-
     t0 = time.time()
     builder, uniform = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
                                 dtype=dtype)
@@ -154,7 +153,6 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
     block scan unrolled, compiled for the FLOP count (XLA's cost analysis counts a loop body
     once)."""
 
-
     import jax
     import numpy as np
 
@@ -176,7 +174,6 @@ def _count_flops(unrolled, batch_shape) -> float:
     the held branch (``F_h``) and every block the other (``F_u``), and a worker holding ``k``
     of ``L`` blocks does ``F_u + (k / L) (F_h - F_u)`` (the blocks are alike and each branch's
     cost is the same in every block)."""
-
 
     def count(b, branch=None):
         return costs.flops_per_device(b.compiled_train_step(batch_shape, count_branch=branch))
@@ -204,7 +201,6 @@ def measure_reference(config, workers: int, mesh, *, remat: str = "none",
     the same row fields, ``variant`` ``jit-ddp``, ``regime`` ``jit``. ``blocks``: the same
     model cut to that many blocks (the plain-jit model of the subnetwork a B-SDP worker runs;
     setting ``jit-ddp k/L``, field ``blocks``); None: all of them."""
-
 
     t0 = time.time()
     builder = _reference(config, mesh, remat, dtype, blocks=blocks)
@@ -235,7 +231,6 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     compile gives FLOPs too; with it a second compile with the block scans unrolled does).
     Near-uniform masks are used when ``W * C`` is not whole for some stage (``uniform``
     False)."""
-
 
     def variant_config(nonuniform: bool):
         c = _variant_config(config, variant, coverage, workers, nonuniform)

@@ -129,10 +129,10 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
 
     With ``pipe`` (:class:`sdp_jax.pipeline.PipelineConfig`, ``stages > 1``) the loss is the
     pipeline schedule (``pipe.schedule``: GPipe or 1F1B) over the mesh axis ``stage``
-    (``mesh`` from :func:`sdp_jax.pipeline.make_mesh`; ``spec`` the spec of one stage with the
+    (``mesh`` from :func:`sdp_jax.mesh.make_mesh`; ``spec`` the spec of one stage with the
     boundary parameters, :func:`sdp_jax.models.llama.make_plan` with ``pipe``); the parameters gain
     ``boundary`` (:func:`sdp_jax.pipeline.init_boundary`), the optimizer routes the projectors
-    (:func:`sdp_jax.pipeline.optimizer`), and the metrics gain ``ortho_err`` (max |A^T A - I|
+    (:func:`sdp_jax.train.optimizer.pipeline_optimizer`), and the metrics gain ``ortho_err`` (max |A^T A - I|
     over the boundaries) when compressed and ``rvq_loss`` with RVQ (also in ``train_loss``).
 
     Raises:
@@ -148,7 +148,7 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
     got = 1 if mesh is None else int(dict(mesh.shape).get("stage", 1))
     if got != stages or spec.n_blocks != cfg.n_layers // stages:
         raise ValueError(f"pipeline.stages={stages} needs a mesh axis 'stage' of that size "
-                         "(sdp_jax.pipeline.make_mesh) and the spec of one stage "
+                         "(sdp_jax.mesh.make_mesh) and the spec of one stage "
                          f"(sdp_jax.models.llama.make_plan(..., pipe=pipe)); got a 'stage' axis of {got} "
                          f"and a spec of {spec.n_blocks} of the {cfg.n_layers} blocks.")
     if stages == 1:
@@ -762,8 +762,19 @@ class VisionFamily(Family):
 
 
 def family_of(config):
-    """The model family of a run config: :class:`VisionFamily` when ``model.name`` is a vision
-    model (:data:`sdp_jax.models.vision.MODELS`), else :class:`LanguageModelFamily`."""
-    if config.model.get("name", "llama") in vm.MODELS:
+    """The built-in model family of a run config: :class:`VisionFamily` when ``model.name`` is
+    a vision model (:data:`sdp_jax.models.vision.MODELS`), :class:`LanguageModelFamily` for
+    ``llama`` (or no name).
+
+    Raises:
+      ValueError: another ``model.name`` (a user's model is trained and read back with its
+        :class:`sdp_jax.train.task.Task`)."""
+    name = config.model.get("name", "llama")
+    if name in vm.MODELS:
         return VisionFamily()
-    return LanguageModelFamily()
+    if name == "llama":
+        return LanguageModelFamily()
+    raise ValueError(f"config.model.name={name!r} is not a built-in model (llama, "
+                     f"{', '.join(vm.MODELS)}); a run of your own model is trained and read "
+                     "back with its task: loop.train(config, workdir, task=YourTask()), "
+                     "trained.load(workdir, task=YourTask()).")

@@ -17,7 +17,7 @@ the family's log and summary fields), and then, written once for every family:
 * saves orbax checkpoints every ``checkpoint_every`` steps, at ``stop_at_step``, at the end and
   when SIGINT / SIGTERM arrives (a second signal aborts without saving);
 * never checkpoints a non-finite state (:func:`check_finite`);
-* writes ``summary.json`` and the run's ``curves.png`` (:mod:`sdp_jax.tools.plot`); a finished run
+* writes ``summary.json`` and the run's ``curves.png`` (:mod:`sdp_jax.train.curves`); a finished run
   rerun only re-reads its summary.
 """
 

@@ -39,7 +39,7 @@ def layouts(step: SDPStep) -> tuple[Migration, ...]:
 
 
 def _compact_codes(step: SDPStep) -> dict:
-    lay = step.state.layout
+    lay = step.state_layout.layout
     return {p: Kind.COMPACT if lay.stored_compact(p) else Kind.REPLICATED
             for p in lay.stored_shapes}
 
@@ -50,7 +50,7 @@ def compact_optimizer(step: SDPStep) -> Migration:
     from its holders to the shards as a gradient does (:meth:`sdp_jax.sources.BackwardHeld.
     mean_shards`; holders agree, so the mean is their value, to the last bit with two holders
     and to float32 rounding with more)."""
-    st, optimizer, codes = step.state, step.optimizer, _compact_codes(step)
+    st, optimizer, codes = step.state_layout, step.optimizer, _compact_codes(step)
     specs, shapes = st.struct(codes)
     old_specs = layout_lib.opt_state_specs(optimizer, specs, shapes)
 

@@ -215,7 +215,7 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
 def _check_step_fields(config, remat: tuple | None = None) -> None:
     """Validate the step's settings of a run config (every model family): ``sdp.method``,
     ``sdp.average``, ``sdp.sync_every``, ``fsdp``, ``remat`` (one of ``remat``,
-    default :data:`sdp_jax.step.REMAT`) and ``dtype``.
+    default :data:`sdp_jax.runner.REMAT`) and ``dtype``.
 
     Raises:
       ValueError: naming the bad value and the choices: an unknown averaging mode or method,

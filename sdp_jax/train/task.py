@@ -237,7 +237,8 @@ REQUIRED = ("init", "rules", "loss", "batch")
 SET_BY_THE_RUN = {"grad_clip": "optim.grad_clip", "schedule": "optim", "total_steps": "steps",
                   "init_fn": "init (the Task's)", "averaging": "sdp.average",
                   "sync_every": "sdp.sync_every", "method": "sdp.method", "fsdp": "fsdp",
-                  "remat": "remat", "dtype": "dtype"}
+                  "remat": "remat", "dtype": "dtype", "spec": "sdp (the run's masks)",
+                  "loss_fn": "the Task's loss", "optimizer": "optim", "mesh": "workers"}
 
 
 def _signature(batch) -> tuple:
@@ -452,8 +453,8 @@ class Task(Family):
         clash = sorted(set(options) & set(SET_BY_THE_RUN))
         if clash:
             raise ValueError(f"{type(self).__name__}.step_options gives {clash[0]}, which the "
-                             f"run config sets ({SET_BY_THE_RUN[clash[0]]}); set it there "
-                             "and leave it out of step_options.")
+                             f"run sets ({SET_BY_THE_RUN[clash[0]]}); set it there and leave "
+                             "it out of step_options (or override Task.step).")
         settings = step_settings(config)
         settings["method"] = step_method(settings["method"], "config.sdp.method")
         return step_lib.SDPStep(
