@@ -36,13 +36,21 @@ def _save_all_but_gathered(prim, *_, **__) -> bool:
     return prim.name not in _MOVES
 
 
-def check_remat_dtype(remat: str, dtype: str | None) -> None:
-    """Raises ValueError unless ``remat`` is one of :data:`REMAT` and ``dtype`` a key of
-    :data:`DTYPES` (or None: as stored)."""
-    if remat not in REMAT:
-        raise ValueError(f"remat={remat!r}; use one of {', '.join(REMAT)}.")
+def check_remat_dtype(remat: str, dtype: str | None, modes: tuple = REMAT,
+                      names: dict | None = None) -> None:
+    """The one owner of the activation-checkpointing and compute-dtype rules.
+
+    Raises:
+      ValueError: ``remat`` not one of ``modes`` (default :data:`REMAT`), or ``dtype`` not a
+        key of :data:`DTYPES` (None: as stored). ``names`` says how the caller calls the two
+        settings in the message (default ``remat`` and ``dtype``; a run config passes
+        ``config.remat``, ``config.dtype``)."""
+    names = {"remat": "remat", "dtype": "dtype", **(names or {})}
+    if remat not in modes:
+        raise ValueError(f"{names['remat']}={remat!r}; use one of {', '.join(modes)} "
+                         "(activation checkpointing of every block).")
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}; use float32 or bfloat16 (None: as stored).")
+        raise ValueError(f"{names['dtype']}={dtype!r}; use float32 or bfloat16.")
 
 
 def cast_floating(x: jax.Array, dtype) -> jax.Array:

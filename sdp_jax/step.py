@@ -70,7 +70,7 @@ from sdp_jax import update as update_lib
 from sdp_jax.evaluation import Evaluation
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.mesh import DATA, STAGE
-from sdp_jax.runner import DTYPES, ModelCall, check_remat_dtype
+from sdp_jax.runner import DTYPES, REMAT, ModelCall, check_remat_dtype
 from sdp_jax.sources import BackwardHeld, in_loop_tables, source_of
 from sdp_jax.state import StateLayout
 
@@ -126,6 +126,41 @@ def _check_mesh(spec: spec_lib.SDPSpec, mesh):
     return mesh
 
 
+def check_settings(*, variant: str, averaging: str, sync_every, fsdp, remat: str, dtype,
+                   remat_modes: tuple = REMAT, names: dict | None = None) -> None:
+    """The one owner of the refusals of the averaging, FSDP, remat and dtype settings, for
+    :class:`SDPStep` and for a run config (:func:`sdp_jax.train.run.resolve`, which rewords
+    them through ``names``).
+
+    Args:
+      variant: the spec's variant (backward masking refuses parameter averaging).
+      averaging, sync_every, fsdp, remat, dtype: as :class:`SDPStep` takes them.
+      remat_modes: the activation checkpointing modes the model supports.
+      names: how the caller calls each setting in messages ({setting: name}; default the
+        argument names, e.g. ``averaging``; a run config: ``config.sdp.average``).
+
+    Raises:
+      ValueError: naming the bad value and the fix."""
+    n = {k: k for k in ("averaging", "sync_every", "fsdp", "remat", "dtype")}
+    n.update(names or {})
+    if not isinstance(fsdp, bool):
+        raise ValueError(f"{n['fsdp']}={fsdp!r} must be True or False.")
+    check_remat_dtype(remat, dtype, remat_modes, n)
+    if averaging not in AVERAGING:
+        raise ValueError(f"{n['averaging']}={averaging!r}; use gradients or parameters.")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"{n['sync_every']}={sync_every!r} must be a positive integer.")
+    if averaging == "parameters" and variant in spec_lib.BACKWARD_VARIANTS:
+        raise ValueError(f"{n['averaging']}=parameters is not available for {variant} "
+                         "(backward masking keeps every worker's full parameters identical); "
+                         f"use {n['averaging']}=gradients or a forward variant (ddp, b-sdp, "
+                         "n-sdp).")
+    if averaging == "parameters" and fsdp:
+        raise ValueError(f"{n['averaging']}=parameters needs per-worker parameter copies, but "
+                         f"FSDP stores one sharded copy ({n['fsdp']}=True); use "
+                         f"{n['averaging']}=gradients, or {n['fsdp']}=False.")
+
+
 def _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat,
                     dtype) -> None:
     """The refusals of the step's scalar settings."""
@@ -135,21 +170,8 @@ def _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat,
                          "(0 = no clipping).")
     if method not in METHODS:
         raise ValueError(f"method={method!r}; use alltoall or psum.")
-    if averaging not in AVERAGING:
-        raise ValueError(f"averaging={averaging!r}; choose one of {AVERAGING}.")
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"sync_every={sync_every!r} must be a positive integer.")
-    check_remat_dtype(remat, dtype)
-    if not isinstance(fsdp, bool):
-        raise ValueError(f"fsdp={fsdp!r} must be True or False.")
-    if averaging == "parameters" and spec.backward:
-        raise ValueError(f"periodic parameter averaging is not available for {spec.variant}: "
-                         "backward masking keeps every worker's full parameters identical "
-                         "after each step. Use a forward variant or averaging=gradients.")
-    if averaging == "parameters" and fsdp:
-        raise ValueError("periodic parameter averaging needs per-worker copies of the "
-                         "parameters, but FSDP stores one sharded copy: use "
-                         "averaging=gradients with fsdp, or fsdp=False.")
+    check_settings(variant=spec.variant, averaging=averaging, sync_every=sync_every, fsdp=fsdp,
+                   remat=remat, dtype=dtype)
 
 
 def _check_runner(spec, mesh, block_fn, remat) -> None:

@@ -15,7 +15,6 @@ import ml_collections
 
 from sdp_jax import pipeline as pl
 from sdp_jax import runner
-from sdp_jax import spec as spec_lib
 from sdp_jax import step as step_lib
 from sdp_jax.models.vision import MODELS
 from sdp_jax.train import families
@@ -212,6 +211,11 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
     return workers
 
 
+# How a run config names the step's settings (sdp_jax.step.check_settings words its refusals so)
+CONFIG_NAMES = {"averaging": "config.sdp.average", "sync_every": "config.sdp.sync_every",
+                "fsdp": "config.fsdp", "remat": "config.remat", "dtype": "config.dtype"}
+
+
 def _check_step_fields(config, remat: tuple | None = None) -> None:
     """Validate the step's settings of a run config (every model family): ``sdp.method``,
     ``sdp.average``, ``sdp.sync_every``, ``fsdp``, ``remat`` (one of ``remat``,
@@ -221,30 +225,18 @@ def _check_step_fields(config, remat: tuple | None = None) -> None:
       ValueError: naming the bad value and the choices: an unknown averaging mode or method,
         a bad ``sync_every``, ``sync_every`` without parameter averaging, parameter averaging
         with a backward-masking variant or with FSDP."""
-    sdp, remat, fsdp = config.sdp, tuple(remat or runner.REMAT), config.fsdp
-    if not isinstance(fsdp, bool):
-        raise ValueError(f"config.fsdp={fsdp!r} must be True or False.")
-    if config.remat not in remat:
-        raise ValueError(f"config.remat={config.remat!r}; use one of {', '.join(remat)} "
-                         "(activation checkpointing of every block).")
-    if config.dtype not in runner.DTYPES:
-        raise ValueError(f"config.dtype={config.dtype!r}; use float32 or bfloat16.")
+    sdp = config.sdp
+    if config.dtype is None:   # (the step's "as stored" is no run setting)
+        raise ValueError("config.dtype=None; use float32 or bfloat16.")
+    step_lib.check_settings(variant=sdp.variant, averaging=sdp.average,
+                            sync_every=sdp.sync_every, fsdp=config.fsdp, remat=config.remat,
+                            dtype=config.dtype, remat_modes=tuple(remat or runner.REMAT),
+                            names=CONFIG_NAMES)
     task_lib.step_method(sdp.method, "config.sdp.method")
-    if sdp.average not in step_lib.AVERAGING:
-        raise ValueError(f"config.sdp.average={sdp.average!r}; use gradients or parameters.")
-    _integer(sdp.sync_every, "sdp.sync_every", 1)
-    if sdp.average == "gradients" and sdp.sync_every != 1:
+    if sdp.average == "gradients" and sdp.sync_every != 1:   # (a config-only rule)
         raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
                          "--config.sdp.average=parameters (gradients are averaged every step); "
                          "set both or neither.")
-    if sdp.average == "parameters" and sdp.variant in spec_lib.BACKWARD_VARIANTS:
-        raise ValueError(f"config.sdp.average=parameters is not available for {sdp.variant} "
-                         "(backward masking keeps every worker's full parameters identical); "
-                         "use average=gradients or a forward variant (ddp, b-sdp, n-sdp).")
-    if fsdp and sdp.average == "parameters":
-        raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, but "
-                         "--config.fsdp=True stores one sharded copy; use average=gradients "
-                         "or fsdp=False.")
 
 
 def canonical_dtype(config) -> None:
