@@ -495,12 +495,10 @@ class SDPStep:
           ValueError: FSDP, parameter averaging (``averaging="parameters"``: the workers'
             copies differ), a pipeline (``stage`` axis), or ``stacked_slots`` (a model that
             runs its own slots, e.g. the vision models, has no full-model loss here)."""
-        if self.fsdp or self.periodic or self.staged or self.stacked_slots:
-            raise ValueError("the gradient alignment needs the full model on every device, "
-                             "one model per component and the model's own loss: not built for "
-                             "FSDP, parameter averaging, pipelines or stacked_slots models (the "
-                             "vision models); measure it on an unpipelined run without "
-                             "--config.fsdp, averaging gradients.")
+        alignment.check(fsdp=self.fsdp, averaging=self.averaging, pipelined=self.staged,
+                        asked="SDPStep.alignment_fn()", no_full_loss=(
+                            "stacked_slots models (the vision models)" if self.stacked_slots
+                            else ""))
         if self._alignment is None:
             ev = self.evaluation
             if self.state_spec is None:

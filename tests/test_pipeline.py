@@ -457,7 +457,7 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     c = tiny_pipe(**{"sdp.variant": "b-sdp", "sdp.coverage": 0.5, "model.n_layers": 8,
                      "sdp.allow_disconnected": True})
     spec = resolve(c, 8)
-    old = migrations.pipeline_kept(loop.make_step(c, spec, loop.make_mesh(spec)).abstract_state(),
+    old = migrations.pipeline_kept(loop.make_step(spec, loop.make_mesh(spec)).abstract_state(),
                            True)
     lines = sorted(f"{jax.tree_util.keystr(p)} {tuple(x.shape)} {x.dtype}"
                    for p, x in jax.tree_util.tree_leaves_with_path(old))
@@ -470,7 +470,7 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     loop.train(c, str(a))
     shutil.copytree(a, b)   # b: the same checkpoint, its state in the old layout
     spec = resolve(c, 8)
-    abstract = loop.make_step(c, spec, loop.make_mesh(spec)).abstract_state()
+    abstract = loop.make_step(spec, loop.make_mesh(spec)).abstract_state()
     path = b / "checkpoints" / "4" / "state"
     ck = ocp.StandardCheckpointer()
     state = ck.restore(path, abstract)

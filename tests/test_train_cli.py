@@ -576,7 +576,7 @@ def test_backward_masking_resumes_a_checkpoint_of_the_compact_optimizer_state(tm
     loop.train(c, str(a))
     shutil.copytree(a, b)
     spec = resolve(c, 4)
-    builder = loop.make_step(c, spec, loop.make_mesh(spec))
+    builder = loop.make_step(spec, loop.make_mesh(spec))
     (_, from_old), = migrations.layouts(builder)
     abstract = builder.abstract_state()
     path = b / "checkpoints" / "3" / "state"

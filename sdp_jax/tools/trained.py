@@ -29,7 +29,7 @@ from sdp_jax import mesh as mesh_lib
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.spec import flatten, unflatten
 from sdp_jax.train import checkpoint as ckpt_lib
-from sdp_jax.train import cli, families, loop
+from sdp_jax.train import cli, families, loop, migrations
 from sdp_jax.train import run as run_lib
 from sdp_jax.train.families import LanguageModel
 
@@ -79,7 +79,7 @@ def _builder(config, task=None):
     import jax  # pylint: disable=g-import-not-at-top
 
     spec = run_lib.resolve(config, jax.device_count(), task)
-    return spec, loop.make_step(config, spec, loop.make_mesh(spec))
+    return spec, loop.make_step(spec, loop.make_mesh(spec))
 
 
 def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
@@ -116,7 +116,7 @@ def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
                              f"{steps}; choose one of them (0 = the latest).")
         at = step or max(steps)
         manager.check_compatible(at, loop._meta(checked, spec),  # pylint: disable=protected-access
-                                 **loop.compatibility(checked, spec))
+                                 **migrations.compatibility(spec))
     except ValueError:
         manager.close()
         raise
@@ -133,8 +133,8 @@ def evaluation(trained: Trained, log=None) -> dict:
     config, spec, builder = trained.config, trained.spec, trained.builder
     log = log or (lambda _: None)
     rows = loop.process_rows(builder.mesh, spec)
-    _, eval_data = spec.family.data(config, spec, rows, log, train=False)
-    return spec.family.evaluator(config, spec, builder, eval_data, loop.batch_putter(builder),
+    _, eval_data = spec.family.data(spec, rows, log, train=False)
+    return spec.family.evaluator(spec, builder, eval_data, loop.batch_putter(builder),
                                  log)(trained.state)
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import ml_collections
 
 from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.models.vision import VisionConfig
 from sdp_jax.pipeline import PipelineConfig
 from sdp_jax.train import data, vision_data
 from sdp_jax.train.optimizer import OptimConfig
@@ -132,13 +133,8 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
     :attr:`sdp_jax.train.families.VisionEval.recalibrate`) and ``sdp.stage_blocks``.
     """
     c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(name=name, num_classes=0, image_size=32,
-                                             in_channels=3, subnet_rescale=True))
-    if name in ("resnet18", "wrn18"):
-        c.model.update(width=64, widen=2 if name == "wrn18" else 1, depths=(2, 2, 2, 2))
-    else:
-        c.model.update(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window=4,
-                       patch=2, mlp_ratio=4)
+    # the model's fields and defaults (VisionConfig); num_classes 0: the dataset's
+    c.model = ml_collections.ConfigDict({**VisionConfig.section(name), "num_classes": 0})
     c.data = vision_data.default_vision_data_config()
     c.data.dataset = dataset
     _run_fields(c)

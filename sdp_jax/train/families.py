@@ -44,13 +44,12 @@ from sdp_jax.models import vision as vm
 from sdp_jax.models.llama import BLOCK_KEY, Llama, LlamaConfig, block_apply_fn, next_token_loss
 from sdp_jax.train import config as config_lib
 from sdp_jax.train import data as data_lib
+from sdp_jax.train import migrations
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import vision_data
-from sdp_jax.train.task import Family, compiled_flops, mean_loss, step_method, step_settings
+from sdp_jax.train.task import Family, compiled_flops, mean_loss, step_method
 
 LOSS_CHUNKS = 8  # sequence pieces of the head and loss under activation checkpointing
-# optim fields newer than the first checkpoints, with the values those runs used (every family)
-OPTIM_ADDED = {"optim": {"schedule": "cosine", "cooldown_fraction": 0.2}}
 
 
 class LanguageModel:
@@ -504,16 +503,15 @@ class LanguageModelFamily(Family):
                             s.allow_nonuniform, s.allow_disconnected, pipe=pipe)
 
     def added_fields(self) -> dict:
-        """Config fields added after checkpoints were first written, with the value older
-        runs used."""
-        return {"fsdp": False, "dtype": "float32",
-                "pipeline": dict(pl.PipelineConfig().__dict__), **OPTIM_ADDED}
+        """:data:`sdp_jax.train.migrations.LANGUAGE_MODEL_ADDED`."""
+        return migrations.LANGUAGE_MODEL_ADDED
 
-    def data(self, config, spec, rows, log, train: bool = True):
+    def data(self, run, rows, log, train: bool = True):
         """``(start -> train iterator, validation batches)`` of this process's ``rows``
         (``train=False``: ``(None, validation batches)``, the training set not read)."""
-        kw = dict(seq_len=config.seq_len, global_batch=spec.global_batch,
-                  vocab_size=spec.model.vocab_size, rows=rows)
+        config = run.config
+        kw = dict(seq_len=config.seq_len, global_batch=run.global_batch,
+                  vocab_size=run.model.vocab_size, rows=rows)
         log(data_lib.describe(config.data))   # a bad path fails here, before any compile
         if not train:
             return None, data_lib.make_val_batches(config.data,
@@ -523,37 +521,37 @@ class LanguageModelFamily(Family):
                                                            seed=config.seed, **kw),
                 data_lib.make_val_batches(config.data, num_batches=config.eval_batches, **kw))
 
-    def step(self, config, spec, mesh) -> step_lib.SDPStep:
-        return language_model_step(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
-                                   pipe=spec.pipe, **step_settings(config))
+    def step(self, run, mesh) -> step_lib.SDPStep:
+        return language_model_step(run.model, run.plan, run.optim, mesh, run.total_steps,
+                                   pipe=run.pipe, **run.settings.kwargs())
 
-    def batch_shapes(self, config, spec):
-        return jax.ShapeDtypeStruct((spec.global_batch, config.seq_len + 1), jnp.int32)
+    def batch_shapes(self, run):
+        return jax.ShapeDtypeStruct((run.global_batch, run.config.seq_len + 1), jnp.int32)
 
-    def items_per_step(self, config, spec) -> int:
-        return spec.global_batch * config.seq_len
+    def items_per_step(self, run) -> int:
+        return run.global_batch * run.config.seq_len
 
-    def model_flops_per_item(self, config, spec) -> float:
+    def model_flops_per_item(self, run) -> float:
         """Training FLOPs per token of the subnetwork a worker runs
         (:func:`sdp_jax.models.llama.model_flops_per_token`): ``k`` blocks per stage under
         forward block masking, ``C`` of every block's width under N-SDP, the whole model under
         backward masking."""
 
-        plan, forward = spec.plan, spec.plan.regime == "forward"
-        blocks = (plan.kinds[spec_lib.BLOCK].k * spec.pipe.stages
+        plan, forward = run.plan, run.plan.regime == "forward"
+        blocks = (plan.kinds[spec_lib.BLOCK].k * run.pipe.stages
                   if forward and spec_lib.BLOCK in plan.kinds else None)
         width = plan.coverage if forward and spec_lib.BLOCK not in plan.kinds else 1.0
-        return llama.model_flops_per_token(spec.model, config.seq_len, blocks, width)
+        return llama.model_flops_per_token(run.model, run.config.seq_len, blocks, width)
 
-    def param_count(self, spec) -> int:
-        return spec.model.param_count()["total"]
+    def param_count(self, run) -> int:
+        return run.model.param_count()["total"]
 
-    def describe(self, config, spec) -> list[str]:
+    def describe(self, run) -> list[str]:
         """The pipeline's log line (none without one)."""
-        pipe, m = spec.pipe, spec.model
+        pipe, m = run.pipe, run.model
         if pipe.stages == 1:
             return []
-        return [f"pipeline: {pipe.stages} stages x {spec.workers} workers ({pipe.schedule}, "
+        return [f"pipeline: {pipe.stages} stages x {run.workers} workers ({pipe.schedule}, "
                 f"{pipe.microbatches} microbatches); masks are per stage "
                 f"({m.n_layers // pipe.stages} blocks each); boundaries: {pipe.method}"
                 + (f", {pipe.ratio}x (r = {pipe.width(m.d_model)}), anchors of rank "
@@ -563,23 +561,23 @@ class LanguageModelFamily(Family):
                 + (f"; {pl.boundary_param_count(m, pipe):,} boundary parameters "
                    "(not in the total below)" if pipe.compressed else "")]
 
-    def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
+    def compiled(self, run, compiled) -> tuple[list[str], dict]:
         """The pipeline's settings and boundary bytes (None without a pipeline)."""
-        fields = {"pipeline": dict(spec.pipe.__dict__), "boundary_bytes_per_token": None,
+        fields = {"pipeline": dict(run.pipe.__dict__), "boundary_bytes_per_token": None,
                   "boundary_bytes_per_step": None}
-        if spec.pipe.stages == 1:
+        if run.pipe.stages == 1:
             return [], fields
-        b = boundary_bytes(config, spec, compiled)
+        b = boundary_bytes(run, compiled)
         fields.update(boundary_bytes_per_token=b["per_token"],
                       boundary_bytes_per_step=b["per_boundary"])
         return [f"stage boundaries: {fmt_bytes(b['per_boundary'])} per boundary per worker "
                 f"per step ({b['per_token']:.1f} bytes/token, forward and backward, from the "
                 "compiled program)"], fields
 
-    def evaluator(self, config, spec, builder, val_batches, put, log):
+    def evaluator(self, run, builder, val_batches, put, log):
         """``state -> {val_loss[, val_bpb]}``: the full model on the validation batches."""
-        eval_fn, byte_level = builder.eval_step_fn(), config.data.source != "llmc"
-        shape = self.batch_shapes(config, spec)
+        eval_fn, byte_level = builder.eval_step_fn(), run.config.data.source != "llmc"
+        shape = self.batch_shapes(run)
 
         def evaluate(state):
             v = mean_loss(eval_fn, state["params"], val_batches, put, shape)
@@ -594,9 +592,9 @@ class LanguageModelFamily(Family):
             post["val"] = f"{rec['val_loss']:.3f}"
         return post
 
-    def summary(self, config, spec, step, last_eval, last_rec) -> dict:
-        return {"n_layers": spec.model.n_layers,
-                "tokens": step * self.items_per_step(config, spec),
+    def summary(self, run, step, last_eval, last_rec) -> dict:
+        return {"n_layers": run.model.n_layers,
+                "tokens": step * self.items_per_step(run),
                 "final_val_loss": last_eval.get("val_loss"),
                 "final_val_bpb": last_eval.get("val_bpb"),
                 "final_ortho_err": last_rec.get("ortho_err")}
@@ -607,13 +605,14 @@ class LanguageModelFamily(Family):
         return (f"final val loss {s['final_val_loss']:.4f} nats/token{bpb}")
 
 
-def boundary_bytes(config, spec, compiled) -> dict:
+def boundary_bytes(run, compiled) -> dict:
     """Stage-boundary bytes of a pipelined run's compiled train step
     (:func:`sdp_jax.pipeline.boundary_bytes` with the run's tokens per worker, stages and RVQ
-    codebook synchronization; ``spec`` from :func:`sdp_jax.train.run.resolve`)."""
-    return pl.boundary_bytes(compiled, tokens_per_worker=config.batch_per_worker * config.seq_len,
-                             stages=spec.pipe.stages,
-                             codebook_bytes=pl.codebook_sync_bytes(spec.model, spec.pipe))
+    codebook synchronization; ``run`` from :func:`sdp_jax.train.run.resolve`)."""
+    c = run.config
+    return pl.boundary_bytes(compiled, tokens_per_worker=c.batch_per_worker * c.seq_len,
+                             stages=run.pipe.stages,
+                             codebook_bytes=pl.codebook_sync_bytes(run.model, run.pipe))
 
 
 class VisionFamily(Family):
@@ -658,63 +657,63 @@ class VisionFamily(Family):
         return vision_record(plan)
 
     def added_fields(self) -> dict:
-        """Config fields newer than some vision checkpoints, with the value older runs used."""
-        return {"sdp": {"average": "gradients", "sync_every": 1, "method": "auto"},
-                "fsdp": False, **OPTIM_ADDED}
+        """:data:`sdp_jax.train.migrations.VISION_ADDED`."""
+        return migrations.VISION_ADDED
 
-    def _train(self, config, spec, seed, rows):
+    def _train(self, run, seed, rows):
         """``start -> iterator`` over this process's ``rows`` of the training batches."""
-        m = spec.model
+        m, data = run.model, run.config.data
         kw = dict(image_size=m.image_size, channels=m.in_channels,
-                  global_batch=spec.global_batch, seed=seed, rows=rows)
-        vision_data.train_dataset(config.data, **kw)   # bad sizes fail here
-        return lambda start: vision_data.make_train_iterator(config.data, start=start, **kw)
+                  global_batch=run.global_batch, seed=seed, rows=rows)
+        vision_data.train_dataset(data, **kw)   # bad sizes fail here
+        return lambda start: vision_data.make_train_iterator(data, start=start, **kw)
 
-    def data(self, config, spec, rows, log, train: bool = True):
+    def data(self, run, rows, log, train: bool = True):
         """``(start -> train iterator, (test batches, BatchNorm batches))`` of this process's
         ``rows``; the BatchNorm batches (``start -> iterator``, another seed) re-estimate the
         full model's statistics."""
-        m = spec.model
+        m, config = run.model, run.config
         log(vision_data.describe(config.data))
         test = vision_data.make_eval_batches(
             config.data, image_size=m.image_size, channels=m.in_channels,
-            global_batch=spec.global_batch, rows=rows, limit=config.eval_limit)
-        return (self._train(config, spec, config.seed, rows),
-                (test, self._train(config, spec, config.seed + 7919, rows)))
+            global_batch=run.global_batch, rows=rows, limit=config.eval_limit)
+        return (self._train(run, config.seed, rows),
+                (test, self._train(run, config.seed + 7919, rows)))
 
-    def step(self, config, spec, mesh, unroll: bool = False) -> step_lib.SDPStep:
+    def step(self, run, mesh, unroll: bool = False) -> step_lib.SDPStep:
         """The run's step (:func:`vision_step`; ``unroll`` for FLOP counting)."""
-        return vision_step(spec.model, spec.plan, spec.optim, mesh, spec.total_steps,
-                           unroll=unroll, **step_settings(config))
+        return vision_step(run.model, run.plan, run.optim, mesh, run.total_steps,
+                           unroll=unroll, **run.settings.kwargs())
 
-    def batch_shapes(self, config, spec):
-        m, G = spec.model, spec.global_batch
+    def batch_shapes(self, run):
+        m, G = run.model, run.global_batch
         return (jax.ShapeDtypeStruct((G, m.image_size, m.image_size, m.in_channels),
                                      jnp.float32), jax.ShapeDtypeStruct((G,), jnp.int32))
 
-    def items_per_step(self, config, spec) -> int:
-        return spec.global_batch
+    def items_per_step(self, run) -> int:
+        return run.global_batch
 
-    def model_flops_per_item(self, config, spec) -> None:
+    def model_flops_per_item(self, run) -> None:
         """No closed-form count for the vision models: no FLOPs/s or MFU is reported."""
         return None
 
-    def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
+    def compiled(self, run, compiled) -> tuple[list[str], dict]:
         """``model_flops_per_step``: XLA's FLOP count of the compiled train step (without
         activation checkpointing the vision step has no loop, so every layer is counted;
         backward variants count their full backward pass) times the ``W`` workers; None under
         ``remat`` (a scan, whose body XLA counts once)."""
-        return [], compiled_flops(compiled, spec.workers, config.remat == "none")
+        return [], compiled_flops(compiled, run.workers, run.settings.remat == "none")
 
-    def param_count(self, spec) -> int:
-        return vm.param_count(spec.model)
+    def param_count(self, run) -> int:
+        return vm.param_count(run.model)
 
-    def evaluator(self, config, spec, builder, eval_data, put, log):
+    def evaluator(self, run, builder, eval_data, put, log):
         """``state -> {test_loss, test_acc}``: the full model on the test batches."""
         test_batches, bn_batches = eval_data
         evaluation = VisionEval(builder)
         eval_fn = evaluation.eval_step_fn()
-        images, labels = self.batch_shapes(config, spec)
+        images, labels = self.batch_shapes(run)
+        config = run.config
         recal = evaluation.recalibrate and config.eval_bn_batches > 0
         if evaluation.recalibrate and not recal:
             log("warning: --config.eval_bn_batches=0: the full model is evaluated with the "
@@ -751,9 +750,9 @@ class VisionFamily(Family):
             post["test_acc"] = f"{rec['test_acc']:.4f}"
         return post
 
-    def summary(self, config, spec, step, last_eval, last_rec) -> dict:
-        return {"model": spec.model.name, "dataset": config.data.dataset,
-                "images": step * spec.global_batch, "final_test_acc": last_eval.get("test_acc"),
+    def summary(self, run, step, last_eval, last_rec) -> dict:
+        return {"model": run.model.name, "dataset": run.config.data.dataset,
+                "images": step * run.global_batch, "final_test_acc": last_eval.get("test_acc"),
                 "final_test_loss": last_eval.get("test_loss")}
 
     def done_line(self, s) -> str:

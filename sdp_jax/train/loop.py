@@ -23,6 +23,7 @@ the family's log and summary fields), and then, written once for every family:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -76,9 +77,11 @@ class Metrics:
       workdir: the run's directory.
       resume_step: the restored step (0 for a fresh run).
       config_text: the run's config (JSON) for TensorBoard's text tab, or None.
+      once: scalars written to TensorBoard at ``resume_step`` ({tag: value}).
     """
 
-    def __init__(self, workdir: str, resume_step: int, config_text: str | None = None):
+    def __init__(self, workdir: str, resume_step: int, config_text: str | None = None,
+                 once: dict | None = None):
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.on = jax.process_index() == 0
         self.tb = None
@@ -105,6 +108,8 @@ class Metrics:
         if config_text is not None:   # indented: TensorBoard renders text as markdown
             self.tb.add_text("config", "    " + config_text.replace("\n", "\n    "),
                              resume_step)
+        for tag, value in (once or {}).items():
+            self.scalar(tag, float(value), resume_step)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """One TensorBoard scalar (process 0)."""
@@ -270,23 +275,13 @@ def check_workdir_is_dir(workdir: str) -> None:
                              + " as a run writes it; use another --workdir.")
 
 
-def compatibility(config, spec: run_lib.RunSpec) -> dict:
-    """Keyword arguments of :meth:`sdp_jax.train.checkpoint.CheckpointManager.check_compatible` for
-    a run: the family's added fields, and ``steps`` allowed to grow under the ``wsd``
-    schedule (extending a run; under ``cosine`` the refusal names that option)."""
-    wsd = spec.optim.schedule == "wsd"
-    return {"defaults": spec.family.added_fields(), "may_grow": ("steps",) if wsd else (),
-            "hints": {} if wsd else {"steps": "the cosine schedule is fitted to steps; a run "
-                                              "trained with --config.optim.schedule=wsd may be "
-                                              "extended"}}
-
-
 def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = None,
-                     spec: run_lib.RunSpec | None = None, lock: WorkdirLock | None = None):
+                     run: run_lib.RunSpec | None = None, lock: WorkdirLock | None = None):
     """Create ``workdir`` and its checkpoint manager; refuse (before compute) a latest
     checkpoint written under another config or other masks (``compat``: the keyword
-    arguments of :func:`compatibility`). Logs an extension (``steps`` grown under ``wsd``;
-    ``spec``: the run's, for its lengths; ``lock``: taken once the workdir exists).
+    arguments of :func:`sdp_jax.train.migrations.compatibility`). Logs an extension
+    (``steps`` grown under ``wsd``; ``run``: the resolved run, for its lengths; ``lock``:
+    taken once the workdir exists).
 
     Returns:
       ``(manager, latest step or None)``.
@@ -305,18 +300,18 @@ def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = Non
         try:
             manager.check_compatible(latest, meta, **(compat or {}))
             before = (manager.read_meta(latest).get("config", {}).get("steps")
-                      if spec is not None else None)
+                      if run is not None else None)
         except ValueError:
             manager.close()
             raise
         if before is not None and before < config.steps:
-            old, new = (run_lib.total_steps(config, spec.plan.coverage, n)
+            old, new = (run_lib.total_steps(config, run.plan.coverage, n)
                         for n in (before, config.steps))
             log(f"extending the run from {old} to {new} optimizer steps (wsd schedule: the "
                 f"stable rate until the last {config.optim.cooldown_fraction:g} of them)"
                 + (f"; the checkpoint at step {latest} is past the cool-down start of the "
                    f"{old}-step schedule, so the rate steps back up to the stable one"
-                   if latest > optim_lib.cooldown_start(spec.optim, old) else ""))
+                   if latest > optim_lib.cooldown_start(run.optim, old) else ""))
     return manager, latest
 
 
@@ -354,16 +349,16 @@ def restore_or_init(manager, latest, builder, seed: int, announce: bool = True):
 
 
 
-def make_mesh(spec: run_lib.RunSpec):
+def make_mesh(run: run_lib.RunSpec):
     """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices, or
     ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order."""
-    return mesh_lib.make_mesh(spec.workers, spec.pipe.stages)
+    return mesh_lib.make_mesh(run.workers, run.pipe.stages)
 
 
-def process_rows(mesh, spec: run_lib.RunSpec) -> tuple[int, int]:
+def process_rows(mesh, run: run_lib.RunSpec) -> tuple[int, int]:
     """``(first, count)``: the rows of every global batch this process loads
     (:func:`sdp_jax.train.data.sharding_rows` of the batch's sharding on ``mesh``)."""
-    return data_lib.sharding_rows(step_lib.batch_sharding(mesh), spec.global_batch)
+    return data_lib.sharding_rows(step_lib.batch_sharding(mesh), run.global_batch)
 
 
 def batch_putter(builder):
@@ -376,20 +371,20 @@ def batch_putter(builder):
     return put
 
 
-def make_step(config, spec: run_lib.RunSpec, mesh):
-    """The :class:`sdp_jax.step.SDPStep` of a run config (``spec`` from
+def make_step(run: run_lib.RunSpec, mesh):
+    """The :class:`sdp_jax.step.SDPStep` of a resolved run (``run`` from
     :func:`sdp_jax.train.run.resolve`, ``mesh`` from :func:`make_mesh`)."""
-    return spec.family.step(config, spec, mesh)
+    return run.family.step(run, mesh)
 
 
-def _meta(config, spec: run_lib.RunSpec) -> dict:
+def _meta(config, run: run_lib.RunSpec) -> dict:
     """What a checkpoint records to refuse another run: the trajectory config, the masks and
     the resolved worker count (``config.workers=0`` is every device, which can change)."""
     return {"config": run_lib.trajectory_config(config),
-            "masks": spec.family.record(spec.plan), "workers": spec.workers}
+            "masks": run.family.record(run.plan), "workers": run.workers}
 
 
-def check_workdir(config, workdir: str, spec: run_lib.RunSpec | None = None) -> None:
+def check_workdir(config, workdir: str, run: run_lib.RunSpec | None = None) -> None:
     """Refuse, before any compute, a ``workdir`` whose latest checkpoint another config wrote.
 
     Raises:
@@ -398,12 +393,13 @@ def check_workdir(config, workdir: str, spec: run_lib.RunSpec | None = None) -> 
     path = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(path):
         return
-    spec = spec or run_lib.resolve(config, jax.device_count())
+    run = run or run_lib.resolve(config, jax.device_count())
     manager = ckpt_lib.CheckpointManager(path, keep=config.keep_checkpoints)
     try:
         latest = manager.latest_step()
         if latest is not None:
-            manager.check_compatible(latest, _meta(config, spec), **compatibility(config, spec))
+            manager.check_compatible(latest, _meta(config, run),
+                                     **migrations.compatibility(run))
     finally:
         manager.close()
 
@@ -495,128 +491,173 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     t_start = time.time()
     import matplotlib  # noqa: F401  (the writers of the end: a broken install fails now)
     import tensorboardX  # noqa: F401
-    spec = run_lib.resolve(config, jax.device_count(), task)
-    family = spec.family
+    run = run_lib.resolve(config, jax.device_count(), task)
     check_workdir_is_dir(workdir)
-    mesh = make_mesh(spec)
-    devices = list(mesh.devices.flat)
-    rows = process_rows(mesh, spec)
-    train_at, eval_data = family.data(config, spec, rows, log)   # bad data fails before compile
-    meta = _meta(config, spec)
-    manager, latest = open_checkpoints(config, workdir, meta, compatibility(config, spec),
-                                       spec, lock)
+    mesh = make_mesh(run)
+    # bad data fails here, before any compile
+    train_at, eval_data = run.family.data(run, process_rows(mesh, run), log)
+    meta = _meta(config, run)
+    manager, latest = open_checkpoints(config, workdir, meta, migrations.compatibility(run),
+                                       run, lock)
     if jax.process_index() == 0:   # the run's resolved config, for people and tools
         write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=2))
     path = os.path.join(workdir, "summary.json")
-    if latest is not None and latest >= spec.total_steps and os.path.exists(path):
+    if latest is not None and latest >= run.total_steps and os.path.exists(path):
         manager.close()   # nothing to train: keep the run's own figures, compile nothing
         with open(path) as f:
             stored = json.load(f)
-        log(f"already complete: {stored['steps']} steps; {family.done_line(stored)} "
+        log(f"already complete: {stored['steps']} steps; {run.family.done_line(stored)} "
             f"(from {path})")
         return {**stored, "signal": None}
-    builder = make_step(config, spec, mesh)
-    mask_info, sdp = spec.plan.summary(), config.sdp
+    builder = make_step(run, mesh)
+    _log_run(run, builder, mesh)
+    # Restore before compiling: an unreadable checkpoint is reported before any compute.
+    state, start = restore_or_init(manager, latest, builder, config.seed)
+    prev_wall = previous_wall(path, start, manager)  # a resumed run adds the earlier time
+    train_iter = train_at(start)   # the data position is the step (any process layout)
+    prog = _Program.compile(run, builder, eval_data)
+    devices, per_item = list(mesh.devices.flat), prog.flops_per_item
+    state, step, last_eval, interrupted, last_rec = _loop(
+        config, workdir, run.family, prog.one_step, prog.evaluate, prog.items,
+        state=state, start=start, total=run.total_steps, manager=manager, meta=meta,
+        train_iter=train_iter, wall=lambda: prev_wall + time.time() - t_start,
+        flops_per_item=None if per_item is None else per_item / len(devices),
+        peak=costs.peak_flops(devices[0].device_kind, config.peak_flops),
+        once={"peak_bytes_per_device": prog.memory["peak_bytes_per_device"]})
+    if jax.process_count() > 1:   # every process waits for the others' last writes
+        multihost_utils.sync_global_devices("sdp_jax.train.loop.train: end")
+    done = step >= run.total_steps
+    if done and not last_eval:
+        last_eval = prog.evaluate(state)
+    out = _summary(run, builder, prog, step, last_eval, last_rec,
+                   prev_wall + time.time() - t_start)
+    out["interrupted_by"] = interrupted[0] if interrupted and not done else None
+    _finish(run, workdir, path, out, interrupted)
+    # (not in summary.json) a signal that came during the last step: a caller that runs
+    # several trainings in turn (python -m sdp_jax.study) stops after this one
+    return {**out, "signal": interrupted[0] if interrupted else None}
+
+
+def _log_run(run: run_lib.RunSpec, builder, mesh) -> None:
+    """The run's opening lines: devices, masks and settings, the family's lines, the mask
+    graph and the parameter counts."""
+    config, devices = run.config, list(mesh.devices.flat)
+    sdp, mask_info = config.sdp, run.plan.summary()
     log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
-        f"process(es)); {spec.plan.describe()}"
+        f"process(es)); {run.plan.describe()}"
         + (f"; parameters averaged over holders every {sdp.sync_every} steps"
            if sdp.average == "parameters" else "")
-        + (f"; FSDP (ZeRO-3) over the {spec.workers} workers" if config.fsdp else "")
+        + (f"; FSDP (ZeRO-3) over the {run.workers} workers" if config.fsdp else "")
         + (f"; activation checkpointing: {config.remat}" if config.remat != "none" else "")
         + (f"; compute dtype {config.dtype}" if config.dtype != "float32" else ""))
-    for extra in family.describe(config, spec):
+    for extra in run.family.describe(run):
         log(extra)
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
                      for k, v in mask_info["kinds"].items())
     log(f"mask graph: spectral gap {mask_info['spectral_gap']:.4f}; multiplicity {mult}; "
         "params: total "
-        f"{family.param_count(spec):,}, stored per device {builder.per_device_param_count():,}")
+        f"{run.family.param_count(run):,}, stored per device "
+        f"{builder.per_device_param_count():,}")
 
-    # Restore before compiling: an unreadable checkpoint is reported before any compute.
-    state, start = restore_or_init(manager, latest, builder, config.seed)
-    prev_wall = previous_wall(path, start, manager)  # a resumed run adds the earlier time
-    train_iter = train_at(start)   # the data position is the step (any process layout)
-    t0 = time.time()
-    shapes = family.batch_shapes(config, spec)
-    compiled = builder.compiled_train_step(shapes)
-    mem = memory_stats(compiled)
-    log(f"compiled train step in {time.time() - t0:.1f}s: peak "
-        f"{fmt_bytes(mem['peak_bytes_per_device'])} per device")
-    lines, from_compiled = family.compiled(config, spec, compiled)
-    for line in lines:
-        log(line)
-    put = batch_putter(builder)
-    evaluate = family.evaluator(config, spec, builder, eval_data, put, log)
-    step_fns = {True: compiled}
 
-    align = None
-    if config.align_every:   # compiled now, so that no step's time includes it
-        t0 = time.time()
-        sharded = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
-            s.shape, s.dtype, sharding=builder.batch_sharding()), shapes)
-        align = builder.alignment_fn().lower(builder.abstract_state(), sharded).compile()
-        log(f"compiled the gradient alignment (every {config.align_every} steps) in "
-            f"{time.time() - t0:.1f}s")
+@dataclasses.dataclass
+class _Program:
+    """What a run compiles before its first step: the train step (and its memory and the
+    family's figures read from it), the evaluation and, with ``align_every``, the gradient
+    alignment; :meth:`one_step` runs one step of them."""
 
-    def one_step(state, batch, step):
-        sync_now = builder.is_sync_step(step)   # periodic parameter averaging
-        if sync_now not in step_fns:
-            step_fns[sync_now] = builder.train_step_fn(sync_now)
-        batch = jax.tree.map(put, batch, shapes)
-        # measured on the step's own parameters and batch, before the step (which donates them)
-        cosines = align(state, batch) if align and step % config.align_every == 0 else {}
-        state, m = step_fns[sync_now](state, batch)
+    run: run_lib.RunSpec
+    builder: Any
+    shapes: Any
+    step_fns: dict          # {sync step: the compiled train step}
+    memory: dict
+    from_compiled: dict
+    put: Any
+    evaluate: Any
+    align: Any
+    items: int              # tokens / images / examples per step
+    flops_per_item: Any     # the family's model FLOPs per item, or None
+
+    @classmethod
+    def compile(cls, run: run_lib.RunSpec, builder, eval_data) -> "_Program":
+        """Compile the run's programs, logging their compile times and the peak memory."""
+        family, t0 = run.family, time.time()
+        shapes = family.batch_shapes(run)
+        compiled = builder.compiled_train_step(shapes)
+        mem = memory_stats(compiled)
+        log(f"compiled train step in {time.time() - t0:.1f}s: peak "
+            f"{fmt_bytes(mem['peak_bytes_per_device'])} per device")
+        lines, from_compiled = family.compiled(run, compiled)
+        for line in lines:
+            log(line)
+        put = batch_putter(builder)
+        evaluate = family.evaluator(run, builder, eval_data, put, log)
+        align = None
+        if run.config.align_every:   # compiled now, so that no step's time includes it
+            t0 = time.time()
+            sharded = jax.tree.map(lambda s: jax.ShapeDtypeStruct(
+                s.shape, s.dtype, sharding=builder.batch_sharding()), shapes)
+            align = builder.alignment_fn().lower(builder.abstract_state(), sharded).compile()
+            log(f"compiled the gradient alignment (every {run.config.align_every} steps) in "
+                f"{time.time() - t0:.1f}s")
+        return cls(run, builder, shapes, {True: compiled}, mem, from_compiled, put, evaluate,
+                   align, family.items_per_step(run), family.model_flops_per_item(run))
+
+    def one_step(self, state, batch, step: int):
+        """``(state, metrics)`` after optimizer step ``step`` on the host ``batch`` (with the
+        gradient alignment measured first on its own parameters and batch every
+        ``align_every`` steps)."""
+        sync_now = self.builder.is_sync_step(step)   # periodic parameter averaging
+        if sync_now not in self.step_fns:
+            self.step_fns[sync_now] = self.builder.train_step_fn(sync_now)
+        batch = jax.tree.map(self.put, batch, self.shapes)
+        every = self.run.config.align_every
+        # measured before the step (which donates the state and batch)
+        cosines = self.align(state, batch) if self.align and step % every == 0 else {}
+        state, m = self.step_fns[sync_now](state, batch)
         return state, {**m, **cosines}
 
-    def summary(step, last_eval, last_rec, wall):
-        return {
-            **family.summary(config, spec, step, last_eval, last_rec),
-            "variant": sdp.variant, "regime": spec.plan.regime, "coverage": spec.plan.coverage,
-            "workers": spec.workers, "scheme": sdp.scheme, "average": sdp.average,
-            "sync_every": sdp.sync_every, "fsdp": config.fsdp, "remat": config.remat,
-            "dtype": config.dtype, "steps": step, "total_steps": spec.total_steps,
-            "completed": step >= spec.total_steps, "wall_s": wall,
-            "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
-            "params_total": family.param_count(spec),
-            "params_per_device": builder.per_device_param_count(),
-            "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
-            "platform": devices[0].platform, "item": family.rate_key.split("_per_s")[0],
-            "items_per_step": items, "model_flops_per_step": (
-                None if per_item is None else per_item * items),
-            **from_compiled}
 
-    total = spec.total_steps
-    per_item = family.model_flops_per_item(config, spec)
-    items = family.items_per_step(config, spec)
-    state, step, last_eval, interrupted, last_rec = _loop(
-        config, workdir, family, one_step, evaluate, items,
-        state=state, start=start, total=total, manager=manager, meta=meta,
-        train_iter=train_iter, wall=lambda: prev_wall + time.time() - t_start,
-        flops_per_item=None if per_item is None else per_item / len(devices),
-        peak=costs.peak_flops(devices[0].device_kind, config.peak_flops),
-        once={"peak_bytes_per_device": mem["peak_bytes_per_device"]})
-    if jax.process_count() > 1:   # every process waits for the others' last writes
-        multihost_utils.sync_global_devices("sdp_jax.train.loop.train: end")
-    done = step >= total
-    if done and not last_eval:
-        last_eval = evaluate(state)
-    out = summary(step, last_eval, last_rec, prev_wall + time.time() - t_start)
-    out["interrupted_by"] = interrupted[0] if interrupted and not done else None
+def _summary(run: run_lib.RunSpec, builder, prog: _Program, step: int, last_eval: dict,
+             last_rec: dict, wall: float) -> dict:
+    """``summary.json``: the family's fields and the run's own (settings, steps, wall
+    seconds, memory, parameter counts, masks, throughput unit and model FLOPs)."""
+    config, family, sdp = run.config, run.family, run.config.sdp
+    mask_info, mem, per_item = run.plan.summary(), prog.memory, prog.flops_per_item
+    return {
+        **family.summary(run, step, last_eval, last_rec),
+        "variant": sdp.variant, "regime": run.plan.regime, "coverage": run.plan.coverage,
+        "workers": run.workers, "scheme": sdp.scheme, "average": sdp.average,
+        "sync_every": sdp.sync_every, "fsdp": config.fsdp, "remat": config.remat,
+        "dtype": config.dtype, "steps": step, "total_steps": run.total_steps,
+        "completed": step >= run.total_steps, "wall_s": wall,
+        "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
+        "params_total": family.param_count(run),
+        "params_per_device": builder.per_device_param_count(),
+        "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
+        "platform": list(builder.mesh.devices.flat)[0].platform,
+        "item": family.rate_key.split("_per_s")[0],
+        "items_per_step": prog.items, "model_flops_per_step": (
+            None if per_item is None else per_item * prog.items),
+        **prog.from_compiled}
+
+
+def _finish(run: run_lib.RunSpec, workdir: str, path: str, out: dict,
+            interrupted: list) -> None:
+    """Write ``summary.json`` (process 0), draw ``curves.png`` when the run is complete, and
+    log the run's last line."""
     if jax.process_index() == 0:
         write_atomically(path, json.dumps(out, indent=2))
-    if done:
-        if jax.process_index() == 0:
-            try:
-                curves.curves([workdir])
-            except (ValueError, OSError, RuntimeError) as e:   # the run itself is complete
-                log(f"warning: curves.png not drawn ({type(e).__name__}: {e})")
-        log(f"done: {out['steps']} steps in {out['wall_s']:.0f}s; {family.done_line(out)}; "
-            f"summary in {path}, curves in {os.path.join(workdir, 'curves.png')}")
-    else:
-        log_stopped(step, total, interrupted)
-    # (not in summary.json) a signal that came during the last step: a caller that runs
-    # several trainings in turn (python -m sdp_jax.study) stops after this one
-    return {**out, "signal": interrupted[0] if interrupted else None}
+    if not out["completed"]:
+        log_stopped(out["steps"], run.total_steps, interrupted)
+        return
+    if jax.process_index() == 0:
+        try:
+            curves.curves([workdir])
+        except (ValueError, OSError, RuntimeError) as e:   # the run itself is complete
+            log(f"warning: curves.png not drawn ({type(e).__name__}: {e})")
+    log(f"done: {out['steps']} steps in {out['wall_s']:.0f}s; {run.family.done_line(out)}; "
+        f"summary in {path}, curves in {os.path.join(workdir, 'curves.png')}")
 
 
 def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int, *, state,
@@ -636,11 +677,8 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
       FloatingPointError: a non-finite loss or norm (nothing saved for that state).
     """
     stop = total if config.stop_at_step <= 0 else min(total, config.stop_at_step)
-    metrics_log = Metrics(workdir, start, config.to_json(indent=2))
-    for tag, value in (once or {}).items():
-        metrics_log.scalar(tag, float(value), start)
-    last_eval: dict[str, float] = {}
-    last_rec: dict = {}
+    metrics_log = Metrics(workdir, start, config.to_json(indent=2), once)
+    last_eval, last_rec = {}, {}
     bar = progress(total, start)
     t_window, n_window, step = time.time(), 0, start
     received: list = []      # this process's signals
@@ -650,10 +688,8 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
             while step < stop and not interrupted:
                 state, m = one_step(state, next(train_iter), step + 1)
                 # Waiting for each step keeps one step in flight (CPU collectives, docs/design.md).
-                rec = {k: float(v) for k, v in m.items()}
-                last_rec = rec
-                step += 1
-                n_window += 1
+                rec = last_rec = {k: float(v) for k, v in m.items()}
+                step, n_window = step + 1, n_window + 1
                 check_finite(rec, step, manager)
                 # Every process stops at the same step (docs/design.md invariant 9).
                 interrupted = agreed_stop(received)
@@ -661,13 +697,8 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                                             and step % config.eval_every == 0)
                 if (step % config.log_every == 0 or is_eval or step == stop or interrupted
                         or "grad_alignment" in rec):
-                    rec[family.rate_key] = items_per_step * n_window / max(
-                        time.time() - t_window, 1e-9)
-                    if flops_per_item is not None:
-                        flops = rec["model_flops_per_s_per_device"] = (
-                            rec[family.rate_key] * flops_per_item)
-                        if peak:
-                            rec["mfu"] = flops / peak
+                    rec.update(_throughput(family.rate_key, items_per_step * n_window,
+                                           time.time() - t_window, flops_per_item, peak))
                     t_window, n_window = time.time(), 0
                     if is_eval:
                         last_eval = evaluate(state)
@@ -675,10 +706,7 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                         check_finite(rec, step, manager)
                     rec["step"] = step
                     metrics_log.write(rec)
-                    post = family.postfix({**last_eval, **rec})   # the last evaluation stays
-                    if "mfu" in rec:
-                        post["mfu"] = f"{rec['mfu']:.1%}"
-                    bar.set_postfix(post, refresh=False)
+                    bar.set_postfix(_postfix(family, last_eval, rec), refresh=False)
                 if step < stop:
                     bar.update(1)
                 else:   # shown once, by close()
@@ -692,3 +720,23 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
             metrics_log.close()
             manager.close()  # waits for the last save
     return state, step, last_eval, interrupted, last_rec
+
+
+def _throughput(rate_key: str, items: int, seconds: float, flops_per_item, peak) -> dict:
+    """The window's rate ``{rate_key: items / seconds}`` and, with ``flops_per_item`` (model
+    FLOPs per item per device), ``model_flops_per_s_per_device`` and, with ``peak`` (FLOP/s),
+    ``mfu``."""
+    out = {rate_key: items / max(seconds, 1e-9)}
+    if flops_per_item is not None:
+        flops = out["model_flops_per_s_per_device"] = out[rate_key] * flops_per_item
+        if peak:
+            out["mfu"] = flops / peak
+    return out
+
+
+def _postfix(family, last_eval: dict, rec: dict) -> dict:
+    """The progress bar's fields: the family's (the last evaluation's values stay) and MFU."""
+    post = family.postfix({**last_eval, **rec})
+    if "mfu" in rec:
+        post["mfu"] = f"{rec['mfu']:.1%}"
+    return post

@@ -7,6 +7,10 @@ in turn when a checkpoint does not restore as it is (docs/checkpoints.md).
   sharded update (ZeRO-2, layout ``S``).
 * :func:`pipeline_kept`: pipelined runs stored ``{kept: {embed, final_norm, lm_head}, blocks,
   boundary}`` before the pipeline became the loss of the one step.
+
+And the config fields newer than some checkpoints, with the values the older runs used
+(:data:`LANGUAGE_MODEL_ADDED`, :data:`VISION_ADDED`, returned by the built-in families'
+``added_fields``), with the other rules of :func:`compatibility`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Callable
 import jax
 
 from sdp_jax import layout as layout_lib
+from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 from sdp_jax.sources import BackwardHeld
@@ -26,6 +31,27 @@ _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 _KEPT = ("embed", "final_norm", "lm_head")
 
 Migration = tuple[Callable, Callable]   # (current abstract state -> old, restored old -> current)
+
+# optim fields newer than the first checkpoints, with the values those runs used (every family)
+OPTIM_ADDED = {"optim": {"schedule": "cosine", "cooldown_fraction": 0.2}}
+# Config fields added after language-model checkpoints were first written (older runs' values).
+LANGUAGE_MODEL_ADDED = {"fsdp": False, "dtype": "float32",
+                        "pipeline": dict(pl.PipelineConfig().__dict__), **OPTIM_ADDED}
+# Config fields newer than some vision checkpoints (older runs' values).
+VISION_ADDED = {"sdp": {"average": "gradients", "sync_every": 1, "method": "auto"},
+                "fsdp": False, **OPTIM_ADDED}
+
+
+def compatibility(run) -> dict:
+    """Keyword arguments of :meth:`sdp_jax.train.checkpoint.CheckpointManager.check_compatible`
+    for a run (``run``: :class:`sdp_jax.train.run.RunSpec`): the family's added fields
+    (``added_fields``), and ``steps`` allowed to grow under the ``wsd`` schedule (extending a
+    run; under ``cosine`` the refusal names that option)."""
+    wsd = run.optim.schedule == "wsd"
+    return {"defaults": run.family.added_fields(), "may_grow": ("steps",) if wsd else (),
+            "hints": {} if wsd else {"steps": "the cosine schedule is fitted to steps; a run "
+                                              "trained with --config.optim.schedule=wsd may be "
+                                              "extended"}}
 
 
 def layouts(step: SDPStep) -> tuple[Migration, ...]:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from sdp_jax import alignment
 from sdp_jax import pipeline as pl
 from sdp_jax import runner
 from sdp_jax import step as step_lib
@@ -48,6 +49,9 @@ class RunSpec:
       workers: ``W``; total_steps: the run's optimizer steps (FLOP-matched when asked);
       global_batch: ``W * batch_per_worker`` examples per step.
       pipe: :class:`sdp_jax.pipeline.PipelineConfig` (``stages=1``: no pipeline).
+      settings: the step's settings, :class:`sdp_jax.train.task.StepSettings`.
+      config: the run's config, checked (the family's hooks read their own fields from it,
+        e.g. ``seq_len`` or ``data``).
     """
 
     family: Any
@@ -58,6 +62,8 @@ class RunSpec:
     total_steps: int
     global_batch: int
     pipe: Any
+    settings: task_lib.StepSettings
+    config: Any
 
 
 def _integer(v, name: str, low: int, hint: str = "") -> None:
@@ -141,6 +147,36 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
     canonical_dtype(config)
     family = families.family_of(config) if task is None else task
     _check_schema(config, family)
+    _check_run_control(config, family)
+    model = family.model_config(config)
+    optim = optim_lib.OptimConfig.from_config(config.optim)
+    _check_step_fields(config, family.remat)
+    pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
+    if pipe.stages > 1:
+        pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
+    if config.align_every:
+        alignment.check(fsdp=config.fsdp, averaging=config.sdp.average,
+                        pipelined=pipe.stages > 1,
+                        no_full_loss="" if family.aligns else f"{family.kind} models",
+                        asked=f"config.align_every={config.align_every}",
+                        fix="set --config.align_every=0")
+    workers = resolve_workers(config, device_count, pipe.stages)
+    plan = family.plan(config, model, workers, pipe)
+    total = total_steps(config, plan.coverage)
+    if optim.warmup_steps > total:
+        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
+                         f"({total} steps); lower --config.optim.warmup_steps.")
+    return RunSpec(family, model, optim, plan, workers, total,
+                   workers * config.batch_per_worker, pipe,
+                   task_lib.StepSettings.from_config(config), config)
+
+
+def _check_run_control(config, family) -> None:
+    """The integer fields (every run's and ``family``'s own), ``peak_flops``, ``seed`` and
+    ``sdp.coverage``.
+
+    Raises:
+      ValueError: naming the field, its value and what it must be."""
     for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
                  "num_cpu_devices") + family.positive_fields:
         _integer(_value(config, name), name, 1, HINTS.get(name, ""))
@@ -157,28 +193,6 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
     if isinstance(cov, bool) or not isinstance(cov, (int, float)) or not 0 < cov <= 1:
         raise ValueError(f"config.sdp.coverage={cov!r} must be a number in (0, 1] (the fraction "
                          "of components each worker holds; 1 for ddp).")
-    model = family.model_config(config)
-    optim = optim_lib.OptimConfig.from_config(config.optim)
-    _check_step_fields(config, family.remat)
-    pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
-    if pipe.stages > 1:
-        pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
-    if config.align_every and (pipe.stages > 1 or config.fsdp or not family.aligns
-                               or config.sdp.average != "gradients"):
-        what = ("pipelines" if pipe.stages > 1 else "FSDP" if config.fsdp
-                else f"{family.kind} models" if not family.aligns
-                else "parameter averaging (sdp.average=parameters)")
-        raise ValueError(f"config.align_every={config.align_every}: the gradient alignment "
-                         f"is not built for {what} (it needs the full model and its loss on "
-                         "every device); set --config.align_every=0.")
-    workers = resolve_workers(config, device_count, pipe.stages)
-    plan = family.plan(config, model, workers, pipe)
-    total = total_steps(config, plan.coverage)
-    if optim.warmup_steps > total:
-        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
-                         f"({total} steps); lower --config.optim.warmup_steps.")
-    return RunSpec(family, model, optim, plan, workers, total,
-                   workers * config.batch_per_worker, pipe)
 
 
 def resolve_workers(config, device_count: int, stages: int = 1) -> int:

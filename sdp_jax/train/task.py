@@ -30,6 +30,7 @@ See docs/custom_models.md, "Training your own model through the loop", and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -60,14 +61,38 @@ def step_method(method: str, name: str = "method") -> str:
     return METHODS[method]
 
 
-def step_settings(config) -> dict[str, Any]:
-    """The :class:`sdp_jax.step.SDPStep` settings that a run config gives in every family:
-    ``averaging`` (``sdp.average``), ``sync_every``, ``method`` (``sdp.method`` as the config
-    names it: ``auto``, ``alltoall`` or ``reference``, see :func:`step_method`), ``fsdp``,
-    ``remat`` and ``dtype``."""
-    s = config.sdp
-    return {"averaging": s.average, "sync_every": s.sync_every, "method": s.method,
-            "fsdp": config.fsdp, "remat": config.remat, "dtype": config.dtype}
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The :class:`sdp_jax.step.SDPStep` settings a run config gives in every family, as
+    :func:`sdp_jax.train.run.resolve` checked them (:func:`sdp_jax.step.check_settings`).
+
+    Attributes:
+      averaging: ``gradients`` or ``parameters`` (``config.sdp.average``).
+      sync_every: steps between parameter averagings (``config.sdp.sync_every``).
+      method: ``config.sdp.method`` as the config names it (``auto``, ``alltoall`` or
+        ``reference``; :func:`step_method` gives the step's).
+      fsdp: ZeRO-3 sharding over the workers; remat: activation checkpointing (``none``,
+        ``full``, ``dots``); dtype: the compute dtype (``float32`` or ``bfloat16``).
+    """
+
+    averaging: str
+    sync_every: int
+    method: str
+    fsdp: bool
+    remat: str
+    dtype: str
+
+    @classmethod
+    def from_config(cls, config) -> "StepSettings":
+        """The settings of a run config (no checks: :func:`sdp_jax.train.run.resolve` checks)."""
+        s = config.sdp
+        return cls(averaging=s.average, sync_every=s.sync_every, method=s.method,
+                   fsdp=config.fsdp, remat=config.remat, dtype=config.dtype)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The settings as keyword arguments of the families' step builders
+        (:func:`sdp_jax.train.families.language_model_step`, ``vision_step``)."""
+        return dataclasses.asdict(self)
 
 
 def compiled_flops(compiled, workers: int, counted: bool) -> dict:
@@ -92,10 +117,13 @@ class Family:
     """The hooks a model family gives :func:`sdp_jax.train.run.resolve` and
     :func:`sdp_jax.train.loop.train`: everything else about a run is written once in those two.
 
-    ``config`` is the run's ``ml_collections.ConfigDict``; ``spec`` the run's
-    :class:`sdp_jax.train.run.RunSpec` (``spec.model``: what :meth:`model_config` returned,
-    ``spec.plan``: what :meth:`plan` returned, ``spec.workers``, ``spec.global_batch``,
-    ``spec.total_steps``, ``spec.optim``, ``spec.pipe``). The hooks that raise
+    The hooks before the run is resolved (:meth:`template`, :meth:`model_config`,
+    :meth:`plan`) read the run's ``ml_collections.ConfigDict``; every later hook takes the one
+    resolved run, ``run``, a :class:`sdp_jax.train.run.RunSpec` (``run.model``: what
+    :meth:`model_config` returned, ``run.plan``: what :meth:`plan` returned, ``run.workers``,
+    ``run.global_batch``, ``run.total_steps``, ``run.optim``, ``run.pipe``, ``run.settings``:
+    the :class:`StepSettings`, and ``run.config``: the checked config, for the family's own
+    fields such as ``seq_len`` or ``data``). The hooks that raise
     ``NotImplementedError`` here are the ones a family must define; :class:`Task` defines all of
     them from a user's few model functions.
 
@@ -134,7 +162,7 @@ class Family:
         raise self._undefined("template")
 
     def model_config(self, config) -> Any:
-        """The model's config (``spec.model``) from the config, after checking the model (and
+        """The model's config (``run.model``) from the config, after checking the model (and
         data) fields.
 
         Raises:
@@ -160,7 +188,7 @@ class Family:
         return {}
 
     # ------------------------------------------------------------ data and step
-    def data(self, config, spec, rows: tuple[int, int], log: Callable,
+    def data(self, run, rows: tuple[int, int], log: Callable,
              train: bool = True) -> tuple[Callable | None, Any]:
         """``(train, evaluation data)`` of this process: ``train(s)`` is the iterator over the
         training batches from step ``s + 1`` on (batch ``s`` first: the data position is the
@@ -174,35 +202,35 @@ class Family:
           ValueError: bad data (a missing file, batches of the wrong shape)."""
         raise self._undefined("data")
 
-    def step(self, config, spec, mesh) -> step_lib.SDPStep:
+    def step(self, run, mesh) -> step_lib.SDPStep:
         """The run's :class:`sdp_jax.step.SDPStep` on ``mesh`` (from
         :func:`sdp_jax.train.loop.make_mesh`), with ``init_fn(seed)``."""
         raise self._undefined("step")
 
-    def batch_shapes(self, config, spec) -> Any:
+    def batch_shapes(self, run) -> Any:
         """The global batch as ``jax.ShapeDtypeStruct`` (a pytree, as :meth:`data`'s iterator
-        yields it, with the leading axis ``spec.global_batch``)."""
+        yields it, with the leading axis ``run.global_batch``)."""
         raise self._undefined("batch_shapes")
 
-    def items_per_step(self, config, spec) -> int:
+    def items_per_step(self, run) -> int:
         """Tokens, images or examples per optimizer step (the unit of :attr:`rate_key`)."""
         raise self._undefined("items_per_step")
 
-    def param_count(self, spec) -> int:
+    def param_count(self, run) -> int:
         """The full model's parameters (elements, every component counted once)."""
         raise self._undefined("param_count")
 
-    def model_flops_per_item(self, config, spec) -> float | None:
+    def model_flops_per_item(self, run) -> float | None:
         """Training FLOPs per item of a worker's subnetwork (None, the default: unknown, no
         FLOP/s or MFU in the metrics)."""
         return None
 
-    def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
+    def compiled(self, run, compiled) -> tuple[list[str], dict]:
         """``(log lines, summary fields)`` read from the compiled train step (none by
         default)."""
         return [], {}
 
-    def evaluator(self, config, spec, builder: step_lib.SDPStep, data, put: Callable,
+    def evaluator(self, run, builder: step_lib.SDPStep, data, put: Callable,
                   log: Callable) -> Callable[[dict], dict[str, float]]:
         """``state -> {name: float}``: the full model's evaluation on ``data`` (:meth:`data`'s
         evaluation data); ``put(host rows, ShapeDtypeStruct)`` places a batch on the mesh.
@@ -210,7 +238,7 @@ class Family:
         raise self._undefined("evaluator")
 
     # ------------------------------------------------------------ what a run reports
-    def describe(self, config, spec) -> list[str]:
+    def describe(self, run) -> list[str]:
         """Extra log lines of the family's settings (none by default)."""
         return []
 
@@ -222,7 +250,7 @@ class Family:
             post["val"] = f"{rec['val_loss']:.3f}"
         return post
 
-    def summary(self, config, spec, step: int, last_eval: dict, last_rec: dict) -> dict:
+    def summary(self, run, step: int, last_eval: dict, last_rec: dict) -> dict:
         """The family's fields of ``summary.json`` (the loop adds the run's own)."""
         raise self._undefined("summary")
 
@@ -407,7 +435,7 @@ class Task(Family):
             out.append(a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False))
         return jax.tree.unflatten(tree, out)
 
-    def data(self, config, spec, rows, log, train: bool = True):
+    def data(self, run, rows, log, train: bool = True):
         """``(step -> iterator over this process's rows of batch(config, step, size), ...),
         this process's rows of the validation batches)``; step 0's batch and the validation
         batches are checked here, before any compile.
@@ -415,7 +443,7 @@ class Task(Family):
         Raises:
           ValueError: a batch without arrays, of another leading axis than the global batch,
             or (validation, later steps) of other shapes or dtypes than step 0's."""
-        size, (first, count) = spec.global_batch, rows
+        config, size, (first, count) = run.config, run.global_batch, rows
         name = type(self).__name__
         want = _signature(self._global(self.batch(config, 0, size), size,
                                        f"{name}.batch(config, 0, {size})"))
@@ -440,65 +468,65 @@ class Task(Family):
             + f"; {len(val)} validation batch{'es' if len(val) != 1 else ''}")
         return (train_at if train else None), val
 
-    def step(self, config, spec, mesh) -> step_lib.SDPStep:
+    def step(self, run, mesh) -> step_lib.SDPStep:
         """The :class:`sdp_jax.step.SDPStep` of :meth:`loss` with the run's settings
-        (:func:`step_settings`), the optimizer of ``config.optim`` and its schedule, clipping
+        (``run.settings``), the optimizer of ``config.optim`` and its schedule, clipping
         at ``optim.grad_clip``, ``init_fn`` from :meth:`init`, and :meth:`step_options`.
 
         Raises:
           ValueError: :meth:`step_options` gives an argument the config sets (naming the
             field); everything :class:`SDPStep` refuses."""
-        model, plan = spec.model, spec.plan
+        model, plan = run.model, run.plan
         options = dict(self.step_options(model, plan))
         clash = sorted(set(options) & set(SET_BY_THE_RUN))
         if clash:
             raise ValueError(f"{type(self).__name__}.step_options gives {clash[0]}, which the "
                              f"run sets ({SET_BY_THE_RUN[clash[0]]}); set it there and leave "
                              "it out of step_options (or override Task.step).")
-        settings = step_settings(config)
+        settings = run.settings.kwargs()
         settings["method"] = step_method(settings["method"], "config.sdp.method")
         return step_lib.SDPStep(
             plan, self.loss(model, plan),
-            optim_lib.make_optimizer(spec.optim, spec.total_steps), mesh,
-            grad_clip=spec.optim.grad_clip,
-            schedule=optim_lib.lr_schedule(spec.optim, spec.total_steps),
-            total_steps=spec.total_steps, init_fn=lambda seed: self.init(model, seed),
+            optim_lib.make_optimizer(run.optim, run.total_steps), mesh,
+            grad_clip=run.optim.grad_clip,
+            schedule=optim_lib.lr_schedule(run.optim, run.total_steps),
+            total_steps=run.total_steps, init_fn=lambda seed: self.init(model, seed),
             **settings, **options)
 
-    def batch_shapes(self, config, spec):
+    def batch_shapes(self, run):
         """Step 0's global batch as ``jax.ShapeDtypeStruct``."""
-        size = spec.global_batch
-        batch = self._global(self.batch(config, 0, size), size,
+        size = run.global_batch
+        batch = self._global(self.batch(run.config, 0, size), size,
                              f"{type(self).__name__}.batch(config, 0, {size})")
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
 
-    def items_per_step(self, config, spec) -> int:
+    def items_per_step(self, run) -> int:
         """Examples per step: the global batch."""
-        return spec.global_batch
+        return run.global_batch
 
-    def param_count(self, spec) -> int:
+    def param_count(self, run) -> int:
         """The elements of every parameter leaf of the full model."""
-        return int(sum(np.prod(s, dtype=np.int64) for s in spec.plan.shapes.values()))
+        return int(sum(np.prod(s, dtype=np.int64) for s in run.plan.shapes.values()))
 
-    def compiled(self, config, spec, compiled) -> tuple[list[str], dict]:
+    def compiled(self, run, compiled) -> tuple[list[str], dict]:
         """``model_flops_per_step`` from XLA's count of the compiled step
         (:func:`compiled_flops`; None with a block runner or activation checkpointing)."""
-        looped = "block_fn" in self.step_options(spec.model, spec.plan)
-        return [], compiled_flops(compiled, spec.workers,
-                                  not looped and config.remat == "none")
+        looped = "block_fn" in self.step_options(run.model, run.plan)
+        return [], compiled_flops(compiled, run.workers,
+                                  not looped and run.settings.remat == "none")
 
-    def evaluator(self, config, spec, builder, val_batches, put, log):
+    def evaluator(self, run, builder, val_batches, put, log):
         """``state -> {"val_loss": float}``: the full model's loss
         (:meth:`sdp_jax.step.SDPStep.eval_step_fn`, each component the mean over its
         holders) averaged over :meth:`val_batches`; ``{}`` without validation batches."""
         if not val_batches:
             return lambda state: {}
-        eval_fn, shapes = builder.eval_step_fn(), self.batch_shapes(config, spec)
+        eval_fn, shapes = builder.eval_step_fn(), self.batch_shapes(run)
         return lambda state: {"val_loss": mean_loss(eval_fn, state["params"], val_batches,
                                                     put, shapes)}
 
-    def summary(self, config, spec, step: int, last_eval: dict, last_rec: dict) -> dict:
-        return {"model": self.name, "examples": step * spec.global_batch,
+    def summary(self, run, step: int, last_eval: dict, last_rec: dict) -> dict:
+        return {"model": self.name, "examples": step * run.global_batch,
                 "final_train_loss": last_rec.get("train_loss"),
                 **{f"final_{k}": v for k, v in last_eval.items()}}
 
