@@ -25,7 +25,7 @@ from sdp_jax import mesh as mesh_lib
 from sdp_jax import spec as sdp
 from sdp_jax.tools import trained
 from sdp_jax.train import checkpoint as ckpt_lib
-from sdp_jax.train import loop
+from sdp_jax.train import curves, loop
 from sdp_jax.train.task import Task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,6 +189,10 @@ def test_the_run_writes_metrics_tensorboard_and_summary(runs):
     assert json.loads((wd / "config.json").read_text())["model"] == {
         "name": "test-mlp", "depth": 4, "width": 24}
     assert (wd / "curves.png").is_file()
+    # its loss axis names no unit (a task's loss is its own), a language model's nats/token
+    run = curves.read_run(str(wd))
+    assert curves.loss_label("val_loss", [run]) == "validation loss"
+    assert curves.loss_label("val_loss", [{**run, "item": "tokens"}]).endswith("(nats/token)")
     # rerun once finished: nothing trained, the stored summary
     again = loop.train(config(), str(wd), task=Regression())
     assert again["steps"] == STEPS and again["signal"] is None

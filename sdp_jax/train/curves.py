@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 
-# the evaluation loss key of each family (language models, vision), and its unit
-EVAL_KEYS = (("val_loss", "validation loss (nats/token)"), ("test_loss", "test loss (nats)"))
+# the evaluation loss key of each family (language models and tasks, vision) and its name
+EVAL_KEYS = (("val_loss", "validation loss"), ("test_loss", "test loss"))
+# the loss's unit by what a run counts (a task's loss is the user's own: no unit given)
+UNITS = {"tokens": " (nats/token)", "images": " (nats)"}
 
 
 def read_run(workdir: str) -> dict:
@@ -45,6 +47,15 @@ def read_run(workdir: str) -> dict:
             "item": summary.get("item", "tokens")}
 
 
+def loss_label(key: str, runs: list[dict]) -> str:
+    """The evaluation loss's axis label: its name (``key``: ``val_loss`` or ``test_loss``)
+    and, when every run counts the same items, their unit (nats/token for language models,
+    nats for vision; none for a task's loss, which is the user's own)."""
+    items = {r["item"] for r in runs}
+    unit = UNITS.get(items.pop(), "") if len(items) == 1 else ""
+    return dict(EVAL_KEYS)[key] + unit
+
+
 def draw(runs: list[dict], path: str) -> str:
     """Write ``path`` (PNG): one panel per x axis (steps, tokens or images, and training FLOPs
     where every run knows its FLOPs per step), the evaluation loss of each run (markers) over
@@ -60,7 +71,8 @@ def draw(runs: list[dict], path: str) -> str:
     if len(found) > 1:
         raise ValueError(f"the runs evaluate different losses ({', '.join(sorted(found))}): "
                          "plot language and vision runs separately.")
-    key, unit = next(((k, u) for k, u in EVAL_KEYS if k in found), EVAL_KEYS[0])
+    key = next((k for k, _ in EVAL_KEYS if k in found), EVAL_KEYS[0][0])
+    unit = loss_label(key, runs)
     axes = [("step", "optimizer steps")]
     if all(r["items_per_step"] for r in runs):
         axes.append(("items", f"{runs[0]['item']} (all workers)"))
