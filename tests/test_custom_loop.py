@@ -23,7 +23,7 @@ from flax import nnx
 
 from sdp_jax import mesh as mesh_lib
 from sdp_jax import spec as sdp
-from sdp_jax.tools import trained
+from sdp_jax.tools import evaluate, trained
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import curves, loop
 from sdp_jax.train.task import Task
@@ -193,6 +193,17 @@ def test_the_run_writes_metrics_tensorboard_and_summary(runs):
     run = curves.read_run(str(wd))
     assert curves.loss_label("val_loss", [run]) == "validation loss"
     assert curves.loss_label("val_loss", [{**run, "item": "tokens"}]).endswith("(nats/token)")
+    # read back on the command line with --task: the run's own evaluation of its last state
+    out = evaluate.main(["--workdir", str(wd), "--task", f"{__name__}:Regression"])
+    assert out["step"] == STEPS and out["val_loss"] == pytest.approx(summary["final_val_loss"],
+                                                                   rel=1e-5)
+    for bad, why in (("nomodule_xyz:Regression", "cannot import"), (__name__, "module:Class"),
+                     (f"{__name__}:Net", "not a Task")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--workdir", str(wd), f"--task={bad}"])
+        assert e.value.code == 2
+    with pytest.raises(SystemExit):   # without --task: the error names it
+        evaluate.main(["--workdir", str(wd)])
     # rerun once finished: nothing trained, the stored summary
     again = loop.train(config(), str(wd), task=Regression())
     assert again["steps"] == STEPS and again["signal"] is None

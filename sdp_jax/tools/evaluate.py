@@ -3,6 +3,7 @@
     python -m sdp_jax.tools.evaluate --workdir runs/default                  # the latest checkpoint
     python -m sdp_jax.tools.evaluate --workdir runs/default --step 400       # a kept checkpoint
     python -m sdp_jax.tools.evaluate --export runs/default/export            # an export, loaded back
+    python -m sdp_jax.tools.evaluate --workdir runs/mine --task my_model:MyTask  # a Task's run
     python -m sdp_jax.tools.evaluate --workdir runs/default --config.data.source=text \\
         --config.data.train_files='mytexts/*.txt'                      # other data
 
@@ -29,6 +30,8 @@ def define(fv) -> None:
                          flag_values=fv)
     flags.DEFINE_string("export", None, "a folder python -m sdp_jax.tools.export wrote "
                         "(instead of --workdir)", flag_values=fv)
+    flags.DEFINE_string("task", None, "module:Class of the run's sdp_jax.train.task.Task "
+                        "(a run of your own model), e.g. my_model:MyTask", flag_values=fv)
 
 
 def main(argv=None) -> dict:
@@ -38,7 +41,8 @@ def main(argv=None) -> dict:
         if fv.export:
             run = trained_lib.from_export(fv.export, config)
         else:
-            run = trained_lib.load(fv.workdir, config, fv.step)
+            task = trained_lib.task_from(fv.task) if fv.task else None
+            run = trained_lib.load(fv.workdir, config, fv.step, task=task)
         out = trained_lib.evaluation(run)
     except (ValueError, ImportError) as e:
         cli.error(PROG, str(e))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from sdp_jax.spec import flatten, unflatten
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import cli, families, loop, migrations
 from sdp_jax.train import run as run_lib
+from sdp_jax.train import task as task_lib
 from sdp_jax.train.families import LanguageModel
 
 EXPORT_FILE = "model.safetensors"
@@ -329,6 +331,51 @@ def tool_flags(define):
     return fv
 
 
+def _given(argv: list, names: tuple) -> list[tuple[str, str]]:
+    """``(flag, value)`` of every ``--flag=value`` or ``--flag value`` in ``argv`` among
+    ``names`` (read before the flags are parsed)."""
+    out = []
+    for i, a in enumerate(argv):
+        for name in names:
+            if a.startswith(name + "="):
+                out.append((name, a.split("=", 1)[1]))
+            elif a == name and i + 1 < len(argv):
+                out.append((name, argv[i + 1]))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def task_from(name: str):
+    """The :class:`sdp_jax.train.task.Family` that ``--task=module:Class`` names: the class
+    (or instance) ``Class`` of the module ``module``, imported from the current directory or
+    ``PYTHONPATH``, instantiated without arguments. Needed to read back the run of a user's
+    own model (:class:`sdp_jax.train.task.Task`).
+
+    Raises:
+      ValueError: not ``module:Class``, a module that does not import, no such class, or not a
+        :class:`~sdp_jax.train.task.Family`."""
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"--task={name!r}: give module:Class, e.g. --task=my_model:MyTask "
+                         "(the module importable from the current folder or PYTHONPATH).")
+    try:
+        found = getattr(importlib.import_module(module), attr, None)
+    except ImportError as e:
+        raise ValueError(f"--task={name!r}: cannot import {module!r} ({e}); run from the "
+                         "folder that holds it or add that folder to PYTHONPATH.") from None
+    if isinstance(found, task_lib.Family):
+        return found
+    if not (isinstance(found, type) and issubclass(found, task_lib.Family)):
+        raise ValueError(f"--task={name!r}: {module}.{attr} is "
+                         + ("missing" if found is None else f"not a Task ({found!r})")
+                         + "; name your subclass of sdp_jax.train.task.Task.")
+    try:
+        return found()
+    except TypeError as e:
+        raise ValueError(f"--task={name!r}: {attr}() failed ({e}); the tool builds the task "
+                         "without arguments: give it defaults, or name an instance.") from None
+
+
 def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     """Parse a use command's flags: ``--workdir`` (or ``--export`` where ``define`` adds it),
     the tool's own (``define(fv)``), and ``--config.FIELD=VALUE`` overrides of the run's
@@ -343,13 +390,12 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
         print(doc.strip())
         sys.exit(0)
-    sources = []
-    for i, a in enumerate(argv):
-        for name in ("--workdir", "--export"):
-            if a.startswith(name + "="):
-                sources.append((name, a.split("=", 1)[1]))
-            elif a == name and i + 1 < len(argv):
-                sources.append((name, argv[i + 1]))
+    sources = _given(argv, ("--workdir", "--export"))
+    named = [v for _, v in _given(argv, ("--task",))]
+    try:   # a user's Task (its module imported now: read_config needs its schema)
+        task = task_from(named[-1]) if named else None
+    except ValueError as e:
+        cli.error(prog, str(e))
     if len(sources) > 1:
         cli.error(prog, f"give one of {' / '.join(n + '=' + v for n, v in sources)}, once")
     source = sources[0] if sources else None
@@ -357,7 +403,7 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
         cli.error(prog, "give --workdir=RUN_DIR (a training run's folder)"
                   + (" or --export=DIR" if "--export" in doc else ""))
     try:
-        config = read_config(source[1])
+        config = read_config(source[1], task)
     except ValueError as e:
         cli.error(prog, f"{source[1]!r} has no config.json: give a folder python -m "
                         "sdp_jax.tools.export wrote." if source[0] == "--export" else str(e))
