@@ -209,6 +209,16 @@ def test_the_run_writes_metrics_tensorboard_and_summary(runs):
     assert again["steps"] == STEPS and again["signal"] is None
 
 
+def test_a_task_run_measures_the_gradient_alignment(tmp_path):
+    """config.align_every serves a user's model as the built-in language model."""
+    s = loop.train(config(steps=2, align_every=2, checkpoint_every=0, eval_every=0),
+                   str(tmp_path), task=Regression())
+    rec = read_jsonl(tmp_path / "metrics.jsonl")[-1]
+    assert s["completed"] and rec["step"] == 2
+    for key in ("grad_alignment", "update_alignment"):   # b-sdp: cosines below 1
+        assert 0 < rec[key] < 0.999
+
+
 class NoLoss(Regression):
     loss = Task.loss
 

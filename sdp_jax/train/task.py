@@ -297,6 +297,7 @@ class Task(Family):
 
     name: str = ""
     fixed_model_fields = True
+    aligns = True   # (SDPStep.alignment_fn refuses what it cannot measure: stacked_slots)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
