@@ -17,6 +17,8 @@ A model, built-in or a user's own, declares which of its parameters SDP may swit
   (list form) or one index of the leading axis (``stacked=True``). Used by ``n-sdp`` / ``nb-sdp``.
 
 Every leaf no active rule matches is *always-kept*: held by every worker, averaged over all.
+The rules and their resolution against a parameter tree (no masks) live in
+:mod:`sdp_jax.spec_rules`; every name there is importable from here too.
 
 :func:`build` turns (parameters, rules, variant, W, C, scheme, seed) into an :class:`SDPSpec`:
 the mask matrices of every component kind (:mod:`sdp_jax.masks`, uniform representation,
@@ -50,113 +52,18 @@ import jax
 import numpy as np
 
 from sdp_jax import masks as masks_lib
+from sdp_jax.spec_rules import (BLOCK, Blocks, Neurons, Rule, Stack, flat_shapes, flatten,
+                                match_neurons, neuron_layers, path_keys, path_str, pure_tree,
+                                resolve_stack, unflatten)
 
 VARIANTS = ("ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp")
 BLOCK_VARIANTS = ("ddp", "b-sdp", "bb-sdp")
 BACKWARD_VARIANTS = ("bb-sdp", "nb-sdp")
-BLOCK = "block"
 
 
 # ----------------------------------------------------------------------------------------------
-# Declared rules
+# Mask tables
 # ----------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """The residual blocks under ``path`` (``"/"``-separated keys, e.g. ``"blocks"``).
-
-    Several ``Blocks`` rules declare several stacks (e.g. the stages of a ResNet, whose blocks
-    differ in width from stage to stage); see :func:`build` for how ``C`` splits over them.
-
-    Attributes:
-      path: the subtree holding the blocks.
-      stacked: True: every leaf under ``path`` has a leading block axis ``[L, ...]``; False: the
-        children of ``path`` keyed ``key.format(0) .. key.format(L-1)`` are the blocks (other
-        children, e.g. a stage's projection shortcut, are always-kept); None (default): False
-        when such children exist, else True.
-      key: list form: the format of block ``j``'s key, e.g. ``"b{}"`` for children ``b0, b1``
-        (default ``"{}"``: keyed ``0 .. L-1`` as ``nnx.List`` gives).
-      pad: list form: the blocks may differ in the shapes (not the structure) of their leaves,
-        e.g. a downsampling first block with fewer input channels; a worker's slots then hold
-        each block zero-padded at the end of every axis to the largest shape, and the model
-        must run a padded block (see :mod:`sdp_jax.models.vision`).
-    """
-
-    path: str
-    stacked: bool | None = None
-    key: str = "{}"
-    pad: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Stack:
-    """A block stack as :func:`build` resolved it from a :class:`Blocks` rule.
-
-    Attributes:
-      kind: its component kind (``"block"`` for the only stack; ``"{path}.blocks"`` when the
-        rules declare several).
-      path: the subtree holding the blocks (keys as the tree spells them).
-      stacked: leading block axis (True) or a list of blocks (False).
-      n: ``L``, its number of blocks.
-      keys: list form: the key of each block under ``path`` (block order).
-      union: list form: {path inside a block: the largest shape over the blocks} (the shape of
-        a stored slot; equal to every block's shape unless the rule has ``pad=True``).
-    """
-
-    kind: str
-    path: tuple
-    stacked: bool
-    n: int
-    keys: tuple = ()
-    union: dict = dataclasses.field(default_factory=dict)
-
-    def block_key(self, g: int):
-        """The key of block ``g`` under :attr:`path` (list form)."""
-        return self.keys[g]
-
-
-@dataclasses.dataclass(frozen=True)
-class Neurons:
-    """Components along one axis of the leaves matching ``pattern``.
-
-    Attributes:
-      pattern: ``"/"``-separated keys; ``*`` matches any one key (e.g. ``"blocks/*/up/kernel"``).
-      axis: the component axis of each matching leaf (negative counts from the end; the layer
-        axis 0 of a stacked leaf counts).
-      kind: the component kind, e.g. ``"mlp"``, ``"heads"``, ``"channels"``; every layer has
-        one mask per kind, and all leaves of one kind in one layer share it.
-      expand: indices per component along ``axis`` (``H / K`` for query-head leaves under
-        grouped-query attention, else 1).
-      stacked: the leaves carry a leading layer axis (one mask per index of axis 0).
-    """
-
-    pattern: str
-    axis: int
-    kind: str = "neurons"
-    expand: int = 1
-    stacked: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """How one parameter leaf is masked (what :meth:`SDPSpec.rule` returns).
-
-    Attributes:
-      kind: a block kind (``"block"``; ``"{path}.blocks"`` with several stacks) or a neuron
-        kind.
-      axis: component axis of the full leaf (0 for stacked blocks; the layer axis counts);
-        None for a list-form block leaf, which belongs to one block as a whole.
-      expand: indices per component along ``axis``.
-      layer: neuron leaves of the list form: the layer (mask) index; None when stacked.
-      block: block leaves of the list form: the block this leaf belongs to; None when stacked.
-    """
-
-    kind: str
-    axis: int | None
-    expand: int = 1
-    layer: int | None = None
-    block: int | None = None
-
 
 @dataclasses.dataclass
 class KindTables:
@@ -200,73 +107,6 @@ def layer_masks(recipe: masks_lib.MaskRecipe, layers: int) -> np.ndarray:
             out.append(dataclasses.replace(recipe, seed=recipe.seed * 1009 + layer).matrix())
     return np.stack(out)
 
-
-# ----------------------------------------------------------------------------------------------
-# Parameter trees as flat {path: shape}
-# ----------------------------------------------------------------------------------------------
-
-def _key(k) -> Any:
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return getattr(k, attr)
-    return k
-
-
-def pure_tree(params: Any) -> Any:
-    """An ``nnx.Module`` or ``nnx.State`` -> nested dict of its ``nnx.Param`` values (as
-    ``nnx.to_pure_dict`` gives); any other pytree is returned as it is."""
-    from flax import nnx  # pylint: disable=g-import-not-at-top
-    if isinstance(params, nnx.Module):
-        params = nnx.state(params, nnx.Param)
-    if isinstance(params, nnx.State):
-        return nnx.to_pure_dict(params)
-    return params
-
-
-def flat_shapes(params: Any) -> dict[tuple, tuple]:
-    """{path (tuple of keys): shape} of every array leaf (anything with ``.shape``).
-
-    Raises:
-      ValueError: a leaf without a shape (names its path)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(pure_tree(params))[0]:
-        keys = tuple(_key(k) for k in path)
-        if not hasattr(leaf, "shape"):
-            raise ValueError(f"parameter {path_str(keys)!r} is a {type(leaf).__name__}, not an "
-                             "array; pass the model's parameters (nnx.state(model, nnx.Param)).")
-        out[keys] = tuple(leaf.shape)
-    return out
-
-
-def flatten(tree: Any) -> dict[tuple, Any]:
-    """{path (tuple of dict keys / list indices): leaf} of a pytree (nested dicts)."""
-    return {tuple(_key(k) for k in p): x
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def path_str(path: tuple) -> str:
-    return "/".join(str(k) for k in path)
-
-
-def _match(pattern: tuple[str, ...], path: tuple) -> tuple | None:
-    """The keys that ``*`` matched, or None if ``path`` does not match ``pattern``."""
-    if len(pattern) != len(path):
-        return None
-    caught = []
-    for p, k in zip(pattern, path):
-        if p == "*":
-            caught.append(k)
-        elif p != str(k):
-            return None
-    return tuple(caught)
-
-
-def _natural(keys: tuple) -> tuple:
-    return tuple((0, int(k), "") if str(k).isdigit() else (1, 0, str(k)) for k in keys)
-
-
-def _nearest_keys(shapes: dict, depth: int) -> list[str]:
-    return sorted({path_str(p[:depth]) for p in shapes})[:12]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,101 +216,15 @@ class SDPSpec:
         except ValueError as e:
             raise ValueError(f"{self.variant} masks {components} {what}: {e}") from None
 
-    def _add_stack(self, rule: Blocks, kind: str, active: bool = True) -> Stack:
-        """Resolve one :class:`Blocks` rule (form, ``L``, slot shapes) and claim its leaves."""
-        want = tuple(k for k in rule.path.split("/") if k)
-        under = {p: s for p, s in self.shapes.items()
-                 if tuple(str(k) for k in p[:len(want)]) == want and len(p) > len(want)}
-        if not isinstance(rule.key, str) or rule.key.count("{}") != 1:
-            raise ValueError(f"rule Blocks({rule.path!r}, key={rule.key!r}): key must be a "
-                             "format with one '{}' for the block index, e.g. 'b{}'.")
-        if not under:
-            if any(tuple(str(k) for k in p) == want for p in self.shapes):
-                raise ValueError(f"rule Blocks({rule.path!r}) names a parameter leaf, not the "
-                                 "subtree that holds the blocks; give the blocks' parent path "
-                                 "(e.g. 'blocks').")
-            raise ValueError(f"rule Blocks({rule.path!r}) matches no parameter; paths start "
-                             f"with {_nearest_keys(self.shapes, len(want) or 1)}.")
-        prefix = next(iter(under))[:len(want)]   # the keys as the tree spells them
-        children = sorted({p[len(prefix)] for p in under}, key=lambda k: _natural((k,)))
-        by_name = {str(c): c for c in children}
-        block_keys = []
-        while rule.key.format(len(block_keys)) in by_name:
-            block_keys.append(by_name[rule.key.format(len(block_keys))])
-        head, tail = rule.key.split("{}")
-        like = sorted(str(c) for c in children if str(c).startswith(head)
-                      and str(c).endswith(tail) and str(c)[len(head):len(str(c)) - len(tail)]
-                      .isdigit())
-        as_list = bool(block_keys)
-        if rule.key == "{}" and len(block_keys) != len(children):
-            as_list = False   # an nnx.List has only its blocks as children
-        if as_list and len(like) != len(block_keys):
-            raise ValueError(f"rule Blocks({rule.path!r}, key={rule.key!r}): the blocks must be "
-                             f"keyed {rule.key.format(0)}..{rule.key.format(len(like) - 1)} "
-                             f"without gaps, but the children are {like[:8]}; rename them or "
-                             "declare each run of blocks as its own rule.")
-        if rule.key != "{}" and not block_keys:
-            raise ValueError(f"rule Blocks({rule.path!r}, key={rule.key!r}): no child of "
-                             f"{rule.path!r} is keyed {rule.key.format(0)} (children: "
-                             f"{[str(c) for c in children][:8]}); fix the key format.")
-        if as_list and "slots" in by_name:
-            raise ValueError(f"rule Blocks({rule.path!r}): a child named 'slots' collides with "
-                             "the stored stack of the blocks' slots "
-                             f"({rule.path}/slots/...); rename it.")
-        stacked = (not as_list) if rule.stacked is None else rule.stacked
-        if stacked and as_list:
-            raise ValueError(f"rule Blocks({rule.path!r}, stacked=True): the children of "
-                             f"{rule.path!r} are keyed {rule.key.format(0)}.."
-                             f"{rule.key.format(len(block_keys) - 1)}, a list of blocks, so a "
-                             "leading axis of their leaves is a feature axis, not a block axis; "
-                             "drop stacked=True.")
-        if not stacked and not as_list:
-            raise ValueError(f"rule Blocks({rule.path!r}, stacked=False): the children of "
-                             f"{rule.path!r} are {[str(c) for c in children][:8]}, not keyed "
-                             f"{rule.key.format(0)}..{rule.key.format('L-1')}; use stacked=True "
-                             "for a leading block axis, or key= for the blocks' key format.")
-        if stacked:
-            sizes = {p: (s[0] if s else None) for p, s in under.items()}
-            distinct = sorted({v for v in sizes.values() if v is not None})
-            if None in sizes.values() or len(distinct) != 1:
-                bad = sorted(under, key=lambda p: str(sizes[p]))
-                raise ValueError(
-                    f"rule Blocks({rule.path!r}, stacked): leaves under it must all have the "
-                    f"same leading block axis, but {path_str(bad[0])!r} has shape "
-                    f"{under[bad[0]]} and {path_str(bad[-1])!r} has shape {under[bad[-1]]}; "
-                    "declare stacked=False for a list of blocks, or move leaves without a "
-                    "block axis out of the blocks' subtree.")
-            if rule.key != "{}" or rule.pad:
-                raise ValueError(f"rule Blocks({rule.path!r}) is stacked (a leading block axis), "
-                                 "so key= and pad= do not apply; drop them.")
-            stack = Stack(kind, prefix, True, distinct[0])
-            for p in under if active else ():
-                self._claim(p, Rule(kind, 0), rule)
-            return stack
-        n = len(block_keys)
-        per = [{p[len(prefix) + 1:]: s for p, s in under.items() if p[len(prefix)] == key}
-               for key in block_keys]
-        for j in range(1, n if active else 1):   # inactive (neuron variants): not stacked
-            same = set(per[j]) == set(per[0]) and (rule.pad or per[j] == per[0]) and all(
-                len(per[j][r]) == len(per[0][r]) for r in per[0] if r in per[j])
-            if not same:
-                diff = sorted(set(per[j].items()) ^ set(per[0].items()), key=str)[:2]
-                raise ValueError(
-                    f"rule Blocks({rule.path!r}): block {j} differs from block 0 in "
-                    f"{'structure' if set(per[j]) != set(per[0]) or rule.pad else 'shape'} "
-                    f"({diff}); SDP stacks a worker's blocks (and their gradients) into one "
-                    "array, so the blocks under one rule must have the same parameters: set "
-                    "pad=True for blocks that differ only in shape (stored zero-padded), "
-                    "declare each group of equal blocks as its own Blocks rule, or use a "
-                    "neuron variant.")
-        union = ({r: tuple(int(v) for v in np.max([b[r] for b in per], axis=0))
-                  for r in per[0]} if active else {})
-        if active:
-            for p in under:
-                if p[len(prefix)] in block_keys:
-                    self._claim(p, Rule(kind, None, block=block_keys.index(p[len(prefix)])),
-                                rule)
-        return Stack(kind, prefix, False, n, tuple(block_keys), union)
+    def _masks(self, kind: str, components: int, layers: int, draw) -> tuple[np.ndarray, dict]:
+        """A kind's masks bool [layers, W, G] and record: the hand-made matrices given to
+        :func:`build` and ``{"given": True}``, else ``draw(recipe, layers)`` and the recipe's
+        dict."""
+        given = self._matrices(kind, components, layers)
+        if given is not None:
+            return given, {"given": True}
+        recipe = self._recipe(components, self._what(kind))
+        return draw(recipe, layers), recipe.to_dict()
 
     def _add_blocks(self, rules: list[Blocks], active: bool = True,
                     stage_blocks: tuple = (), stage_balanced: bool | None = None) -> None:
@@ -481,20 +235,23 @@ class SDPSpec:
             kind = f"{rule.path.strip('/')}.blocks" if several else BLOCK
             if kind in self.stacks:
                 raise ValueError(f"two Blocks rules for {rule.path!r}; declare each stack once.")
-            self.stacks[kind] = self._add_stack(rule, kind, active)
+            stack, claims = resolve_stack(self.shapes, rule, kind, active)
+            for path, leaf_rule in claims:
+                self._claim(path, leaf_rule, rule)
+            self.stacks[kind] = stack
         if not active:
             return
-        stacks = list(self.stacks.values())
-        if not several:
-            st = stacks[0]
-            given = self._matrices(st.kind, st.n, 1)
-            if given is None:
-                recipe = self._recipe(st.n, self._what(st.kind))
-                m, rec = recipe.matrix(), recipe.to_dict()
-            else:
-                m, rec = given[0], {"given": True}
-            self._block_kind(st.kind, m, rec)
+        if several:
+            self._add_stages(stage_blocks)
             return
+        st = next(iter(self.stacks.values()))
+        m, rec = self._masks(st.kind, st.n, 1, lambda recipe, _: recipe.matrix()[None])
+        self._block_kind(st.kind, m[0], rec)
+
+    def _add_stages(self, stage_blocks: tuple) -> None:
+        """Stage-balanced masks of several block stacks: ``k_s`` blocks of stack ``s`` per worker
+        (:func:`stage_balance`), stack ``s`` drawn with seed ``seed * 1009 + s``."""
+        stacks = list(self.stacks.values())
         try:
             ks = stage_balance(self.coverage, [st.n for st in stacks], self.workers,
                                stage_blocks, [path_str(st.path) for st in stacks])
@@ -529,90 +286,12 @@ class SDPSpec:
         self._str_rules[tuple(str(k) for k in path)] = leaf_rule
 
     def _add_neurons(self, rules: list[Neurons]) -> None:
-        per_kind: dict[str, dict] = {}   # kind -> {layer key: (G, first path)}
-        stacked_len: dict[str, tuple] = {}   # kind -> (layers, first path) of stacked rules
-        found: dict[tuple, tuple] = {}   # path -> (rule, layer key, axis)
-        for rule in rules:
-            if isinstance(rule.expand, bool) or not isinstance(rule.expand, int) \
-                    or rule.expand < 1:
-                raise ValueError(f"{rule}: expand={rule.expand!r} must be a positive integer.")
-            if isinstance(rule.axis, bool) or not isinstance(rule.axis, (int, np.integer)):
-                raise ValueError(f"{rule}: axis={rule.axis!r} must be an integer.")
-            if rule.kind in self.stacks or rule.kind == BLOCK:
-                raise ValueError(f"{rule}: kind {rule.kind!r} is the name of a block stack; "
-                                 "give the neuron kind another name.")
-            pattern = tuple(k for k in rule.pattern.split("/") if k)
-            hits = 0
-            for p, s in self.shapes.items():
-                caught = _match(pattern, p)
-                if caught is None:
-                    continue
-                hits += 1
-                if p in found:
-                    raise ValueError(f"parameter {path_str(p)!r} is matched by two rules "
-                                     f"({found[p][0]} and {rule}); each leaf may carry one "
-                                     "component axis.")
-                nd = len(s)
-                axis = rule.axis + nd if rule.axis < 0 else rule.axis
-                if not 0 <= axis < nd or (rule.stacked and axis == 0):
-                    raise ValueError(f"{rule}: axis {rule.axis} is not a component axis of "
-                                     f"{path_str(p)!r} with shape {s}"
-                                     + (" (axis 0 is the layer axis of a stacked leaf)"
-                                        if rule.stacked else "") + "; fix the rule's axis.")
-                if s[axis] % rule.expand:
-                    raise ValueError(f"{rule}: {path_str(p)!r} has {s[axis]} indices on axis "
-                                     f"{axis}, not a multiple of expand={rule.expand}.")
-                under = [st for st in self.stacks.values() if st.stacked and
-                         tuple(str(k) for k in p[:len(st.path)]) ==
-                         tuple(str(k) for k in st.path)]
-                if not rule.stacked and under:
-                    raise ValueError(
-                        f"{rule}: {path_str(p)!r} lies under the stacked blocks "
-                        f"{path_str(under[0].path)!r}, so its axis 0 is the layer axis; set "
-                        "stacked=True (one mask per layer).")
-                if rule.stacked:
-                    first = stacked_len.setdefault(rule.kind, (s[0], p))
-                    if first[0] != s[0]:
-                        raise ValueError(
-                            f"{rule}: {path_str(p)!r} stacks {s[0]} layers but "
-                            f"{path_str(first[1])!r} of the same kind stacks {first[0]}; give "
-                            "stacks of other depths their own kind.")
-                g = s[axis] // rule.expand
-                if pattern[-1] == "*":   # a '*' for the leaf name: leaves of one layer
-                    caught = caught[:-1]
-                layers = [(i,) for i in range(s[0])] if rule.stacked else [caught]
-                seen = per_kind.setdefault(rule.kind, {})
-                for lk in layers:
-                    if lk in seen and seen[lk][0] != g:
-                        raise ValueError(
-                            f"{rule}: {path_str(p)!r} has {g} {rule.kind} components on axis "
-                            f"{axis}, but {path_str(seen[lk][1])!r} of the same layer has "
-                            f"{seen[lk][0]}; leaves of one kind in one layer share a mask, so "
-                            "check the rule's axis (e.g. a feature width equal to the "
-                            "component count) or give them different kinds.")
-                    seen.setdefault(lk, (g, p))
-                found[p] = (rule, None if rule.stacked else caught, axis)
-            if not hits:
-                raise ValueError(f"rule {rule} matches no parameter; paths look like "
-                                 f"{[path_str(p) for p in list(self.shapes)[:6]]} ('*' "
-                                 "matches one key).")
+        """Match the :class:`Neurons` rules, draw each kind's masks (one per layer) and claim
+        its leaves."""
+        found, per_kind = match_neurons(self.shapes, rules, self.stacks)
         for kind, layers in per_kind.items():
-            keys = sorted(layers, key=_natural)
-            stacked_kind = {found[p][0].stacked for p in found if found[p][0].kind == kind}
-            if len(stacked_kind) > 1:
-                raise ValueError(f"neuron kind {kind!r} mixes stacked and list-form rules; "
-                                 "give them different kinds.")
-            gs = {layers[k][0] for k in keys}
-            if len(gs) > 1:  # one recipe per kind: every layer must have as many components
-                raise ValueError(f"neuron kind {kind!r} has layers with different component "
-                                 f"counts {sorted(gs)}; give each width its own kind.")
-            g = gs.pop()
-            ms = self._matrices(kind, g, len(keys))
-            if ms is None:
-                recipe = self._recipe(g, self._what(kind))
-                ms, rec = layer_masks(recipe, len(keys)), recipe.to_dict()
-            else:
-                rec = {"given": True}
+            keys, g = neuron_layers(kind, layers, found)
+            ms, rec = self._masks(kind, g, len(keys), layer_masks)
             held = np.stack([masks_lib.held_table(m) for m in ms], axis=1)   # [W, Lg, k]
             counts = np.stack([masks_lib.multiplicities(m) for m in ms])    # [Lg, G]
             self.kinds[kind] = KindTables(kind, ms, held, counts, None, rec, tuple(keys))
@@ -634,7 +313,7 @@ class SDPSpec:
     def rules(self, tree: Any) -> Any:
         """Pytree of :class:`Rule` / None matching ``tree`` (nested dicts)."""
         return jax.tree_util.tree_map_with_path(
-            lambda p, _: self.rule(tuple(_key(k) for k in p)), pure_tree(tree))
+            lambda p, _: self.rule(path_keys(p)), pure_tree(tree))
 
     @property
     def local_blocks(self) -> int | None:
@@ -831,17 +510,6 @@ def stage_balance(coverage: float, depths: list, workers: int, stage_blocks: tup
     return ks
 
 
-def unflatten(flat: dict) -> dict:
-    """{path (tuple of keys): leaf} -> nested dict."""
-    out: dict = {}
-    for path, v in flat.items():
-        d = out
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = v
-    return out
-
-
 def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0, *,
           scheme: str = "cyclic", seed: int = 0, allow_nonuniform: bool = False,
           names: dict | None = None, matrices: dict | None = None,
@@ -888,6 +556,19 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
         (names the kind, its count and the nearest valid coverages); a disconnected mask graph
         (unless ``allow_disconnected``).
     """
+    _check_arguments(rules, variant, workers, matrices)
+    spec = SDPSpec(flat_shapes(params), variant, workers, coverage, scheme, seed,
+                   allow_nonuniform, names, matrices)
+    spec.stage_blocks = tuple(stage_blocks or ())
+    spec.dtypes = {p: np.dtype(getattr(x, "dtype", np.float32))
+                   for p, x in flatten(pure_tree(params)).items()}
+    _add_rules(spec, list(rules), stage_blocks, stage_balanced)
+    _check_masks(spec, matrices, allow_disconnected)
+    return spec
+
+
+def _check_arguments(rules, variant: str, workers: int, matrices: dict | None) -> None:
+    """:func:`build`'s refusals of its arguments, before it reads the parameters."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}.")
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
@@ -901,13 +582,14 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
     if matrices and variant == "ddp":
         raise ValueError("variant ddp holds every component; hand-made matrices need an SDP "
                          "variant (b-sdp, n-sdp, bb-sdp, nb-sdp).")
-    shapes = flat_shapes(params)
-    spec = SDPSpec(shapes, variant, workers, coverage, scheme, seed, allow_nonuniform, names,
-                   matrices)
-    spec.stage_blocks = tuple(stage_blocks or ())
-    spec.dtypes = {p: np.dtype(getattr(x, "dtype", np.float32))
-                   for p, x in flatten(pure_tree(params)).items()}
-    rules = list(rules)
+
+
+def _add_rules(spec: SDPSpec, rules: list, stage_blocks, stage_balanced: bool | None) -> None:
+    """Resolve the rules the spec's variant uses and draw their masks: the ``Blocks`` rules
+    under the block variants, the ``Neurons`` rules (and the inactive block stacks) under the
+    neuron variants. A block variant still resolves its unused ``Neurons`` rules, on a probe
+    spec, so that a typo is refused."""
+    variant = spec.variant
     blocks = [r for r in rules if isinstance(r, Blocks)]
     neurons = [r for r in rules if isinstance(r, Neurons)]
     if stage_balanced is False and len(blocks) > 1:
@@ -932,20 +614,25 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
             spec._add_blocks(blocks, False, (), stage_balanced)
         spec._add_neurons(neurons)
     if variant in BLOCK_VARIANTS and neurons:   # unused here, but a typo is still refused
-        probe = SDPSpec(shapes, "n-sdp", workers, 1.0, "cyclic", 0, False)
+        probe = SDPSpec(spec.shapes, "n-sdp", spec.workers, 1.0, "cyclic", 0, False)
         if blocks:
             probe._add_blocks(blocks, False, (), stage_balanced)
         probe._add_neurons(neurons)
-    if workers > 1 and spec.coverage < 1 and not allow_disconnected \
+
+
+def _check_masks(spec: SDPSpec, matrices: dict | None, allow_disconnected: bool) -> None:
+    """:func:`build`'s refusals of the masks drawn: a disconnected mask graph (unless
+    ``allow_disconnected``), hand-made matrices for a kind the spec does not have."""
+    if spec.workers > 1 and spec.coverage < 1 and not allow_disconnected \
             and spec.spectral_gap() < 1e-9:
         raise ValueError(
-            f"the mask graph of {'hand-made' if matrices else scheme} {variant} masks for "
-            f"W={workers}, C={spec.coverage:g} is disconnected (spectral gap 0): some groups of "
-            "workers share no component, so their copies never mix. Choose a larger coverage, "
-            "another scheme, or set allow_disconnected=True "
+            f"the mask graph of {'hand-made' if matrices else spec.scheme} {spec.variant} masks "
+            f"for W={spec.workers}, C={spec.coverage:g} is disconnected (spectral gap 0): some "
+            "groups of workers share no component, so their copies never mix. Choose a larger "
+            "coverage, another scheme, or set allow_disconnected=True "
             "(--config.sdp.allow_disconnected=True).")
     unknown = sorted(set(matrices or {}) - set(spec.kinds))
     if unknown:
-        raise ValueError(f"matrices for {unknown}, which are not component kinds of {variant} "
-                         f"with these rules (kinds: {sorted(spec.kinds)}); use those keys.")
-    return spec
+        raise ValueError(f"matrices for {unknown}, which are not component kinds of "
+                         f"{spec.variant} with these rules (kinds: {sorted(spec.kinds)}); use "
+                         "those keys.")
