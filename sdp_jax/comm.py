@@ -428,56 +428,84 @@ def _trace(comp: _Comp, name: str, comps: dict[str, _Comp]) -> _Instr | None:
     return ins
 
 
-def _infer_trip_count(ins: _Instr, comp: _Comp, comps: dict[str, _Comp]) -> int | None:
-    """Trip count of a ``while`` from ``compare(gte(param, k), constant)`` in its condition."""
-    names = dict(_callees(ins))
-    cond = comps.get(names.get("condition", ""))
-    root = cond.root if cond else None
-    if root is None:
-        return None
-    cmp_ins, cmp_comp = root, cond
-    fused_root: _Instr | None = None
-    if root.opcode == "fusion":  # XLA:CPU wraps the compare: fusion(gte, constant), calls=...
-        fused = comps.get(dict(_callees(root)).get("calls", ""))
-        if fused is None or fused.root is None:
-            return None
-        cmp_ins, cmp_comp, fused_root = fused.root, fused, root
-    if cmp_ins.opcode != "compare" or len(cmp_ins.operands) != 2:
-        return None
+@dataclass
+class _LoopCompare:
+    """The ``compare`` that ends a ``while`` loop: the root of its condition computation
+    ``cond``, or (XLA:CPU) the root of the fused computation ``cmp_comp`` that the condition's
+    root ``fusion`` instruction ``fused_root`` calls (None when not fused)."""
 
-    def resolve(name: str) -> _Instr | None:
+    cond: _Comp
+    cmp_ins: _Instr
+    cmp_comp: _Comp
+    fused_root: _Instr | None
+    comps: dict[str, _Comp]
+
+    @classmethod
+    def of(cls, ins: _Instr, comps: dict[str, _Comp]) -> _LoopCompare | None:
+        """The compare of the ``while`` ``ins`` (None when its condition's root is none)."""
+        names = dict(_callees(ins))
+        cond = comps.get(names.get("condition", ""))
+        root = cond.root if cond else None
+        if root is None:
+            return None
+        cmp_ins, cmp_comp = root, cond
+        fused_root: _Instr | None = None
+        if root.opcode == "fusion":  # XLA:CPU wraps the compare: fusion(gte, constant), calls=...
+            fused = comps.get(dict(_callees(root)).get("calls", ""))
+            if fused is None or fused.root is None:
+                return None
+            cmp_ins, cmp_comp, fused_root = fused.root, fused, root
+        if cmp_ins.opcode != "compare" or len(cmp_ins.operands) != 2:
+            return None
+        return cls(cond, cmp_ins, cmp_comp, fused_root, comps)
+
+    def resolve(self, name: str) -> _Instr | None:
         """The defining instruction, seen through the fusion boundary into the condition."""
-        got = _trace(cmp_comp, name, comps)
-        if fused_root is not None and got is not None and got.opcode == "parameter":
+        got = _trace(self.cmp_comp, name, self.comps)
+        if self.fused_root is not None and got is not None and got.opcode == "parameter":
             k = int(got.operands[0]) if got.operands else -1
-            if 0 <= k < len(fused_root.operands):
-                return _trace(cond, fused_root.operands[k], comps)
+            if 0 <= k < len(self.fused_root.operands):
+                return _trace(self.cond, self.fused_root.operands[k], self.comps)
             return None
         return got
 
-    dm = re.search(r"\bdirection=(\w+)", cmp_ins.attrs)
-    direction = dm.group(1) if dm else ""
-    lhs, rhs = (resolve(a) for a in cmp_ins.operands)
-    if lhs is None or rhs is None:
-        return None
-    swap = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE", "NE": "NE"}
-    if _const_value(lhs) is not None and rhs.opcode == "get-tuple-element":
-        lhs, rhs, direction = rhs, lhs, swap.get(direction, "")
-    bound = _const_value(rhs)
-    if lhs.opcode != "get-tuple-element" or bound is None or direction not in ("LT", "LE", "NE"):
-        return None
-    # The induction variable must be an element of the condition's own parameter.
-    if not lhs.operands:
-        return None
-    in_fusion = fused_root is not None and cmp_comp.by_name.get(lhs.name) is lhs
-    src = resolve(lhs.operands[0]) if in_fusion else cond.by_name.get(lhs.operands[0])
-    if src is None or src.opcode != "parameter":
-        return None
-    im = re.search(r"\bindex=(\d+)", lhs.attrs)
-    if not im:
-        return None
-    index = int(im.group(1))
-    # Initial value: the index-th element of the while's tuple operand in the caller.
+    def bound(self) -> tuple[int, int, str] | None:
+        """``(k, bound, direction)`` of ``compare(get-tuple-element(param, k), constant)``
+        (operands swapped with ``GT``/``GE``), ``direction`` one of LT, LE, NE; None otherwise."""
+        dm = re.search(r"\bdirection=(\w+)", self.cmp_ins.attrs)
+        direction = dm.group(1) if dm else ""
+        lhs, rhs = (self.resolve(a) for a in self.cmp_ins.operands)
+        if lhs is None or rhs is None:
+            return None
+        swap = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE", "NE": "NE"}
+        if _const_value(lhs) is not None and rhs.opcode == "get-tuple-element":
+            lhs, rhs, direction = rhs, lhs, swap.get(direction, "")
+        bound = _const_value(rhs)
+        if lhs.opcode != "get-tuple-element" or bound is None \
+                or direction not in ("LT", "LE", "NE"):
+            return None
+        index = self._param_index(lhs)
+        return None if index is None else (index, bound, direction)
+
+    def _param_index(self, gte: _Instr) -> int | None:
+        """``k`` of the induction variable ``gte`` = ``get-tuple-element(param, index=k)`` when
+        it is an element of the condition's own parameter, else None."""
+        if not gte.operands:
+            return None
+        in_fusion = self.fused_root is not None and self.cmp_comp.by_name.get(gte.name) is gte
+        src = self.resolve(gte.operands[0]) if in_fusion else self.cond.by_name.get(
+            gte.operands[0])
+        if src is None or src.opcode != "parameter":
+            return None
+        im = re.search(r"\bindex=(\d+)", gte.attrs)
+        return int(im.group(1)) if im else None
+
+
+def _loop_init_step(ins: _Instr, comp: _Comp, comps: dict[str, _Comp],
+                    index: int) -> tuple[int | None, int]:
+    """``(initial value, step)`` of element ``index`` of the ``while`` ``ins``'s carry: from
+    ``known_init_step``, else the constant in the while's tuple operand in the caller ``comp``
+    (step 1); initial value None when neither says."""
     init, step = None, 1
     sm = _INIT_STEP_RE.search(ins.raw_attrs)
     if sm:
@@ -487,6 +515,18 @@ def _infer_trip_count(ins: _Instr, comp: _Comp, comps: dict[str, _Comp]) -> int 
         if tup is not None and tup.opcode == "tuple" and index < len(tup.operands):
             elem = _trace(comp, tup.operands[index], comps)
             init = _const_value(elem) if elem is not None else None
+    return init, step
+
+
+def _infer_trip_count(ins: _Instr, comp: _Comp, comps: dict[str, _Comp]) -> int | None:
+    """Trip count of a ``while`` from ``compare(gte(param, k), constant)`` in its condition."""
+    loop = _LoopCompare.of(ins, comps)
+    found = loop.bound() if loop is not None else None
+    if found is None:
+        return None
+    index, bound, direction = found
+    # Initial value: the index-th element of the while's tuple operand in the caller.
+    init, step = _loop_init_step(ins, comp, comps, index)
     if init is None or step <= 0:
         return None
     span = bound - init + (1 if direction == "LE" else 0)
@@ -526,11 +566,21 @@ def _op_name(raw_attrs: str) -> str:
 
 
 def _analyze(hlo_text: str, num_devices: int | None) -> tuple[list[dict], int, list[str]]:
+    """``(collective records, loops of unknown trip count, warnings)`` of an HLO module: the
+    walk behind :func:`collective_ops` and :func:`comm_bytes_per_device`."""
     comps, entry, header_devices = _parse_module(hlo_text)
     default_n = num_devices if num_devices is not None else header_devices
     found: dict[tuple[str, str], dict] = {}
     trips: dict[tuple[str, str], int | None] = {}
     warnings: list[str] = []
+
+    def trip_of(ins: _Instr, cname: str, comp: _Comp) -> int | None:
+        key = (cname, ins.name)
+        if key not in trips:
+            trips[key] = _trip_count(ins, comp, comps)
+            if trips[key] is None:
+                warnings.append(f"unknown trip count for {ins.name!r} in {cname!r}; counted once")
+        return trips[key]
 
     def visit(cname: str, mult: int, exact: bool, stack: tuple[str, ...]) -> None:
         comp = comps.get(cname)
@@ -545,55 +595,18 @@ def _analyze(hlo_text: str, num_devices: int | None) -> tuple[list[dict], int, l
             op = _COLLECTIVE_OPCODES.get(ins.opcode)
             if op is not None:
                 key = (cname, ins.name)
-                rec = found.get(key)
-                if rec is None:
-                    n = _group_size(ins, default_n)
-                    pairs = _source_target_pairs(ins) if op == "collective-permute" else None
-                    if pairs:
-                        n = len({d for p in pairs for d in p})
-                    s = _operand_bytes(ins, comp, op, n)
-                    rec = found[key] = {
-                        "op": op,
-                        "bytes": s,
-                        "group_size": n,
-                        "count": 0,
-                        "bus_bytes": 0.0,
-                        "_bus_once": _bus_bytes(op, s, n, pairs),
-                        "name": ins.name,
-                        "computation": cname,
-                        "opcode": ins.opcode,
-                        "exact": True,
-                        "in_backward_loop": bool(_BACKWARD_LOOP_RE.search(
-                            _op_name(ins.raw_attrs))),
-                    }
-                rec["count"] += mult
-                rec["exact"] = rec["exact"] and exact
+                if key not in found:
+                    found[key] = _collective_record(ins, comp, op, default_n)
+                found[key]["count"] += mult
+                found[key]["exact"] = found[key]["exact"] and exact
             if ins.opcode in _NO_FOLLOW_OPCODES or ins.opcode.endswith("-done"):
                 continue
             callees = _callees(ins)
             if not callees:
                 continue
-            if ins.opcode == "while":
-                key = (cname, ins.name)
-                if key not in trips:
-                    trips[key] = _trip_count(ins, comp, comps)
-                    if trips[key] is None:
-                        warnings.append(
-                            f"unknown trip count for {ins.name!r} in {cname!r}; counted once"
-                        )
-                trip = trips[key]
-                known = trip is not None
-                for attr, callee in callees:
-                    if attr == "body":
-                        visit(callee, mult * (trip if known else 1), exact and known, stack)
-                    elif attr == "condition":
-                        visit(callee, mult * (trip + 1 if known else 1), exact and known, stack)
-            elif ins.opcode == "conditional":
-                for _, callee in callees:
-                    visit(callee, mult, False, stack)
-            else:
-                for _, callee in callees:
-                    visit(callee, mult, exact, stack)
+            trip = trip_of(ins, cname, comp) if ins.opcode == "while" else None
+            for callee, m, e in _callee_counts(ins.opcode, callees, mult, exact, trip):
+                visit(callee, m, e, stack)
 
     visit(entry, 1, True, ())
     ops = []
@@ -602,6 +615,50 @@ def _analyze(hlo_text: str, num_devices: int | None) -> tuple[list[dict], int, l
         ops.append(rec)
     unknown = sum(1 for t in trips.values() if t is None)
     return ops, unknown, warnings
+
+
+def _collective_record(ins: _Instr, comp: _Comp, op: str, default_n: int) -> dict:
+    """A new record of :func:`collective_ops` for the collective ``ins`` (canonical name
+    ``op``) of ``comp``, with ``count`` 0; ``_bus_once`` holds the bus bytes of one
+    execution."""
+    n = _group_size(ins, default_n)
+    pairs = _source_target_pairs(ins) if op == "collective-permute" else None
+    if pairs:
+        n = len({d for p in pairs for d in p})
+    s = _operand_bytes(ins, comp, op, n)
+    return {
+        "op": op,
+        "bytes": s,
+        "group_size": n,
+        "count": 0,
+        "bus_bytes": 0.0,
+        "_bus_once": _bus_bytes(op, s, n, pairs),
+        "name": ins.name,
+        "computation": comp.name,
+        "opcode": ins.opcode,
+        "exact": True,
+        "in_backward_loop": bool(_BACKWARD_LOOP_RE.search(_op_name(ins.raw_attrs))),
+    }
+
+
+def _callee_counts(opcode: str, callees: list[tuple[str, str]], mult: int, exact: bool,
+                   trip: int | None) -> list[tuple[str, int, bool]]:
+    """``(callee, executions, exact)`` of the computations an instruction calls, run ``mult``
+    times by the caller: a ``while``'s body ``trip`` times per execution and its condition
+    ``trip + 1`` times (once each, inexact, when ``trip`` is None); every ``conditional``
+    branch as if taken (inexact); any other callee with the caller's count."""
+    if opcode == "while":
+        known = trip is not None
+        out = []
+        for attr, callee in callees:
+            if attr == "body":
+                out.append((callee, mult * (trip if known else 1), exact and known))
+            elif attr == "condition":
+                out.append((callee, mult * (trip + 1 if known else 1), exact and known))
+        return out
+    if opcode == "conditional":
+        return [(callee, mult, False) for _, callee in callees]
+    return [(callee, mult, exact) for _, callee in callees]
 
 
 def collective_ops(hlo_text: str, num_devices: int | None = None) -> list[dict]:

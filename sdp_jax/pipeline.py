@@ -321,31 +321,16 @@ class Pipeline:
         if self.pipe.schedule == "1f1b" and getattr(run, "train", True):
             return self.one_f_one_b(kept, tokens, run)
         Pn, M = self.pipe.stages, self.pipe.microbatches
-        bnd, bd = kept.get("boundary", {}), self.boundary
+        bnd = kept.get("boundary", {})
         s = lax.axis_index(STAGE)
         x, y = tokens[:, :-1], tokens[:, 1:]
         b, T = x.shape
         xs = x.reshape(M, b // M, T)
         dtype = self.embed(kept, xs[0, :, :1]).dtype
-        id_dtype = token_id_dtype(self.vocab_size)
-        perm = [(i, i + 1) for i in range(Pn - 1)]
+        perm, _ = self._perms()
         init = self._zero_payload(b // M, T, dtype)
-        quant, send_tok = self.pipe.quantized, self._send_tok
-
-        # RVQ: only the code indices travel forward; the receiver sums its own copy of the
-        # codebooks, and the straight-through gradient (r floats) travels back.
-        @jax.custom_vjp
-        def send_codes(q, codes, cb):
-            del q
-            return bd.lookup(cb, lax.ppermute(codes, STAGE, perm)).astype(dtype)
-
-        def send_fwd(q, codes, cb):
-            return send_codes(q, codes, cb), cb
-
-        def send_bwd(cb, g):
-            return lax.ppermute(g, STAGE, [(j, i) for i, j in perm]), None, jnp.zeros_like(cb)
-
-        send_codes.defvjp(send_fwd, send_bwd)
+        quant = self.pipe.quantized
+        send_codes = self._code_sender(dtype)
 
         def tick(carry, t):
             recv, recv_tok = carry
@@ -360,8 +345,7 @@ class Pipeline:
                     aux = jnp.where((t >= s) & (t - s < M) & (s < Pn - 1), aux, 0.0)
                 else:
                     recv = lax.ppermute(c, STAGE, perm)
-                if send_tok:
-                    recv_tok = lax.ppermute(tok.astype(id_dtype), STAGE, perm)
+                recv_tok = self._send_ids(tok, recv_tok)
             return (recv, recv_tok), (h, aux)
 
         _, (hs, auxs) = lax.scan(tick, init, jnp.arange(M + Pn - 1))
@@ -379,6 +363,39 @@ class Pipeline:
         """Whether token ids travel beside the payload (anchors need them at the receiver)."""
         return self.pipe.compressed and self.pipe.anchor_rank > 0
 
+    def _perms(self) -> tuple[list, list]:
+        """``(forward, backward)`` source-target pairs of ``lax.ppermute`` over ``stage``: stage
+        ``i`` to ``i + 1``, and back."""
+        fwd = [(i, i + 1) for i in range(self.pipe.stages - 1)]
+        return fwd, [(j, i) for i, j in fwd]
+
+    def _send_ids(self, tok, recv_tok):
+        """The token ids the next stage receives (in :func:`token_id_dtype`) when anchors need
+        them (:attr:`_send_tok`); else ``recv_tok`` as it is."""
+        if not self._send_tok:
+            return recv_tok
+        return lax.ppermute(tok.astype(token_id_dtype(self.vocab_size)), STAGE, self._perms()[0])
+
+    def _code_sender(self, dtype):
+        """GPipe's RVQ send ``(q, codes, cb) -> payload`` in ``dtype``: only the code indices
+        travel forward; the receiver sums its own copy of the codebooks ``cb``, and the
+        straight-through gradient of ``q`` (r floats) travels back (``cb`` gets zero)."""
+        perm, back = self._perms()
+
+        @jax.custom_vjp
+        def send_codes(q, codes, cb):
+            del q
+            return self.boundary.lookup(cb, lax.ppermute(codes, STAGE, perm)).astype(dtype)
+
+        def send_fwd(q, codes, cb):
+            return send_codes(q, codes, cb), cb
+
+        def send_bwd(cb, g):
+            return lax.ppermute(g, STAGE, back), None, jnp.zeros_like(cb)
+
+        send_codes.defvjp(send_fwd, send_bwd)
+        return send_codes
+
     def _enc(self, s):
         return jnp.clip(s, 0, max(self.pipe.stages - 2, 0))
 
@@ -388,10 +405,9 @@ class Pipeline:
     def _zero_payload(self, mb: int, T: int, dtype):
         """Zero ``(payload [mb, T, r], token ids [mb, T])``, varying over ``data`` and ``stage``
         (a scan carry's initial value)."""
-        vary = (DATA, STAGE)
-        return (lax.pcast(jnp.zeros((mb, T, self.pipe.width(self.d_model)), dtype), vary,
+        return (lax.pcast(jnp.zeros((mb, T, self.pipe.width(self.d_model)), dtype), _BOTH,
                           to="varying"),
-                lax.pcast(jnp.zeros((mb, T), token_id_dtype(self.vocab_size)), vary,
+                lax.pcast(jnp.zeros((mb, T), token_id_dtype(self.vocab_size)), _BOTH,
                           to="varying"))
 
     def _stage_input(self, kept, recv, recv_tok, tok0, dtype):
@@ -455,39 +471,29 @@ class Pipeline:
         mb = b // M
         xs, ys = x.reshape(M, mb, T), y.reshape(M, mb, T)
         dtype = self.embed(kept, xs[0, :, :1]).dtype
-        quant, send_tok = self.pipe.quantized, self._send_tok
-        id_dtype = token_id_dtype(self.vocab_size)
-        vary = (DATA, STAGE)
-        fwd_perm = [(i, i + 1) for i in range(Pn - 1)]
-        bwd_perm = [(j, i) for i, j in fwd_perm]
-        # Residual slots: microbatch m lives in slot m mod K. With M + 1 < 2P - 1 slot M takes
-        # the writes of ticks without a forward pass (so K stays at most M + 1).
-        small = M + 1 < 2 * Pn - 1
-        K = M + 1 if small else 2 * Pn - 1
-
-        def full_vary(v):
-            missing = _invariant_axes(v, vary)
-            return lax.pcast(v, missing, to="varying") if missing else v
-
         recv0, tok0 = self._zero_payload(mb, T, dtype)
-        run_c, consts = jax.closure_convert(
-            run, full_vary(jnp.zeros((mb, T, self.d_model), dtype)))
-        # Differentiated: ``kept`` and the closed-over values the enclosing differentiation
-        # traces (same trace as ``kept``); the others (stop_gradient copies, tables) are
-        # constants of the schedule.
-        # (When JAX does not say, every closed-over value is differentiated here. A traced
-        # value left out is still differentiated, by the enclosing differentiation through
-        # the schedule: the same gradient, with GPipe's memory for it.)
-        ref = getattr(next(iter(jax.tree.leaves(kept)), None), "_trace", None)
-        traced = [ref is None or getattr(c, "_trace", None) is ref for c in consts]
-        live = (kept, [c for c, d in zip(consts, traced) if d])
-        fixed = [c for c, d in zip(consts, traced) if not d]
-        # ``kept`` is made to vary over data and stage, so that its gradient inside the
-        # schedule is this stage's own (the transpose of an implicit pcast would be a psum
-        # over stage, mixing the stages' different microbatches). The closed-over values keep
-        # their types: ``run_c`` replays a program traced with them.
-        theta = (jax.tree.map(full_vary, lax.stop_gradient(kept)),
-                 lax.stop_gradient(live[1]))
+        run_c, traced, live, fixed, theta = _closure_inputs(kept, run, (mb, T, self.d_model),
+                                                            dtype)
+        forward = self._1f1b_forward(run_c, traced, fixed, last, dtype)
+        per_mb, slots = _residual_slots(forward, (theta, recv0, tok0, _full_vary(xs[0]),
+                                                  _full_vary(ys[0]),
+                                                  _full_vary(jnp.asarray(True))),
+                                        _ring_size(Pn, M)[1])
+        acc = jax.tree.map(lambda v: _vary_like(jnp.zeros(v.shape, jnp.float32), v), theta)
+        zero = _full_vary(jnp.zeros((), jnp.float32))
+        tick = self._1f1b_tick(forward, theta, xs, ys, per_mb, s, last, dtype)
+        carry = (recv0, tok0, recv0, slots, acc, zero, zero)
+        (_, _, _, _, grads, lm, aux), _ = lax.scan(tick, carry, jnp.arange(M + 2 * (Pn - 1)))
+        return self._1f1b_loss(grads, live, lm, aux)
+
+    def _1f1b_forward(self, run_c, traced, fixed, last, dtype):
+        """:meth:`one_f_one_b`'s ``forward(theta, recv, recv_tok, x_m, y_m, valid)``: the
+        ``jax.vjp`` (with aux) of this stage on one microbatch with respect to ``theta`` and the
+        received payload: outputs ``(payload, this stage's loss / M)``, aux ``(RVQ codes, token
+        ids, next-token loss / M, RVQ loss / M)``. ``run_c`` replays the stage's blocks with
+        the closed-over values (``traced``: which come from ``theta``, the others from
+        ``fixed``, see :func:`_closure_inputs`)."""
+        M = self.pipe.microbatches
 
         def stage(th, recv, recv_tok, x_m, y_m, valid):
             kp, cs = th
@@ -502,19 +508,17 @@ class Pipeline:
         def forward(th, recv, recv_tok, x_m, y_m, valid):
             return jax.vjp(lambda t_, r_: stage(t_, r_, recv_tok, x_m, y_m, valid), th, recv,
                            has_aux=True)
+        return forward
 
-        # Which residuals depend on the microbatch (these are stored per slot; the others are
-        # the same at every tick and taken from the current one).
-        # (traced with the types the tick has: everything per microbatch varies over both axes)
-        args = (theta, recv0, tok0, full_vary(xs[0]), full_vary(ys[0]),
-                full_vary(jnp.asarray(True)))
-        jaxpr = jax.make_jaxpr(lambda *a: jax.tree.leaves(forward(*a)[1]))(*args)
-        n_theta = len(jax.tree.leaves(theta))
-        per_mb = _depends_on(jaxpr, [i >= n_theta for i in range(len(jaxpr.jaxpr.invars))])
-        slots = [lax.pcast(jnp.zeros((K,) + v.aval.shape, v.aval.dtype), vary, to="varying")
-                 for v, d in zip(jaxpr.jaxpr.outvars, per_mb) if d]
-        acc = jax.tree.map(lambda v: _vary_like(jnp.zeros(v.shape, jnp.float32), v), theta)
-        zero = full_vary(jnp.zeros((), jnp.float32))
+    def _1f1b_tick(self, forward, theta, xs, ys, per_mb, s, last, dtype):
+        """:meth:`one_f_one_b`'s scan body ``(carry, t)``: at tick ``t`` the forward pass of
+        microbatch ``t - s`` and the backward pass of microbatch ``t - 2 (P - 1) + s`` (each
+        when it exists), the residuals kept in the ring of slots (:func:`_ring_residuals`),
+        the gradient accumulated in float32, then the payload sent forward and its gradient
+        back. Carry: ``(recv, recv_tok, grad_in, slots, acc, lm_sum, aux_sum)``."""
+        Pn, M = self.pipe.stages, self.pipe.microbatches
+        small, K = _ring_size(Pn, M)
+        _, bwd_perm = self._perms()
 
         def tick(carry, t):
             recv, recv_tok, grad_in, slots, acc, lm_sum, aux_sum = carry
@@ -523,54 +527,126 @@ class Pipeline:
             mfc = jnp.clip(mf, 0, M - 1)
             (c, _), back, (codes, tok, lm, aux) = forward(theta, recv, recv_tok, xs[mfc],
                                                           ys[mfc], vf)
-            leaves, tree = jax.tree.flatten(back)
             # Writing microbatch mf's slot never overwrites a live one: the live microbatches
             # are mb_ .. mf - 1, fewer than min(M, 2P - 1) apart (and with K = 2P - 1 also
             # for mf outside [0, M)). A tick without a backward pass reads what it wrote
             # (finite values; its cotangents are zero).
             put = jnp.where(vf, mf, M) if small else jnp.mod(mf, K)
             get = jnp.where(vb, jnp.mod(mb_, K), put)
-            mine, j = [], 0
-            for leaf, d in zip(leaves, per_mb, strict=True):
-                if d:
-                    slots[j] = lax.dynamic_update_index_in_dim(slots[j], full_vary(leaf), put, 0)
-                    leaf = lax.dynamic_index_in_dim(slots[j], get, 0, False)
-                    j += 1
-                mine.append(leaf)
-            back = jax.tree.unflatten(tree, mine)
+            back = _ring_residuals(back, per_mb, slots, put, get)
             g_out = jnp.where(last | ~vb, jnp.zeros_like(grad_in), grad_in)
-            g_th, g_recv = back((g_out, full_vary(vb.astype(jnp.float32))))
+            g_th, g_recv = back((g_out, _full_vary(vb.astype(jnp.float32))))
             # Without a backward pass the cotangents are zero, and so is g_th: a closed-over
             # value invariant over stage has its gradient summed over the stages inside
             # back(), whose other stages may be in a tick with a backward pass.
             acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g_th)
-            lm_sum, aux_sum = lm_sum + full_vary(lm), aux_sum + full_vary(aux)
-            if quant:
-                cb = theta[0]["boundary"]["rvq_codebook"][self._dec(s)]
-                recv = self.boundary.lookup(cb, lax.ppermute(codes, STAGE, fwd_perm))
-                recv = recv.astype(dtype)
-            else:
-                recv = lax.ppermute(c, STAGE, fwd_perm)
-            if send_tok:
-                recv_tok = lax.ppermute(tok.astype(id_dtype), STAGE, fwd_perm)
-            g_recv = jnp.where(vb, full_vary(g_recv), 0).astype(grad_in.dtype)
+            lm_sum, aux_sum = lm_sum + _full_vary(lm), aux_sum + _full_vary(aux)
+            recv, recv_tok = self._1f1b_send(theta, c, codes, tok, recv_tok, s, dtype)
+            g_recv = jnp.where(vb, _full_vary(g_recv), 0).astype(grad_in.dtype)
             grad_in = lax.ppermute(g_recv, STAGE, bwd_perm)
             return (recv, recv_tok, grad_in, slots, acc, lm_sum, aux_sum), None
+        return tick
 
-        carry = (recv0, tok0, recv0, slots, acc, zero, zero)
-        (_, _, _, _, grads, lm, aux), _ = lax.scan(tick, carry, jnp.arange(M + 2 * (Pn - 1)))
+    def _1f1b_send(self, theta, c, codes, tok, recv_tok, s, dtype):
+        """``(payload, token ids)`` the next stage receives at the end of a 1F1B tick: with RVQ
+        the codes (decoded by the receiver's codebook in ``theta``), else the payload ``c``;
+        the ids as :meth:`_send_ids`."""
+        fwd_perm, _ = self._perms()
+        if self.pipe.quantized:
+            cb = theta[0]["boundary"]["rvq_codebook"][self._dec(s)]
+            recv = self.boundary.lookup(cb, lax.ppermute(codes, STAGE, fwd_perm))
+            recv = recv.astype(dtype)
+        else:
+            recv = lax.ppermute(c, STAGE, fwd_perm)
+        return recv, self._send_ids(tok, recv_tok)
+
+    def _1f1b_loss(self, grads, live, lm, aux):
+        """:meth:`one_f_one_b`'s ``(loss, aux)`` from the accumulated gradients ``grads`` of the
+        differentiated inputs ``live`` and this stage's loss sums ``lm``, ``aux``."""
         # The gradient g enters the outer differentiation as <g, theta - sg(theta)> (value 0).
         # A g the same on every device of an axis (summed over it inside back()) is counted
         # once: the psum over stage below, and the loss's variation over data, would
         # otherwise add it once per device of that axis.
         attach = sum(
             jnp.vdot(g, (p - lax.stop_gradient(p)).astype(jnp.float32))
-            / math.prod(lax.axis_size(a) for a in _invariant_axes(g, vary))
+            / math.prod(lax.axis_size(a) for a in _invariant_axes(g, _BOTH))
             for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(live), strict=True))
         loss = lax.psum(lm + aux + attach, STAGE)
-        if not quant:
+        if not self.pipe.quantized:
             return loss, {}
         return loss, {"rvq_loss": lax.psum(aux, STAGE), "train_loss": lax.psum(lm, STAGE)}
+
+
+# Both mesh axes of a pipelined step: what per-microbatch values of the 1F1B schedule vary over.
+_BOTH = (DATA, STAGE)
+
+
+def _full_vary(v):
+    """``v`` cast to vary over ``data`` and ``stage`` (inside ``jax.shard_map``)."""
+    missing = _invariant_axes(v, _BOTH)
+    return lax.pcast(v, missing, to="varying") if missing else v
+
+
+def _ring_size(Pn: int, M: int) -> tuple[bool, int]:
+    """``(small, K)``: the 1F1B ring of residual slots. Microbatch m lives in slot m mod K.
+    With M + 1 < 2P - 1 (``small``) slot M takes the writes of ticks without a forward pass
+    (so K stays at most M + 1)."""
+    small = M + 1 < 2 * Pn - 1
+    return small, (M + 1 if small else 2 * Pn - 1)
+
+
+def _closure_inputs(kept: dict, run, h_shape: tuple, dtype):
+    """``(run_c, traced, live, fixed, theta)`` of the 1F1B schedule: ``run`` with its
+    closed-over values made arguments (:func:`jax.closure_convert`, traced at a ``h_shape``
+    input in ``dtype``), which of those values are differentiated (``traced``, one bool each),
+    ``live = (kept, the differentiated ones)``, ``fixed``: the others, and ``theta``: the
+    stop_gradient copy of ``live`` that the schedule differentiates, ``kept`` made to vary
+    over both axes."""
+    run_c, consts = jax.closure_convert(run, _full_vary(jnp.zeros(h_shape, dtype)))
+    # Differentiated: ``kept`` and the closed-over values the enclosing differentiation
+    # traces (same trace as ``kept``); the others (stop_gradient copies, tables) are
+    # constants of the schedule.
+    # (When JAX does not say, every closed-over value is differentiated here. A traced
+    # value left out is still differentiated, by the enclosing differentiation through
+    # the schedule: the same gradient, with GPipe's memory for it.)
+    ref = getattr(next(iter(jax.tree.leaves(kept)), None), "_trace", None)
+    traced = [ref is None or getattr(c, "_trace", None) is ref for c in consts]
+    live = (kept, [c for c, d in zip(consts, traced) if d])
+    fixed = [c for c, d in zip(consts, traced) if not d]
+    # ``kept`` is made to vary over data and stage, so that its gradient inside the
+    # schedule is this stage's own (the transpose of an implicit pcast would be a psum
+    # over stage, mixing the stages' different microbatches). The closed-over values keep
+    # their types: ``run_c`` replays a program traced with them.
+    theta = (jax.tree.map(_full_vary, lax.stop_gradient(kept)), lax.stop_gradient(live[1]))
+    return run_c, traced, live, fixed, theta
+
+
+def _residual_slots(forward, args: tuple, K: int) -> tuple[list, list]:
+    """``(per_mb, slots)``: which residuals of ``forward(*args)`` (its vjp's leaves) depend on
+    the microbatch, and a zero ring of ``K`` slots for each of those (varying over both axes).
+    The others are the same at every tick and taken from the current one. ``args`` are traced
+    with the types the tick has: everything per microbatch varies over both axes."""
+    jaxpr = jax.make_jaxpr(lambda *a: jax.tree.leaves(forward(*a)[1]))(*args)
+    n_theta = len(jax.tree.leaves(args[0]))
+    per_mb = _depends_on(jaxpr, [i >= n_theta for i in range(len(jaxpr.jaxpr.invars))])
+    slots = [lax.pcast(jnp.zeros((K,) + v.aval.shape, v.aval.dtype), _BOTH, to="varying")
+             for v, d in zip(jaxpr.jaxpr.outvars, per_mb) if d]
+    return per_mb, slots
+
+
+def _ring_residuals(back, per_mb: list, slots: list, put, get):
+    """The vjp ``back`` with its per-microbatch residuals (``per_mb``) written into ring slot
+    ``put`` of ``slots`` (updated in place, a list) and read back from slot ``get``: the
+    backward pass of the microbatch the tick differentiates."""
+    leaves, tree = jax.tree.flatten(back)
+    mine, j = [], 0
+    for leaf, d in zip(leaves, per_mb, strict=True):
+        if d:
+            slots[j] = lax.dynamic_update_index_in_dim(slots[j], _full_vary(leaf), put, 0)
+            leaf = lax.dynamic_index_in_dim(slots[j], get, 0, False)
+            j += 1
+        mine.append(leaf)
+    return jax.tree.unflatten(tree, mine)
 
 
 def _vma(x):

@@ -313,6 +313,12 @@ def _split_rows(rows, W):
     return pad_last(rows, W * rs).reshape(rows.shape[:2] + (W, rs))
 
 
+def _slot_rows(x, n: int, dtype, W: int):
+    """``x`` (``n`` components along its first axis) as rows in ``dtype`` cut into ``W``
+    column pieces: ``[n, W, rs]`` (:func:`_split_rows` of one group)."""
+    return _split_rows(x.reshape(1, n, -1).astype(dtype), W)[0]
+
+
 def _sum_dtype(leaves) -> Any:
     """dtype in which holder collectives add leaves up: float32, or the leaves' if wider."""
     return jnp.result_type(jnp.float32, *[x.dtype for x in leaves])
@@ -432,8 +438,7 @@ def _group_holder_mean(ct: dict, tables: dict, group, axis: str) -> dict:
         W = t.workers
         dt = _sum_dtype([ct[p] for p in paths])
         moved = {p: jnp.moveaxis(ct[p], tables[p].axis - 1, 0) for p in paths}
-        rows = [_split_rows(moved[p].reshape(1, t.kc, -1).astype(dt), W)[0]   # [kc, W, rs]
-                for p in paths]
+        rows = [_slot_rows(moved[p], t.kc, dt, W) for p in paths]     # [kc, W, rs]
         widths = [x.shape[-1] for x in rows]
         acc = _fresh_to_owners(rows, t, group, 0, t.kc, axis)
         acc = acc / jnp.asarray(t.counts, dt)[group][:, None]
@@ -523,49 +528,67 @@ def cotangent_orders(fn, tree: dict) -> dict:
     Raises:
       ValueError: ``tree`` is not a flat dict.
     """
-    from jax.extend import core as jcore
-
     if not isinstance(tree, dict) or any(isinstance(v, (dict, list, tuple))
                                          for v in tree.values()):
         raise ValueError("cotangent_orders: tree must be a flat dict {path: array}; flatten "
                          "nested parameters first (e.g. sdp_jax.spec.flatten).")
-    calls = {"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"}
+    closed = _cotangent_jaxpr(fn, tree)
+    orders = {}
+    paths = [kp[0].key for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    for path, var in zip(paths, closed.jaxpr.outvars):   # (both in the dict's sorted order)
+        perm = _producer_perm(closed.jaxpr, var)
+        if perm is not None and len(perm) == np.ndim(tree[path]) \
+                and perm != tuple(range(len(perm))):
+            orders[path] = perm
+    return orders
 
+
+def _cotangent_jaxpr(fn, tree: dict):
+    """The closed jaxpr of ``fn``'s backward pass at ``tree`` (:func:`cotangent_orders`): its
+    outputs are the cotangents of ``tree``'s leaves, for cotangents of ones (float0 zeros for
+    integer outputs) on ``fn``'s outputs; traced only, nothing computed."""
     def trace(t):
         out, vjp = jax.vjp(fn, t)
         return vjp(jax.tree.map(lambda y: jnp.ones_like(y) if jnp.issubdtype(
             y.dtype, jnp.inexact) else np.zeros(y.shape, jax.dtypes.float0), out))[0]
 
-    closed = jax.make_jaxpr(trace)(tree)
-    orders = {}
-    paths = [kp[0].key for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    for path, var in zip(paths, closed.jaxpr.outvars):   # (both in the dict's sorted order)
-        jaxpr, perm = closed.jaxpr, None
-        while isinstance(var, jcore.Var):
-            eqn = next((e for e in jaxpr.eqns if any(v is var for v in e.outvars)), None)
-            if eqn is None:
+    return jax.make_jaxpr(trace)(tree)
+
+
+# Primitives whose nested jaxpr :func:`_producer_perm` follows (calls, not loops).
+_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat"})
+
+
+def _producer_perm(jaxpr, var) -> tuple | None:
+    """The permutation of the ``transpose`` equations between ``var`` (an output of ``jaxpr``)
+    and the operation that made it, walking back through ``transpose``,
+    ``convert_element_type`` and calls of nested jaxprs (:data:`_CALL_PRIMITIVES`); None when
+    the walk meets no ``transpose`` (:func:`cotangent_orders`)."""
+    from jax.extend import core as jcore
+
+    perm = None
+    while isinstance(var, jcore.Var):
+        eqn = next((e for e in jaxpr.eqns if any(v is var for v in e.outvars)), None)
+        if eqn is None:
+            break
+        name = eqn.primitive.name
+        if name == "convert_element_type":
+            var = eqn.invars[0]
+        elif name == "transpose":
+            q = eqn.params["permutation"]
+            perm = tuple(q) if perm is None else tuple(q[i] for i in perm)
+            var = eqn.invars[0]
+        elif name in _CALL_PRIMITIVES and isinstance(eqn.params.get("jaxpr"),
+                                                     (jcore.ClosedJaxpr, jcore.Jaxpr)):
+            inner = eqn.params["jaxpr"]
+            inner = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+            i = [i for i, v in enumerate(eqn.outvars) if v is var][0]
+            if i >= len(inner.outvars) or inner.outvars[i].aval.shape != var.aval.shape:
                 break
-            name = eqn.primitive.name
-            if name == "convert_element_type":
-                var = eqn.invars[0]
-            elif name == "transpose":
-                q = eqn.params["permutation"]
-                perm = tuple(q) if perm is None else tuple(q[i] for i in perm)
-                var = eqn.invars[0]
-            elif name in calls and isinstance(eqn.params.get("jaxpr"),
-                                              (jcore.ClosedJaxpr, jcore.Jaxpr)):
-                inner = eqn.params["jaxpr"]
-                inner = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
-                i = [i for i, v in enumerate(eqn.outvars) if v is var][0]
-                if i >= len(inner.outvars) or inner.outvars[i].aval.shape != var.aval.shape:
-                    break
-                var, jaxpr = inner.outvars[i], inner
-            else:
-                break
-        if perm is not None and len(perm) == np.ndim(tree[path]) \
-                and perm != tuple(range(len(perm))):
-            orders[path] = perm
-    return orders
+            var, jaxpr = inner.outvars[i], inner
+        else:
+            break
+    return perm
 
 
 def _lead_perm(perm, lead: int) -> tuple:
@@ -630,14 +653,17 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
       ValueError: block leaves without ``sinks`` of the same tables.
     """
     sinks, orders = dict(sinks or {}), dict(orders or {})
-    owners = _owner_groups(tables)
-    owners += [g for g in _fused_groups({p: t for p, t in tables.items()
-                                         if t is not None and t.grouped}) if g[0] in sinks]
-    if set(sinks) != {g[0] for g in owners}:
-        raise ValueError("mean_in_backward: block leaves need sinks=owner_sinks(...) of the "
-                         "same tables (and only the groups they name).")
+    ident = _averaging_identity(tables, _sunk_groups(tables, sinks),
+                                {k: v.dtype for k, v in sinks.items()}, axis, orders)
+    return ident(tree, sinks, group)
+
+
+def _averaging_identity(tables: dict, owners: list, dtypes: dict, axis: str, orders: dict):
+    """:func:`mean_in_backward`'s ``(tree, sinks, group) -> tree`` (a ``jax.custom_vjp``): its
+    backward pass averages the plain and neuron cotangents in place (:func:`_means_in_place`),
+    sends those of the groups ``owners`` into the sinks' gradients (:func:`_sink_rows`, in the
+    sinks' ``dtypes``) and zeroes them."""
     sunk = {p for g in owners for p in g}
-    dtypes = {k: v.dtype for k, v in sinks.items()}
 
     @jax.custom_vjp
     def ident(x, snk, g):
@@ -647,32 +673,61 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
         return x, g
 
     def bwd(g, ct):
-        plain = {p: v for p, v in ct.items() if p in tables and tables[p] is None}
-        grouped = {p: v for p, v in ct.items()
-                   if tables.get(p) is not None and tables[p].grouped and p not in sunk}
         out = dict(ct)
-        if plain:   # averaged in the backward pass's own order (cotangent_orders)
-            red = to_varying(lax.pmean({p: to_order(v, orders.get(p)) for p, v in plain.items()},
-                                       axis), axis)
-            out.update({p: from_order(v, orders.get(p)) for p, v in red.items()})
-        if grouped:
-            out.update(_group_holder_mean(grouped, {p: tables[p] for p in grouped}, g, axis))
+        out.update(_means_in_place(ct, tables, sunk, g, axis, orders))
         sent = {}
         for paths in owners:
-            t, key = tables[paths[0]], paths[0]
-            if t.grouped:   # layer g of every worker: its kc neurons' rows
-                rows = [_split_rows(jnp.moveaxis(ct[p], tables[p].axis - 1, 0).reshape(
-                    1, t.kc, -1).astype(dtypes[key]), t.workers)[0] for p in paths]
-                sent[key] = _fresh_to_owners(rows, t, g, 0, t.kc, axis)
-            else:           # slot g of every worker: one block's rows
-                rows = [_split_rows(to_order(ct[p], orders.get(p)).reshape(1, 1, -1).astype(
-                    dtypes[key]), t.workers)[0] for p in paths]           # [1, W, rs]
-                sent[key] = _fresh_to_owners(rows, t, 0, g, 1, axis)
+            sent[paths[0]] = _sink_rows(ct, tables, paths, g, dtypes[paths[0]], axis, orders)
             out.update({p: jnp.zeros_like(ct[p]) for p in paths})
         return out, sent, None
 
     ident.defvjp(fwd, bwd)
-    return ident(tree, sinks, group)
+    return ident
+
+
+def _sunk_groups(tables: dict, sinks: dict) -> list[list]:
+    """The fused groups whose cotangents :func:`mean_in_backward` sends into ``sinks``: every
+    block group (:func:`_owner_groups`), then the neuron groups whose first path has a sink.
+    Raises ValueError when ``sinks`` does not name exactly those groups."""
+    owners = _owner_groups(tables)
+    owners += [g for g in _fused_groups({p: t for p, t in tables.items()
+                                         if t is not None and t.grouped}) if g[0] in sinks]
+    if set(sinks) != {g[0] for g in owners}:
+        raise ValueError("mean_in_backward: block leaves need sinks=owner_sinks(...) of the "
+                         "same tables (and only the groups they name).")
+    return owners
+
+
+def _means_in_place(ct: dict, tables: dict, sunk: set, g, axis: str, orders: dict) -> dict:
+    """The cotangents :func:`mean_in_backward` averages in loop step ``g`` itself: {path: the
+    plain mean (tables None; in the backward pass's own order, :func:`cotangent_orders`) or
+    the layer's holder mean (grouped tables not in ``sunk``)}."""
+    plain = {p: v for p, v in ct.items() if p in tables and tables[p] is None}
+    grouped = {p: v for p, v in ct.items()
+               if tables.get(p) is not None and tables[p].grouped and p not in sunk}
+    out = {}
+    if plain:   # averaged in the backward pass's own order (cotangent_orders)
+        red = to_varying(lax.pmean({p: to_order(v, orders.get(p)) for p, v in plain.items()},
+                                   axis), axis)
+        out.update({p: from_order(v, orders.get(p)) for p, v in red.items()})
+    if grouped:
+        out.update(_group_holder_mean(grouped, {p: tables[p] for p in grouped}, g, axis))
+    return out
+
+
+def _sink_rows(ct: dict, tables: dict, paths: list, g, dtype, axis: str,
+               orders: dict) -> jax.Array:
+    """Loop step ``g``'s first all_to_all leg of one fused group ``paths`` of
+    :func:`mean_in_backward`: the cotangents' rows (in ``dtype``, the sink's) added into zero
+    owner shards, ``[Gc, RS]`` (the gradient of the group's sink)."""
+    t = tables[paths[0]]
+    if t.grouped:   # layer g of every worker: its kc neurons' rows
+        rows = [_slot_rows(jnp.moveaxis(ct[p], tables[p].axis - 1, 0), t.kc, dtype, t.workers)
+                for p in paths]
+        return _fresh_to_owners(rows, t, g, 0, t.kc, axis)
+    # slot g of every worker: one block's rows, [1, W, rs]
+    rows = [_slot_rows(to_order(ct[p], orders.get(p)), 1, dtype, t.workers) for p in paths]
+    return _fresh_to_owners(rows, t, 0, g, 1, axis)
 
 
 def all_gather_invariant(x: jax.Array, axis: str = AXIS) -> jax.Array:
@@ -872,18 +927,34 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
     stored = _check_compact(flat, lay)
     my = worker_index(axis)
     if method == "psum":   # the reference: full-size buffers, float32 sums
-        loc = lay.to_local(flat) if stored else flat
-        wide = {p: x.astype(jnp.result_type(jnp.float32, x.dtype)) for p, x in loc.items()}
-        zeros = {p: jnp.zeros(s, jnp.result_type(*wide.values())) for p, s in spec.shapes.items()}
-        full = lay.embed(zeros, wide, my)
-        avg = masked_average(full, {p: spec.leaf_mask(p) for p in spec.shapes}, axis)
-        back = lay.prune(avg, my)
-        back = lay.to_stored(back) if stored else back
+        back = _psum_average(flat, spec, lay, stored, my, axis)
         return jax.tree_util.tree_unflatten(jax.tree.structure(tree),
                                             [back[p].astype(x.dtype) for p, x in flat.items()])
     if not set(done) <= set(flat):
         raise ValueError(f"done= names paths that are not in the tree: "
                          f"{sorted(set(done) - set(flat), key=str)[:2]}.")
+    out = _holder_average(flat, done, lay, axis)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [out[p] for p in flat])
+
+
+def _psum_average(flat: dict, spec, lay, stored: bool, my, axis: str) -> dict:
+    """:func:`average`'s reference (``method="psum"``): the compact leaves ``flat`` (stored form
+    when ``stored``) of worker ``my`` widened to float32 (or wider), embedded in zero full-size
+    buffers, averaged by :func:`masked_average` and pruned back to ``flat``'s form (the sums'
+    dtype; the caller casts back)."""
+    loc = lay.to_local(flat) if stored else flat
+    wide = {p: x.astype(jnp.result_type(jnp.float32, x.dtype)) for p, x in loc.items()}
+    zeros = {p: jnp.zeros(s, jnp.result_type(*wide.values())) for p, s in spec.shapes.items()}
+    full = lay.embed(zeros, wide, my)
+    avg = masked_average(full, {p: spec.leaf_mask(p) for p in spec.shapes}, axis)
+    back = lay.prune(avg, my)
+    return lay.to_stored(back) if stored else back
+
+
+def _holder_average(flat: dict, done, lay, axis: str) -> dict:
+    """:func:`average`'s ``method="alltoall"``: {path of ``flat``: its mean}: a plain mean for
+    the leaves every worker holds, :func:`holder_mean` for the others (list-form slots
+    stacked, then split back), the paths in ``done`` as they are."""
     plain, rows, tabs, slots = _compact_groups({p: x for p, x in flat.items() if p not in done},
                                                lay)
     out = {lp: lax.pmean(x, axis) for lp, x in plain.items()}
@@ -897,7 +968,7 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
             out[key] = v
         else:
             out[key] = v if (lf.form == layout_lib.STACK or lf.rule.layer is None) else v[0]
-    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [out[p] for p in flat])
+    return out
 
 
 def varying_axes(x) -> frozenset | None:
