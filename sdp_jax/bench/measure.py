@@ -46,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NoReturn
 
 from sdp_jax import comm, costs
 from sdp_jax import mesh as mesh_lib
@@ -517,8 +518,7 @@ def run_paper(config, config_path: str, out_dir: str, workers: int = 8) -> list[
         row = measure(config, variant, workers, cov, mesh, fsdp=fsdp, remat=remat,
                       dtype="bfloat16", flops=False)
         row["label"] = label
-        rows.append(row)
-        print(f"  compiled {label} in {row['compile_s']}s", flush=True)
+        _compiled(rows, row, label)
     table = paper_table(rows)
     shown = os.path.relpath(config_path) if not os.path.relpath(config_path).startswith("..") \
         else config_path
@@ -610,79 +610,133 @@ def flag_values(argv: list[str] | None = None):
     return fv
 
 
+def command_flags(define, argv: list[str], prog: str, doc: str, example: str,
+                  renamed: dict[str, str] | None = None):
+    """The flags of a command line (the bench's and the studies'): ``define(argv)`` defines
+    them (returns a ``FlagValues``), :func:`sdp_jax.train.cli.parse` reads ``argv`` (the
+    program name first) into them.
+
+    Returns:
+      the parsed ``FlagValues``.
+    Raises:
+      SystemExit: (2, one line on stderr naming ``prog``) for a bad flag (see ``cli.parse``;
+        ``renamed``: old flag names with hints of their new form) or an argument that is not a
+        flag (the message shows ``example``, e.g. ``--variants=ddp,b-sdp``).
+    """
+    fv = define(argv)
+    rest = cli.parse(fv, argv, prog, doc, renamed)
+    if len(rest) > 1:
+        cli.error(prog, f"unexpected arguments {rest[1:]}; flags look like {example}")
+    return fv
+
+
+def _err(msg: str) -> NoReturn:
+    """Exit with status 2 and ``PROG: error: msg`` on stderr (:func:`sdp_jax.train.cli.error`)."""
+    cli.error(PROG, msg)
+
+
 def main(argv=None, check_only: bool = False) -> list[dict]:
     """The bench's command line (``argv`` without the program name; default
     ``sys.argv[1:]``). Returns the rows; a bad flag or config exits with status 2 and a
     one-line error before any compile. ``check_only``: stop after the validation (no compile;
     the documentation check of every shown command, ``tests/test_docs.py``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    fv = flag_values([PROG] + argv)
-    rest = cli.parse(fv, [PROG] + argv, PROG, __doc__, RENAMED)
-    if len(rest) > 1:
-        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --variants=ddp,b-sdp")
+    fv = command_flags(flag_values, [PROG] + argv, PROG, __doc__, "--variants=ddp,b-sdp",
+                       RENAMED)
     config, config_path = fv.config, fv["config"].config_filename
-
-    def err(msg):
-        cli.error(PROG, msg)
-    if fv.time_steps < 1:
-        err(f"--time_steps={fv.time_steps} must be >= 1")
-    if fv.json:
-        folder = os.path.dirname(os.path.abspath(fv.json))
-        if os.path.isdir(fv.json):
-            err(f"--json {fv.json!r} is a folder; give a file name, e.g. {fv.json}/rows.json")
-        if not os.path.isdir(folder):
-            err(f"--json {fv.json!r}: its folder {folder} does not exist")
-        if not os.access(folder, os.W_OK):
-            err(f"--json {fv.json!r}: its folder {folder} is not writable")
-        if os.path.exists(fv.json) and not fv.overwrite:
-            err(f"--json {fv.json!r} exists; give another file name, or add --overwrite to "
-                "replace it")
+    _check_outputs(fv)
     if fv.paper:
-        fixed = [f"--{k}" for k in ("variants", "measure_time", "json", "flops", "time_steps",
-                                    "reference") if fv[k].present]
-        fixed += [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
-        if fixed:
-            err(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
-                f"FSDP + AC, bf16); drop {', '.join(fixed)}")
-        try:
-            paper_check(config)
-        except ValueError as e:
-            err(str(e))
-        out_folder(PROG, fv.out, PAPER_FILES, fv.overwrite)  # before minutes of compiling
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            err("--paper draws a chart with matplotlib: pip install -e '.[bench]'")
-        if check_only:
-            return []
-        try:
-            return run_paper(config, config_path, fv.out)
-        except ValueError as e:
-            err(str(e))
+        return _main_paper(fv, argv, check_only)
+    variants = _check_variants(fv, config, config_path)
+    workers, mesh = _validate(config, variants, check_only)
+    if check_only:
+        return []
+    if _is_vision(config):
+        return _main_vision(fv, config, config_path, variants, workers, mesh)
+    return _main_lm(fv, config, config_path, variants, workers, mesh)
+
+
+def _check_outputs(fv) -> None:
+    """Exit (status 2, one line) on a bad ``--time_steps`` or a ``--json`` path that cannot be
+    written (a folder, a missing or read-only folder, an existing file without
+    ``--overwrite``)."""
+    if fv.time_steps < 1:
+        _err(f"--time_steps={fv.time_steps} must be >= 1")
+    if not fv.json:
+        return
+    folder = os.path.dirname(os.path.abspath(fv.json))
+    if os.path.isdir(fv.json):
+        _err(f"--json {fv.json!r} is a folder; give a file name, e.g. {fv.json}/rows.json")
+    if not os.path.isdir(folder):
+        _err(f"--json {fv.json!r}: its folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        _err(f"--json {fv.json!r}: its folder {folder} is not writable")
+    if os.path.exists(fv.json) and not fv.overwrite:
+        _err(f"--json {fv.json!r} exists; give another file name, or add --overwrite to "
+             "replace it")
+
+
+def _main_paper(fv, argv: list[str], check_only: bool) -> list[dict]:
+    """``main`` with ``--paper``: refuse the flags it fixes, check the config, the ``--out``
+    folder and matplotlib, then (unless ``check_only``) :func:`run_paper`."""
+    fixed = [f"--{k}" for k in ("variants", "measure_time", "json", "flops", "time_steps",
+                                "reference") if fv[k].present]
+    fixed += [a.split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    if fixed:
+        _err(f"--paper fixes its own settings (DDP, FSDP + AC, B-SDP C=0.6875, B-SDP + "
+             f"FSDP + AC, bf16); drop {', '.join(fixed)}")
+    try:
+        paper_check(fv.config)
+    except ValueError as e:
+        _err(str(e))
+    out_folder(PROG, fv.out, PAPER_FILES, fv.overwrite)  # before minutes of compiling
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        _err("--paper draws a chart with matplotlib: pip install -e '.[bench]'")
+    if check_only:
+        return []
+    try:
+        return run_paper(fv.config, fv["config"].config_filename, fv.out)
+    except ValueError as e:
+        _err(str(e))
+
+
+def _check_variants(fv, config, config_path: str) -> list[str]:
+    """The variants of ``--variants``, checked against each other and against the config
+    (no pipeline stages; ``stage_blocks`` needs a block variant; ``--measure_time`` and
+    ``--reference`` need an unsharded language model); exits with status 2 otherwise."""
     if config.get("pipeline", {}).get("stages", 1) > 1:
-        err(f"{config_path} is a pipelined config (pipeline.stages={config.pipeline.stages}); "
-            f"its boundary bytes are measured by python -m sdp_jax.study --config "
-            f"{config_path} --bytes_only")
+        _err(f"{config_path} is a pipelined config (pipeline.stages={config.pipeline.stages}); "
+             f"its boundary bytes are measured by python -m sdp_jax.study --config "
+             f"{config_path} --bytes_only")
     variants = [v.strip() for v in fv.variants if v.strip()]
     if len(set(variants)) != len(variants):
-        err(f"--variants {','.join(fv.variants)!r} names a variant twice")
-
+        _err(f"--variants {','.join(fv.variants)!r} names a variant twice")
     bad = [v for v in variants if v not in spec_lib.VARIANTS]
     if bad or not variants:
-        err(f"unknown variants {bad or fv.variants!r}; choose from {','.join(spec_lib.VARIANTS)}")
+        _err(f"unknown variants {bad or fv.variants!r}; choose from {','.join(spec_lib.VARIANTS)}")
     if tuple(config.sdp.get("stage_blocks", ()) or ()) and not any(
             v in ("b-sdp", "bb-sdp") for v in variants):
-        err(f"config.sdp.stage_blocks={tuple(config.sdp.stage_blocks)} applies to the block "
-            f"variants b-sdp and bb-sdp; none is in --variants {','.join(variants)}")
+        _err(f"config.sdp.stage_blocks={tuple(config.sdp.stage_blocks)} applies to the block "
+             f"variants b-sdp and bb-sdp; none is in --variants {','.join(variants)}")
     if fv.measure_time and _is_vision(config):
-        err("--measure_time: not available for vision models (timed steps are built for the "
-            "language models only)")
+        _err("--measure_time: not available for vision models (timed steps are built for the "
+             "language models only)")
     if fv.reference and _is_vision(config):
-        err("--reference: the plain-jit reference is built for the language models only; drop "
-            "--reference")
+        _err("--reference: the plain-jit reference is built for the language models only; drop "
+             "--reference")
     if fv.reference and config.fsdp:
-        err("--reference is plain-jit DDP with replicated parameters, without FSDP; drop "
-            "--config.fsdp=True (or --reference)")
+        _err("--reference is plain-jit DDP with replicated parameters, without FSDP; drop "
+             "--config.fsdp=True (or --reference)")
+    return variants
+
+
+def _validate(config, variants: list[str], check_only: bool):
+    """Set the config's ``workers`` (0: 8) and ``model.max_seq_len`` (at least ``seq_len``),
+    validate every variant as training would and return ``(workers, mesh)`` (mesh None with
+    ``check_only``, which leaves the caller's JAX devices as they are); exits with status 2 on
+    a ValueError."""
     workers = config.get("workers", 0) or 8
     with config.unlocked():
         config.workers = workers
@@ -694,45 +748,28 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         run_lib.canonical_dtype(config)
         for v in variants:   # one validation place for every field, before any compile
             _resolve(config, v, max(workers, 1))
-        if check_only:
-            return []
-        mesh = _mesh(workers)
+        return workers, None if check_only else _mesh(workers)
     except ValueError as e:
-        err(str(e))
+        _err(str(e))
 
+
+def _compiled(rows: list[dict], row: dict, name: str) -> None:
+    """Append ``row`` to ``rows`` and print that ``name`` is compiled, in how long."""
+    rows.append(row)
+    print(f"  compiled {name} in {row['compile_s']}s", flush=True)
+
+
+def _main_lm(fv, config, config_path, variants, workers, mesh) -> list[dict]:
+    """``main`` for language-model configs: the rows of :func:`_lm_rows`, printed as a table
+    with the reference ratios and notes, and written to ``--json``."""
     import jax
 
-    if _is_vision(config):
-        return _main_vision(fv, config, config_path, variants, workers, mesh)
     model = LlamaConfig.from_config(config.model)
-    fsdp, remat, dtype = config.fsdp, config.remat, config.dtype
-    rows = []
     print(f"{config_path}: {model.n_layers} blocks, batch {config.batch_per_worker} x "
           f"{config.seq_len} tokens per worker, {workers} x {jax.devices()[0].platform}, "
-          f"{dtype}" + (", FSDP" if fsdp else "") + f", remat {remat}, averaging "
-          f"{config.sdp.method}, attention {model.attention}", flush=True)
-    kw = {"fsdp": fsdp, "remat": remat, "dtype": dtype}
-    coverage = config.sdp.coverage
-    if fv.reference:
-        rows.append(measure_reference(config, workers, mesh, remat=remat, dtype=dtype,
-                                      flops=fv.flops))
-        print(f"  compiled {rows[-1]['setting']} in {rows[-1]['compile_s']}s", flush=True)
-        if "b-sdp" in variants:   # the floor of B-SDP's step: plain jit of k of the L blocks
-            k = _plan(config, "b-sdp", workers, config.sdp.coverage)[0].kinds["block"].k
-            rows.append(measure_reference(config, workers, mesh, remat=remat, dtype=dtype,
-                                          flops=fv.flops, blocks=k))
-            print(f"  compiled {rows[-1]['setting']} in {rows[-1]['compile_s']}s", flush=True)
-    for v in variants:
-        cov = 1.0 if v == "ddp" else coverage
-        row = measure(config, v, workers, cov, mesh, flops=fv.flops, **kw)
-        rows.append(row)
-        print(f"  compiled {v} in {row['compile_s']}s", flush=True)
-    if fv.measure_time:
-        print(f"  timing {fv.time_steps} steps of each variant, interleaved", flush=True)
-        for row, t in zip(rows, time_steps(config, rows, workers, mesh, steps=fv.time_steps,
-                                           **kw)):
-            row["step_times_s"] = t
-            row["step_time_s"] = statistics.median(t)
+          f"{config.dtype}" + (", FSDP" if config.fsdp else "") + f", remat {config.remat}, "
+          f"averaging {config.sdp.method}, attention {model.attention}", flush=True)
+    rows = _lm_rows(fv, config, variants, workers, mesh)
     print(format_table(rows))
     for line in reference_lines(rows):
         print(line)
@@ -740,11 +777,37 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         if not r["uniform"]:
             print(f"note: {r['variant']}: W*C is not whole for some component kind, so its masks "
                   "are near-uniform (multiplicities differ by one), as in the paper's 1B setting.")
-    if jax.devices()[0].platform == "cpu" and dtype == "bfloat16":
+    if jax.devices()[0].platform == "cpu" and config.dtype == "bfloat16":
         print("note: XLA:CPU computes bf16 matmuls and collectives in float32 (converting back "
               "and forth), so bf16 memory and bytes here are upper bounds of what a GPU or TPU "
               "would use, and can exceed the float32 figures.")
     _write_rows(fv.json, rows)
+    return rows
+
+
+def _lm_rows(fv, config, variants, workers, mesh) -> list[dict]:
+    """The language-model rows: ``--reference``'s plain-jit rows first, then each variant's
+    (:func:`measure`), with ``step_times_s`` / ``step_time_s`` (seconds) under
+    ``--measure_time``."""
+    kw = {"fsdp": config.fsdp, "remat": config.remat, "dtype": config.dtype}
+    ref = {"remat": config.remat, "dtype": config.dtype, "flops": fv.flops}
+    rows = []
+    if fv.reference:
+        row = measure_reference(config, workers, mesh, **ref)
+        _compiled(rows, row, row["setting"])
+        if "b-sdp" in variants:   # the floor of B-SDP's step: plain jit of k of the L blocks
+            k = _plan(config, "b-sdp", workers, config.sdp.coverage)[0].kinds["block"].k
+            row = measure_reference(config, workers, mesh, blocks=k, **ref)
+            _compiled(rows, row, row["setting"])
+    for v in variants:
+        cov = 1.0 if v == "ddp" else config.sdp.coverage
+        _compiled(rows, measure(config, v, workers, cov, mesh, flops=fv.flops, **kw), v)
+    if fv.measure_time:
+        print(f"  timing {fv.time_steps} steps of each variant, interleaved", flush=True)
+        for row, t in zip(rows, time_steps(config, rows, workers, mesh, steps=fv.time_steps,
+                                           **kw)):
+            row["step_times_s"] = t
+            row["step_time_s"] = statistics.median(t)
     return rows
 
 
@@ -785,10 +848,9 @@ def _main_vision(fv, config, config_path, variants, workers, mesh):
           + f", remat {remat}, averaging {config.sdp.method}", flush=True)
     rows = []
     for v in variants:
-        row = measure_vision(config, v, workers, 1.0 if v == "ddp" else config.sdp.coverage,
-                             mesh, dtype=dtype, flops=fv.flops, remat=remat, fsdp=fsdp)
-        rows.append(row)
-        print(f"  compiled {v} in {row['compile_s']}s", flush=True)
+        _compiled(rows, measure_vision(config, v, workers,
+                                       1.0 if v == "ddp" else config.sdp.coverage, mesh,
+                                       dtype=dtype, flops=fv.flops, remat=remat, fsdp=fsdp), v)
     print(format_table(rows))
     for r in rows:
         if not r["uniform"]:

@@ -38,6 +38,7 @@ import json
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from sdp_jax import costs
 from sdp_jax import mesh as mesh_lib
@@ -224,67 +225,93 @@ def flag_values(argv: list[str] | None = None):
     return fv
 
 
+def _err(msg: str) -> NoReturn:
+    """Exit with status 2 and ``PROG: error: msg`` on stderr (:func:`sdp_jax.train.cli.error`)."""
+    cli.error(PROG, msg)
+
+
 def main(argv=None, check_only: bool = False) -> list[dict]:
     """The MAPL study's command line (``argv`` without the program name and the subcommand;
     default ``sys.argv[1:]``; ``python -m sdp_jax.study`` dispatches to it). Returns one row per run; a bad flag or config exits with status 2 and
     a one-line error before any compile or training. ``check_only``: stop after the
     validation (the documentation check, ``tests/test_docs.py``)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    argv = [PROG] + args
-    fv = flag_values(argv)
-    rest = cli.parse(fv, argv, PROG, __doc__, RENAMED)
-    if len(rest) > 1:
-        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --ratios=4,8")
-    config = fv.config
+    fv = bench.command_flags(flag_values, [PROG] + args, PROG, __doc__, "--ratios=4,8",
+                             RENAMED)
+    methods, ratios, seeds, schedules = _settings(fv)
+    configs = _validate_runs(fv, methods, ratios, seeds, schedules)
+    bench.out_folder(PROG, fv.out)  # validated: now the folder, before any compile
+    if check_only:
+        return []
+    rows = _measure_and_train(configs, fv.out, fv.bytes_only)
+    _write(rows, fv.out, fv.bytes_only, configs, len(seeds))
+    return rows
 
-    def err(msg):
-        cli.error(PROG, msg)
+
+def _settings(fv) -> tuple[list, list, list, list]:
+    """``(methods, ratios, seeds, schedules)`` of the flags (seeds: default the config's seed;
+    schedules: default the config's ``pipeline.schedule``, validated with the config later);
+    a bad value exits with status 2 and a one-line error."""
+    config = fv.config
     methods = [m for m in fv.methods if m]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
-        err(f"--methods={','.join(fv.methods)!r}: choose one or more of {', '.join(METHODS)}")
+        _err(f"--methods={','.join(fv.methods)!r}: choose one or more of {', '.join(METHODS)}")
     try:
         ratios = [int(r) for r in fv.ratios if r]
     except ValueError:
-        err(f"--ratios={','.join(fv.ratios)!r} must be integers like 4,8,16")
+        _err(f"--ratios={','.join(fv.ratios)!r} must be integers like 4,8,16")
     seeds = cli.seeds(PROG, fv.seeds) if fv.seeds is not None else [config.seed]
     # (without --schedules the config's own schedule, which resolve() validates below)
     schedules = ([x for x in fv.schedules if x] if fv.schedules is not None
                  else [config.pipeline.schedule])
     if fv.schedules is not None:
         if config.pipeline.schedule not in SCHEDULES:   # replaced, but a mistake all the same
-            err(f"--config.pipeline.schedule={config.pipeline.schedule!r}: choose "
-                f"{' or '.join(SCHEDULES)} (or leave it to --schedules)")
+            _err(f"--config.pipeline.schedule={config.pipeline.schedule!r}: choose "
+                 f"{' or '.join(SCHEDULES)} (or leave it to --schedules)")
         bad = [x for x in schedules if x not in SCHEDULES]
         if bad or not schedules or len(set(schedules)) != len(schedules):
-            err(f"--schedules={','.join(fv.schedules)!r}"
-                + (f": unknown {', '.join(map(repr, bad))}" if bad else "")
-                + f"; give distinct schedules from {', '.join(SCHEDULES)}, e.g. gpipe,1f1b")
+            _err(f"--schedules={','.join(fv.schedules)!r}"
+                 + (f": unknown {', '.join(map(repr, bad))}" if bad else "")
+                 + f"; give distinct schedules from {', '.join(SCHEDULES)}, e.g. gpipe,1f1b")
+    return methods, ratios, seeds, schedules
+
+
+def _validate_runs(fv, methods, ratios, seeds, schedules) -> dict:
+    """Every run's config (``{(method, ratio, seed, schedule): config}``, in run order; with
+    ``--bytes_only`` the first seed's only), validated on the config's ``num_cpu_devices``
+    (simulated here) and (when training) its run folder, before any compile or training; an
+    error exits with status 2 and a one-line error naming the run."""
     import jax  # pylint: disable=g-import-not-at-top
-    mesh_lib.simulate_cpu_devices(config.num_cpu_devices)
+    mesh_lib.simulate_cpu_devices(fv.config.num_cpu_devices)
 
     configs = {}
     for seed in seeds[:1] if fv.bytes_only else seeds:
         for (m, r), sc in itertools.product(_runs(methods, ratios), schedules):
             # all validated before any compile or training
-            c = _with(config, m, r, seed, sc)
+            c = _with(fv.config, m, r, seed, sc)
             where = _run_dir(fv.out, m, r, seed, sc)
             run = (f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}"
                    + (f", {sc}" if len(schedules) > 1 else ""))
             try:
                 spec = run_lib.resolve(c, jax.device_count())
             except ValueError as e:
-                err(f"{run}: {e}".replace("--config.pipeline.ratio", "--ratios"))
+                _err(f"{run}: {e}".replace("--config.pipeline.ratio", "--ratios"))
             try:
                 if not fv.bytes_only:
                     loop.check_workdir(c, where, spec)
             except ValueError as e:
-                err(f"{run}: {e} (The study's run folder is {where}: use another --out, or the "
-                    "flags that wrote it.)")
+                _err(f"{run}: {e} (The study's run folder is {where}: use another --out, or "
+                     "the flags that wrote it.)")
             configs[m, r, seed, sc] = c
-    bench.out_folder(PROG, fv.out)  # validated: now the folder, before any compile
-    if check_only:
-        return []
+    return configs
+
+
+def _measure_and_train(configs: dict, out: str, bytes_only: bool) -> list[dict]:
+    """One row per run of ``configs``: its settings, boundary bytes (:func:`measure_bytes`,
+    compiled once per method, ratio and schedule) and, unless ``bytes_only``, the trained
+    run's final ``val_loss``, ``val_bpb``, ``ortho_err`` and ``wall_s``. A run stopped before
+    its end exits: 128 + the signal number, else 1."""
     rows, measured = [], {}
     for (m, r, seed, sc), c in configs.items():
         d = c.model.d_model
@@ -302,10 +329,10 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
         row["bytes_per_token"] = b["per_token"]
         row["bytes_per_step"] = b["per_boundary"]
         row["peak_bytes_per_device"] = b["peak_bytes_per_device"]
-        if not fv.bytes_only:
+        if not bytes_only:
             loop.log(f"study: training {m}" + (f" at {r}x" if m != "none" else "")
-                         + f", seed {seed}")
-            s = loop.train(c, _run_dir(fv.out, m, r, seed, sc))
+                     + f", seed {seed}")
+            s = loop.train(c, _run_dir(out, m, r, seed, sc))
             if not s.get("completed"):
                 print(f"study stopped during {m} {r}x ({sc}); rerun the same command to resume.",
                       file=sys.stderr)
@@ -314,20 +341,25 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             row.update(val_loss=s["final_val_loss"], val_bpb=s["final_val_bpb"],
                        ortho_err=s.get("final_ortho_err"), wall_s=s["wall_s"])
         rows.append(row)
-    table = format_table(aggregate(rows))
-    print(table)
-    name = "bytes" if fv.bytes_only else "study"  # bytes-only never replaces a study's table
-    with open(os.path.join(fv.out, f"{name}.json"), "w") as f:
-        json.dump(rows, f, indent=2)  # one row per run
-    with open(os.path.join(fv.out, f"{name}.md"), "w") as f:
-        f.write(table + "\n")
-    loop.log(f"wrote {os.path.join(fv.out, name)}.md and .json"
-                 + ("" if fv.bytes_only else " and study.png"))
-    if not fv.bytes_only:
-        c0 = next(iter(configs.values()))
-        plot(aggregate(rows), os.path.join(fv.out, "study.png"),
-             f"LLaMA d={c0.model.d_model}, {c0.model.n_layers} blocks, {c0.pipeline.stages} "
-             f"stages, {rows[0]['tokens'] / 1e6:.2f}M tokens per run, "
-             f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''}")
     return rows
 
+
+def _write(rows: list[dict], out: str, bytes_only: bool, configs: dict, n_seeds: int) -> None:
+    """Print the table of ``rows`` and write ``study.json`` / ``study.md`` and ``study.png``
+    (``bytes.json`` / ``bytes.md`` with ``bytes_only``) to ``out``; the plot's title names
+    the model of the first run of ``configs`` and ``n_seeds``."""
+    table = format_table(aggregate(rows))
+    print(table)
+    name = "bytes" if bytes_only else "study"  # bytes-only never replaces a study's table
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(rows, f, indent=2)  # one row per run
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(table + "\n")
+    loop.log(f"wrote {os.path.join(out, name)}.md and .json"
+             + ("" if bytes_only else " and study.png"))
+    if not bytes_only:
+        c0 = next(iter(configs.values()))
+        plot(aggregate(rows), os.path.join(out, "study.png"),
+             f"LLaMA d={c0.model.d_model}, {c0.model.n_layers} blocks, {c0.pipeline.stages} "
+             f"stages, {rows[0]['tokens'] / 1e6:.2f}M tokens per run, "
+             f"{n_seeds} seed{'s' if n_seeds > 1 else ''}")

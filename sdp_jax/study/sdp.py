@@ -51,6 +51,7 @@ import os
 import re
 import signal
 import sys
+from typing import NoReturn
 
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.bench import measure as bench
@@ -473,6 +474,15 @@ def _fingerprint(config) -> str:
     return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()[:16]
 
 
+# The flag of each arm's config.
+CONFIG_FLAG = {"lm": "lm_config", "gap": "lm_config", "digits": "vision_config"}
+
+
+def _err(msg: str) -> NoReturn:
+    """Exit with status 2 and ``PROG: error: msg`` on stderr (:func:`sdp_jax.train.cli.error`)."""
+    cli.error(PROG, msg)
+
+
 def main(argv=None, check_only: bool = False) -> list[dict]:
     """The SDP study's command line (``argv`` without the program name). Returns one row per
     run of this invocation. A bad flag or config, or a run folder written by other settings,
@@ -480,98 +490,140 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     stops after that validation (the documentation check, ``tests/test_docs.py``). A run that
     diverges (a non-finite loss) is recorded as such and the study goes on."""
     argv = [PROG] + (sys.argv[2:] if argv is None else list(argv))
-    fv = flag_values(argv)
-    rest = cli.parse(fv, argv, PROG, __doc__)
-    if len(rest) > 1:
-        cli.error(PROG, f"unexpected arguments {rest[1:]}; flags look like --arms=lm,gap")
-
-    def err(msg):
-        cli.error(PROG, msg)
-    arms = _choices(err, "arms", fv.arms, ARMS)
-    variants = _choices(err, "variants", fv.variants, VARIANTS)
-    budgets = _choices(err, "budgets", fv.budgets, BUDGETS)
-    coverages = _floats(err, "coverages", fv.coverages, 0.0, 1.0)
-    if len({_name("b-sdp", c, "step") for c in coverages}) != len(coverages):
-        err(f"--coverages={','.join(fv.coverages)!r}: give coverages that differ in their "
-            "first six digits")
-    seeds = cli.seeds(PROG, fv.seeds)
-    if not 0 < fv.gap_coverage < 1:
-        err(f"--gap_coverage={fv.gap_coverage}: give a coverage in (0, 1), e.g. 0.5")
-    if fv.align_every < 0:
-        err(f"--align_every={fv.align_every}: give 0 (off) or a number of steps, e.g. 25")
+    fv = bench.command_flags(flag_values, argv, PROG, __doc__, "--arms=lm,gap")
+    arms, variants, budgets, coverages, seeds = _settings(fv)
     bases = {"lm": fv.lm_config, "gap": fv.lm_config, "digits": fv.vision_config}
-    flag = {"lm": "lm_config", "gap": "lm_config", "digits": "vision_config"}
-    for arm in arms:
-        if bench._is_vision(bases[arm]) != (arm == "digits"):
-            kind = "vision" if arm == "digits" else "language-model"
-            err(f"--{flag[arm]} {fv[flag[arm]].config_filename!r} is not a {kind} config (the "
-                f"{arm} arm); give one from configs/ of that kind")
-        if bases[arm].stop_at_step:
-            err(f"--{flag[arm]}.stop_at_step={bases[arm].stop_at_step}: the study trains every "
-                "run to its end; stop it with Ctrl-C (a rerun resumes) and drop the flag")
+    _check_bases(fv, bases, arms)
     mesh_lib.simulate_cpu_devices(max(bases[a].num_cpu_devices for a in arms))
-    import jax  # pylint: disable=g-import-not-at-top
-
-
-    def folder(run):
-        return os.path.join(fv.out, run["arm"], f"seed{run['seed']}", run["name"])
-
-    for arm in arms:   # each arm's config as DDP: its own errors are not a coverage's
-        try:
-            run_lib.resolve(run_config(bases[arm], dict(
-                arm=arm, variant="ddp", coverage=1.0, budget="step", scheme=None,
-                seed=seeds[0]), fv.align_every), jax.device_count())
-        except ValueError as e:
-            err(f"--{flag[arm]}: {_one_line(e, flag[arm])}")
+    _check_arms(bases, arms, seeds[0], fv.align_every)
     runs = plan(arms, variants, coverages, budgets, seeds, fv.gap_coverage)
-    configs = {}
-    for run in runs:   # all validated before any compile or training
-        c = run_config(bases[run["arm"]], run, fv.align_every)
-        where = folder(run)
-        if run["scheme"] == "cyclic":   # the lm arm's bb-sdp step run, if it is the same run
-            twin = dict(run, arm="lm", scheme=None, name=_name("bb-sdp", run["coverage"],
-                                                              "step"))
-            if run_config(bases["lm"], twin, fv.align_every).to_dict() == c.to_dict():
-                where = folder(twin)
-        try:
-            spec = run_lib.resolve(c, jax.device_count())
-        except ValueError as e:
-            why = _one_line(e, flag[run["arm"]])
-            if run["arm"] == "gap":
-                err(f"--gap_coverage={fv.gap_coverage:g}: {why.split(';')[0]}; choose a "
-                    "coverage every mask of the gap arm realizes, e.g. --gap_coverage=0.5")
-            if run["variant"] == "ddp" or f"coverage C={run['coverage']:g}" not in why:
-                err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: {why}")
-            run["skipped"] = why.split(";")[0].replace("|", "/")   # not realizable here
-            continue
-        try:
-            loop.check_workdir(c, where, spec)
-        except ValueError as e:
-            err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: "
-                f"{_one_line(e, flag[run['arm']])} (the run folder is {where}: use another "
-                "--out, or the flags that wrote it)")
-        configs[id(run)] = (c, where)
-    for arm in arms:
-        sdp_runs = [r for r in runs if r["arm"] == arm and r["variant"] != "ddp"]
-        if arm != "gap" and sdp_runs and all(r.get("skipped") for r in sdp_runs):
-            err(f"the {arm} arm: no variant of --variants is realizable at --coverages="
-                f"{','.join(fv.coverages)} ({sdp_runs[0]['skipped']})")
-    if not runs:
-        err(f"nothing to run: --variants={','.join(variants)} with --budgets="
-            f"{','.join(budgets)} plans no run (the flop budget is the forward variants' "
-            "only); add --budgets=step or a forward variant")
+    configs = _validate_runs(fv, runs, bases)
+    _check_plan(fv, runs, arms, variants, budgets)
     bench.out_folder(PROG, fv.out)
     try:
         read_rows(fv.out, bases, arms, {(r["arm"], r["seed"], r["name"]) for r in runs
                                         if not r.get("skipped")})
     except ValueError as e:
-        err(str(e))
+        _err(str(e))
     if check_only:
         return []
+    return _train_runs(fv.out, runs, configs, bases, seeds[0])
+
+
+def _settings(fv) -> tuple[list, list, list, list, list]:
+    """``(arms, variants, budgets, coverages, seeds)`` of the flags; a bad value (also of
+    ``--gap_coverage`` and ``--align_every``) exits with status 2 and a one-line error."""
+    arms = _choices(_err, "arms", fv.arms, ARMS)
+    variants = _choices(_err, "variants", fv.variants, VARIANTS)
+    budgets = _choices(_err, "budgets", fv.budgets, BUDGETS)
+    coverages = _floats(_err, "coverages", fv.coverages, 0.0, 1.0)
+    if len({_name("b-sdp", c, "step") for c in coverages}) != len(coverages):
+        _err(f"--coverages={','.join(fv.coverages)!r}: give coverages that differ in their "
+             "first six digits")
+    seeds = cli.seeds(PROG, fv.seeds)
+    if not 0 < fv.gap_coverage < 1:
+        _err(f"--gap_coverage={fv.gap_coverage}: give a coverage in (0, 1), e.g. 0.5")
+    if fv.align_every < 0:
+        _err(f"--align_every={fv.align_every}: give 0 (off) or a number of steps, e.g. 25")
+    return arms, variants, budgets, coverages, seeds
+
+
+def _check_bases(fv, bases: dict, arms: list[str]) -> None:
+    """Exit (status 2, one line) unless each arm's config is of the arm's kind (vision for
+    digits, a language model otherwise) and trains to its end (no ``stop_at_step``)."""
+    for arm in arms:
+        flag = CONFIG_FLAG[arm]
+        if bench._is_vision(bases[arm]) != (arm == "digits"):
+            kind = "vision" if arm == "digits" else "language-model"
+            _err(f"--{flag} {fv[flag].config_filename!r} is not a {kind} config (the "
+                 f"{arm} arm); give one from configs/ of that kind")
+        if bases[arm].stop_at_step:
+            _err(f"--{flag}.stop_at_step={bases[arm].stop_at_step}: the study trains every "
+                 "run to its end; stop it with Ctrl-C (a rerun resumes) and drop the flag")
+
+
+def _check_arms(bases: dict, arms: list[str], seed: int, align_every: int) -> None:
+    """Validate each arm's config as its DDP run, so that its own errors are not reported as
+    a coverage's; exits with status 2 and a one-line error."""
+    import jax  # pylint: disable=g-import-not-at-top
+
+    for arm in arms:
+        try:
+            run_lib.resolve(run_config(bases[arm], dict(
+                arm=arm, variant="ddp", coverage=1.0, budget="step", scheme=None,
+                seed=seed), align_every), jax.device_count())
+        except ValueError as e:
+            _err(f"--{CONFIG_FLAG[arm]}: {_one_line(e, CONFIG_FLAG[arm])}")
+
+
+def _folder(out: str, run: dict) -> str:
+    """A run's folder: ``OUT/<arm>/seed<s>/<name>``."""
+    return os.path.join(out, run["arm"], f"seed{run['seed']}", run["name"])
+
+
+def _validate_runs(fv, runs: list[dict], bases: dict) -> dict:
+    """Validate every run of ``runs`` before any compile or training: a run whose coverage
+    its variant cannot realize gets ``skipped`` (the reason); any other error exits with
+    status 2 and a one-line error. Returns ``{id(run): (config, run folder)}`` of the runs
+    to train (the gap arm's cyclic run shares the lm arm's bb-sdp folder when it is the same
+    run)."""
+    import jax  # pylint: disable=g-import-not-at-top
+
+    configs = {}
+    for run in runs:
+        flag = CONFIG_FLAG[run["arm"]]
+        c = run_config(bases[run["arm"]], run, fv.align_every)
+        where = _folder(fv.out, run)
+        if run["scheme"] == "cyclic":   # the lm arm's bb-sdp step run, if it is the same run
+            twin = dict(run, arm="lm", scheme=None, name=_name("bb-sdp", run["coverage"],
+                                                              "step"))
+            if run_config(bases["lm"], twin, fv.align_every).to_dict() == c.to_dict():
+                where = _folder(fv.out, twin)
+        try:
+            spec = run_lib.resolve(c, jax.device_count())
+        except ValueError as e:
+            why = _one_line(e, flag)
+            if run["arm"] == "gap":
+                _err(f"--gap_coverage={fv.gap_coverage:g}: {why.split(';')[0]}; choose a "
+                     "coverage every mask of the gap arm realizes, e.g. --gap_coverage=0.5")
+            if run["variant"] == "ddp" or f"coverage C={run['coverage']:g}" not in why:
+                _err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: {why}")
+            run["skipped"] = why.split(";")[0].replace("|", "/")   # not realizable here
+            continue
+        try:
+            loop.check_workdir(c, where, spec)
+        except ValueError as e:
+            _err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: "
+                 f"{_one_line(e, flag)} (the run folder is {where}: use another "
+                 "--out, or the flags that wrote it)")
+        configs[id(run)] = (c, where)
+    return configs
+
+
+def _check_plan(fv, runs: list[dict], arms, variants, budgets) -> None:
+    """Exit (status 2, one line) when an lm or digits arm has SDP runs but none realizable,
+    or when the flags plan no run at all."""
+    for arm in arms:
+        sdp_runs = [r for r in runs if r["arm"] == arm and r["variant"] != "ddp"]
+        if arm != "gap" and sdp_runs and all(r.get("skipped") for r in sdp_runs):
+            _err(f"the {arm} arm: no variant of --variants is realizable at --coverages="
+                 f"{','.join(fv.coverages)} ({sdp_runs[0]['skipped']})")
+    if not runs:
+        _err(f"nothing to run: --variants={','.join(variants)} with --budgets="
+             f"{','.join(budgets)} plans no run (the flop budget is the forward variants' "
+             "only); add --budgets=step or a forward variant")
+
+
+def _train_runs(out: str, runs: list[dict], configs: dict, bases: dict,
+                first_seed: int) -> list[dict]:
+    """Train the validated runs in order (a skipped run is logged once, at ``first_seed``,
+    and kept as a row) and :func:`write` their rows to ``out``. A diverged run is recorded
+    and the study goes on; a run stopped before its end (or by a signal) writes the rows so
+    far and exits: 128 + the signal number, else 1. Returns the rows."""
     cli.exit_on_signals()   # outside the training loops: one line, no traceback
     todo = [r for r in runs if not r.get("skipped")]
     for r in runs:
-        if r.get("skipped") and r["seed"] == seeds[0]:
+        if r.get("skipped") and r["seed"] == first_seed:
             loop.log(f"study: skipping {r['arm']} {r['name']}: {r['skipped']}")
     rows = []
     for run in runs:
@@ -589,19 +641,19 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
             rows.append(dict(run, diverged=" ".join(str(e).split()), **stamp))
             continue
         except (ValueError, ImportError) as e:
-            err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: "
-                f"{_one_line(e, flag[run['arm']])}")
+            _err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: "
+                 f"{_one_line(e, CONFIG_FLAG[run['arm']])}")
         if s.get("completed"):
             rows.append(dict(row_of(run, s, where), **stamp))
         sig = s.get("signal")
         if not s.get("completed") or sig:
             if rows:   # what is finished is in the tables already
-                write(rows, fv.out)
+                write(rows, out)
             print(f"study stopped {'after' if s.get('completed') else 'during'} {run['arm']} "
                   f"{run['name']} (seed {run['seed']}); rerun the same command to resume.",
                   file=sys.stderr)
             sys.exit(128 + int(getattr(signal, sig)) if sig else 1)
-    write(rows, fv.out)
+    write(rows, out)
     return rows
 
 
