@@ -153,14 +153,30 @@ def test_bench_reference_rows(capsys):
     assert "ddp / jit-ddp: peak " in out and "step time " in out and "within a round" in out
 
 
-def test_reference_of_a_b_sdp_workers_blocks():
-    """With b-sdp, --reference adds plain jit of the model cut to a worker's k blocks (B-SDP's
-    parameters per device), and B-SDP's paired step-time ratio to it (rows made here)."""
+def test_reference_counts_its_flops():
+    """--reference with FLOPs (no --noflops): the plain-jit row's XLA count, the blocks
+    unrolled, is the DDP step's within 2% (the same model; the steps differ only in their
+    collectives and the clipping's few elementwise FLOPs)."""
+    config = _tiny_config()
+    mesh = bench._mesh(4)
+    jit = bench.measure_reference(config, 4, mesh)
+    ddp = bench.measure(config, "ddp", 4, 1.0, mesh)
+    assert jit["flops_per_device"] > 0
+    assert jit["flops_per_device"] == pytest.approx(ddp["flops_per_device"], rel=0.02)
+
+
+def _tiny_config():
     import importlib.util
     module_spec = importlib.util.spec_from_file_location("llama_tiny", TINY)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    config = module.get_config()
+    return module.get_config()
+
+
+def test_reference_of_a_b_sdp_workers_blocks():
+    """With b-sdp, --reference adds plain jit of the model cut to a worker's k blocks (B-SDP's
+    parameters per device), and B-SDP's paired step-time ratio to it (rows made here)."""
+    config = _tiny_config()
     mesh = bench._mesh(4)
     sub = bench._reference(config, mesh, "none", "float32", blocks=2)
     bsdp, _ = bench._builder(config, "b-sdp", 4, 0.5, mesh, fsdp=False, remat="none",

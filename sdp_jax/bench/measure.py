@@ -179,6 +179,8 @@ def _count_flops(unrolled, batch_shape) -> float:
     def count(b, branch=None):
         return costs.flops_per_device(b.compiled_train_step(batch_shape, count_branch=branch))
     b = unrolled()
+    if isinstance(b, reference.JitDDP):   # the plain-jit reference: no SDP branches
+        return costs.flops_per_device(b.compiled_train_step(batch_shape))
     if not b.skips_unheld():
         return count(b)
     held, unheld = count(b, True), count(unrolled(), False)
@@ -237,21 +239,21 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
         c = _variant_config(config, variant, coverage, workers, nonuniform)
         with c.unlocked():
             c.dtype, c.remat, c.fsdp = dtype, remat, fsdp
-        return c, resolve(c, workers)
+        return resolve(c, workers)
 
     t0 = time.time()
     try:
-        c, spec = variant_config(False)
+        spec = variant_config(False)
         uniform = True
     except ValueError:
-        c, spec = variant_config(True)
+        spec = variant_config(True)
         uniform = False
-    builder = spec.family.step(c, spec, mesh)   # the run's own step (the vision family's)
-    compiled = builder.compiled_train_step(spec.family.batch_shapes(c, spec))
+    builder = spec.family.step(spec, mesh)   # the run's own step (the vision family's)
+    compiled = builder.compiled_train_step(spec.family.batch_shapes(spec))
     counted = compiled
     if flops and remat == "full":   # checkpointed blocks run under scans: count them unrolled
-        counted = spec.family.step(c, spec, mesh, unroll=True).compiled_train_step(
-            spec.family.batch_shapes(c, spec))
+        counted = spec.family.step(spec, mesh, unroll=True).compiled_train_step(
+            spec.family.batch_shapes(spec))
     traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
     kinds = spec.plan.summary()["kinds"]
     held = ", ".join(f"{v['per_worker']}/{v['components']} {k}" for k, v in kinds.items()

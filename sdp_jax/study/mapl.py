@@ -86,9 +86,9 @@ def measure_bytes(config) -> dict:
 
 
     spec = run_lib.resolve(config, jax.device_count())
-    builder = loop.make_step(config, spec, loop.make_mesh(spec))
-    compiled = builder.compiled_train_step(spec.family.batch_shapes(config, spec))
-    return {**families.boundary_bytes(config, spec, compiled),
+    builder = loop.make_step(spec, loop.make_mesh(spec))
+    compiled = builder.compiled_train_step(spec.family.batch_shapes(spec))
+    return {**families.boundary_bytes(spec, compiled),
             "peak_bytes_per_device": costs.memory_stats(compiled)["peak_bytes_per_device"]}
 
 
