@@ -243,19 +243,19 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
 
     t0 = time.time()
     try:
-        spec = variant_config(False)
+        run = variant_config(False)
         uniform = True
     except ValueError:
-        spec = variant_config(True)
+        run = variant_config(True)
         uniform = False
-    builder = spec.family.step(spec, mesh)   # the run's own step (the vision family's)
-    compiled = builder.compiled_train_step(spec.family.batch_shapes(spec))
+    builder = run.family.step(run, mesh)   # the run's own step (the vision family's)
+    compiled = builder.compiled_train_step(run.family.batch_shapes(run))
     counted = compiled
     if flops and remat == "full":   # checkpointed blocks run under scans: count them unrolled
-        counted = spec.family.step(spec, mesh, unroll=True).compiled_train_step(
-            spec.family.batch_shapes(spec))
+        counted = run.family.step(run, mesh, unroll=True).compiled_train_step(
+            run.family.batch_shapes(run))
     traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
-    kinds = spec.plan.summary()["kinds"]
+    kinds = run.plan.summary()["kinds"]
     held = ", ".join(f"{v['per_worker']}/{v['components']} {k}" for k, v in kinds.items()
                      if variant != "ddp")
     if variant in ("n-sdp", "nb-sdp"):  # one entry per kind: held / count in every stage
@@ -265,7 +265,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
         held = "; ".join(f"{kind} {' '.join(x)}" for kind, x in per.items())
     return {"variant": variant, "setting": setting_name(variant, fsdp, remat), "fsdp": fsdp,
             "remat": remat,
-            "dtype": dtype, "regime": spec.plan.regime, "coverage": spec.plan.coverage,
+            "dtype": dtype, "regime": run.plan.regime, "coverage": run.plan.coverage,
             "workers": workers, "held_per_worker": held or "all", "uniform": uniform,
             **costs.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},

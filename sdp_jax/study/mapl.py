@@ -85,10 +85,10 @@ def measure_bytes(config) -> dict:
     import jax  # pylint: disable=g-import-not-at-top
 
 
-    spec = run_lib.resolve(config, jax.device_count())
-    builder = loop.make_step(spec, loop.make_mesh(spec))
-    compiled = builder.compiled_train_step(spec.family.batch_shapes(spec))
-    return {**families.boundary_bytes(spec, compiled),
+    run = run_lib.resolve(config, jax.device_count())
+    builder = loop.make_step(run, loop.make_mesh(run))
+    compiled = builder.compiled_train_step(run.family.batch_shapes(run))
+    return {**families.boundary_bytes(run, compiled),
             "peak_bytes_per_device": costs.memory_stats(compiled)["peak_bytes_per_device"]}
 
 
@@ -294,12 +294,12 @@ def _validate_runs(fv, methods, ratios, seeds, schedules) -> dict:
             run = (f"{m}" + (f" at {r}x" if m != "none" else "") + f", seed {seed}"
                    + (f", {sc}" if len(schedules) > 1 else ""))
             try:
-                spec = run_lib.resolve(c, jax.device_count())
+                resolved = run_lib.resolve(c, jax.device_count())
             except ValueError as e:
                 _err(f"{run}: {e}".replace("--config.pipeline.ratio", "--ratios"))
             try:
                 if not fv.bytes_only:
-                    loop.check_workdir(c, where, spec)
+                    loop.check_workdir(c, where, resolved)
             except ValueError as e:
                 _err(f"{run}: {e} (The study's run folder is {where}: use another --out, or "
                      "the flags that wrote it.)")

@@ -580,7 +580,7 @@ def _validate_runs(fv, runs: list[dict], bases: dict) -> dict:
             if run_config(bases["lm"], twin, fv.align_every).to_dict() == c.to_dict():
                 where = _folder(fv.out, twin)
         try:
-            spec = run_lib.resolve(c, jax.device_count())
+            resolved = run_lib.resolve(c, jax.device_count())
         except ValueError as e:
             why = _one_line(e, flag)
             if run["arm"] == "gap":
@@ -591,7 +591,7 @@ def _validate_runs(fv, runs: list[dict], bases: dict) -> dict:
             run["skipped"] = why.split(";")[0].replace("|", "/")   # not realizable here
             continue
         try:
-            loop.check_workdir(c, where, spec)
+            loop.check_workdir(c, where, resolved)
         except ValueError as e:
             _err(f"{run['arm']} arm, {run['name']}, seed {run['seed']}: "
                  f"{_one_line(e, flag)} (the run folder is {where}: use another "
