@@ -18,29 +18,37 @@ _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
 
 def check(*, fsdp: bool, averaging: str, pipelined: bool = False, no_full_loss: str = "",
-          asked: str = "alignment_fn", fix: str = "") -> None:
+          asked: str = "SDPStep.alignment_fn()", names: dict | None = None,
+          fix: str = "measure it on an unpipelined run without FSDP, averaging gradients"
+          ) -> None:
     """The one owner of the gradient alignment's refusals, for
     :meth:`sdp_jax.step.SDPStep.alignment_fn` and a run config's ``align_every``
-    (:func:`sdp_jax.train.run.resolve`, which names its field in ``asked`` and ``fix``).
+    (:func:`sdp_jax.train.run.resolve`, which words them for its fields).
 
     Args:
       fsdp, averaging: the step's settings; pipelined: a mesh axis ``stage`` (a pipeline);
       no_full_loss: what to call the model when it has no full-model loss of its own here
-        (e.g. one that runs its own block slots, ``stacked_slots``: the vision models); empty
+        (one that runs its own block slots, ``stacked_slots``: the vision models); empty
         when it has one.
-      asked: what the message says was asked for; fix: how to drop it.
+      asked: what the message says was asked for; names: how the caller names the settings
+        (``{"averaging": "config.sdp.average"}``); fix: how to drop the request.
 
     Raises:
       ValueError: a pipeline, FSDP, such a model, or parameter averaging (the alignment needs
         the full model, one model per component and the model's own loss on every device)."""
-    what = ("pipelines" if pipelined else "FSDP" if fsdp
-            else no_full_loss if no_full_loss else "parameter averaging (averaging=parameters)"
-            if averaging == "parameters" else None)
-    if what:
-        raise ValueError(f"{asked}: the gradient alignment is not built for {what} (it needs "
-                         "the full model, one model per component and the model's own loss on "
-                         "every device); " + (fix or "measure it on an unpipelined run without "
-                                              "FSDP, averaging gradients") + ".")
+    if pipelined:
+        what = "pipelines"
+    elif fsdp:
+        what = "FSDP"
+    elif no_full_loss:
+        what = no_full_loss
+    elif averaging == "parameters":
+        what = f"parameter averaging ({(names or {}).get('averaging', 'averaging')}=parameters)"
+    else:
+        return
+    raise ValueError(f"{asked}: the gradient alignment is not built for {what} (it needs the "
+                     "full model, one model per component and the model's own loss on every "
+                     f"device); {fix}.")
 
 
 def cosine(a: dict, b: dict) -> jax.Array:

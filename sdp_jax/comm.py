@@ -469,7 +469,7 @@ class _LoopCompare:
             return None
         return got
 
-    def bound(self) -> tuple[int, int, str] | None:
+    def induction(self) -> tuple[int, int, str] | None:
         """``(k, bound, direction)`` of ``compare(get-tuple-element(param, k), constant)``
         (operands swapped with ``GT``/``GE``), ``direction`` one of LT, LE, NE; None otherwise."""
         dm = re.search(r"\bdirection=(\w+)", self.cmp_ins.attrs)
@@ -521,7 +521,7 @@ def _loop_init_step(ins: _Instr, comp: _Comp, comps: dict[str, _Comp],
 def _infer_trip_count(ins: _Instr, comp: _Comp, comps: dict[str, _Comp]) -> int | None:
     """Trip count of a ``while`` from ``compare(gte(param, k), constant)`` in its condition."""
     loop = _LoopCompare.of(ins, comps)
-    found = loop.bound() if loop is not None else None
+    found = loop.induction() if loop is not None else None
     if found is None:
         return None
     index, bound, direction = found

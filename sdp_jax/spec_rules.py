@@ -383,7 +383,7 @@ def match_neurons(shapes: dict, rules: list[Neurons], stacks: dict) -> tuple[dic
             axis = _neuron_axis(rule, p, s, stacks, stacked_len)
             if pattern[-1] == "*":   # a '*' for the leaf name: leaves of one layer
                 caught = caught[:-1]
-            _add_layers(rule, p, s, axis, caught, per_kind.setdefault(rule.kind, {}))
+            _record_layer_counts(rule, p, s, axis, caught, per_kind.setdefault(rule.kind, {}))
             found[p] = (rule, None if rule.stacked else caught, axis)
         if not hits:
             raise ValueError(f"rule {rule} matches no parameter; paths look like "
@@ -432,7 +432,8 @@ def _neuron_axis(rule: Neurons, p: tuple, s: tuple, stacks: dict, stacked_len: d
     return axis
 
 
-def _add_layers(rule: Neurons, p: tuple, s: tuple, axis: int, caught: tuple, seen: dict) -> None:
+def _record_layer_counts(rule: Neurons, p: tuple, s: tuple, axis: int, caught: tuple,
+                         seen: dict) -> None:
     """Record the component count of leaf ``p`` in each of its layers (``seen``: {layer key:
     (G, first path)} of the rule's kind); the leaves of one layer and kind must agree."""
     g = s[axis] // rule.expand

@@ -496,9 +496,7 @@ class SDPStep:
             copies differ), a pipeline (``stage`` axis), or ``stacked_slots`` (a model that
             runs its own slots, e.g. the vision models, has no full-model loss here)."""
         alignment.check(fsdp=self.fsdp, averaging=self.averaging, pipelined=self.staged,
-                        asked="SDPStep.alignment_fn()", no_full_loss=(
-                            "stacked_slots models (the vision models)" if self.stacked_slots
-                            else ""))
+                        no_full_loss="stacked_slots models" if self.stacked_slots else "")
         if self._alignment is None:
             ev = self.evaluation
             if self.state_spec is None:

@@ -661,7 +661,7 @@ def mean_in_backward(tree: dict, tables: dict, group, axis: str = AXIS,
 def _averaging_identity(tables: dict, owners: list, dtypes: dict, axis: str, orders: dict):
     """:func:`mean_in_backward`'s ``(tree, sinks, group) -> tree`` (a ``jax.custom_vjp``): its
     backward pass averages the plain and neuron cotangents in place (:func:`_means_in_place`),
-    sends those of the groups ``owners`` into the sinks' gradients (:func:`_sink_rows`, in the
+    sends those of the groups ``owners`` into the sinks' gradients (:func:`_sink_grad`, in the
     sinks' ``dtypes``) and zeroes them."""
     sunk = {p for g in owners for p in g}
 
@@ -677,7 +677,7 @@ def _averaging_identity(tables: dict, owners: list, dtypes: dict, axis: str, ord
         out.update(_means_in_place(ct, tables, sunk, g, axis, orders))
         sent = {}
         for paths in owners:
-            sent[paths[0]] = _sink_rows(ct, tables, paths, g, dtypes[paths[0]], axis, orders)
+            sent[paths[0]] = _sink_grad(ct, tables, paths, g, dtypes[paths[0]], axis, orders)
             out.update({p: jnp.zeros_like(ct[p]) for p in paths})
         return out, sent, None
 
@@ -715,7 +715,7 @@ def _means_in_place(ct: dict, tables: dict, sunk: set, g, axis: str, orders: dic
     return out
 
 
-def _sink_rows(ct: dict, tables: dict, paths: list, g, dtype, axis: str,
+def _sink_grad(ct: dict, tables: dict, paths: list, g, dtype, axis: str,
                orders: dict) -> jax.Array:
     """Loop step ``g``'s first all_to_all leg of one fused group ``paths`` of
     :func:`mean_in_backward`: the cotangents' rows (in ``dtype``, the sink's) added into zero

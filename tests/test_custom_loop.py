@@ -238,6 +238,11 @@ class ClipInOptions(Regression):
         return {"grad_clip": 0.5}
 
 
+class OwnSlots(Regression):
+    def step_options(self, model, plan):
+        return {"stacked_slots": True}
+
+
 @pytest.mark.parametrize("task, edit, match", [
     (NoLoss(), None, r"NoLoss does not define loss; a Task defines init\(model, seed\)"),
     (object(), None, r"is not a sdp_jax\.train\.task\.Family; pass an instance"),
@@ -255,6 +260,12 @@ class ClipInOptions(Regression):
                          r"size=32")),
     (ClipInOptions(), None, (r"step_options gives grad_clip, which the run sets "
                              r"\(optim\.grad_clip\); set it there")),
+    (OwnSlots(), lambda c: c.__setattr__("align_every", 2),
+     r"config\.align_every=2: the gradient alignment is not built for test-mlp models .*; set "
+     r"--config\.align_every=0\.$"),
+    (Regression(), lambda c: (c.__setattr__("align_every", 2),
+                              c.sdp.__setattr__("average", "parameters")),
+     r"not built for parameter averaging \(config\.sdp\.average=parameters\)"),
 ])
 def test_a_bad_task_or_config_is_one_line_before_any_compute(tmp_path, task, edit, match):
     c = config()

@@ -235,7 +235,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     Near-uniform masks are used when ``W * C`` is not whole for some stage (``uniform``
     False)."""
 
-    def variant_config(nonuniform: bool):
+    def variant_run(nonuniform: bool):
         c = _variant_config(config, variant, coverage, workers, nonuniform)
         with c.unlocked():
             c.dtype, c.remat, c.fsdp = dtype, remat, fsdp
@@ -243,10 +243,10 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
 
     t0 = time.time()
     try:
-        run = variant_config(False)
+        run = variant_run(False)
         uniform = True
     except ValueError:
-        run = variant_config(True)
+        run = variant_run(True)
         uniform = False
     builder = run.family.step(run, mesh)   # the run's own step (the vision family's)
     compiled = builder.compiled_train_step(run.family.batch_shapes(run))
@@ -520,7 +520,7 @@ def run_paper(config, config_path: str, out_dir: str, workers: int = 8) -> list[
         row = measure(config, variant, workers, cov, mesh, fsdp=fsdp, remat=remat,
                       dtype="bfloat16", flops=False)
         row["label"] = label
-        _compiled(rows, row, label)
+        _add_row(rows, row, label)
     table = paper_table(rows)
     shown = os.path.relpath(config_path) if not os.path.relpath(config_path).startswith("..") \
         else config_path
@@ -612,26 +612,6 @@ def flag_values(argv: list[str] | None = None):
     return fv
 
 
-def command_flags(define, argv: list[str], prog: str, doc: str, example: str,
-                  renamed: dict[str, str] | None = None):
-    """The flags of a command line (the bench's and the studies'): ``define(argv)`` defines
-    them (returns a ``FlagValues``), :func:`sdp_jax.train.cli.parse` reads ``argv`` (the
-    program name first) into them.
-
-    Returns:
-      the parsed ``FlagValues``.
-    Raises:
-      SystemExit: (2, one line on stderr naming ``prog``) for a bad flag (see ``cli.parse``;
-        ``renamed``: old flag names with hints of their new form) or an argument that is not a
-        flag (the message shows ``example``, e.g. ``--variants=ddp,b-sdp``).
-    """
-    fv = define(argv)
-    rest = cli.parse(fv, argv, prog, doc, renamed)
-    if len(rest) > 1:
-        cli.error(prog, f"unexpected arguments {rest[1:]}; flags look like {example}")
-    return fv
-
-
 def _err(msg: str) -> NoReturn:
     """Exit with status 2 and ``PROG: error: msg`` on stderr (:func:`sdp_jax.train.cli.error`)."""
     cli.error(PROG, msg)
@@ -643,8 +623,8 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     one-line error before any compile. ``check_only``: stop after the validation (no compile;
     the documentation check of every shown command, ``tests/test_docs.py``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    fv = command_flags(flag_values, [PROG] + argv, PROG, __doc__, "--variants=ddp,b-sdp",
-                       RENAMED)
+    fv = cli.command_flags(flag_values, [PROG] + argv, PROG, __doc__,
+                           "--variants=ddp,b-sdp", RENAMED)
     config, config_path = fv.config, fv["config"].config_filename
     _check_outputs(fv)
     if fv.paper:
@@ -755,7 +735,7 @@ def _validate(config, variants: list[str], check_only: bool):
         _err(str(e))
 
 
-def _compiled(rows: list[dict], row: dict, name: str) -> None:
+def _add_row(rows: list[dict], row: dict, name: str) -> None:
     """Append ``row`` to ``rows`` and print that ``name`` is compiled, in how long."""
     rows.append(row)
     print(f"  compiled {name} in {row['compile_s']}s", flush=True)
@@ -796,14 +776,14 @@ def _lm_rows(fv, config, variants, workers, mesh) -> list[dict]:
     rows = []
     if fv.reference:
         row = measure_reference(config, workers, mesh, **ref)
-        _compiled(rows, row, row["setting"])
+        _add_row(rows, row, row["setting"])
         if "b-sdp" in variants:   # the floor of B-SDP's step: plain jit of k of the L blocks
             k = _plan(config, "b-sdp", workers, config.sdp.coverage)[0].kinds["block"].k
             row = measure_reference(config, workers, mesh, blocks=k, **ref)
-            _compiled(rows, row, row["setting"])
+            _add_row(rows, row, row["setting"])
     for v in variants:
         cov = 1.0 if v == "ddp" else config.sdp.coverage
-        _compiled(rows, measure(config, v, workers, cov, mesh, flops=fv.flops, **kw), v)
+        _add_row(rows, measure(config, v, workers, cov, mesh, flops=fv.flops, **kw), v)
     if fv.measure_time:
         print(f"  timing {fv.time_steps} steps of each variant, interleaved", flush=True)
         for row, t in zip(rows, time_steps(config, rows, workers, mesh, steps=fv.time_steps,
@@ -850,7 +830,7 @@ def _main_vision(fv, config, config_path, variants, workers, mesh):
           + f", remat {remat}, averaging {config.sdp.method}", flush=True)
     rows = []
     for v in variants:
-        _compiled(rows, measure_vision(config, v, workers,
+        _add_row(rows, measure_vision(config, v, workers,
                                        1.0 if v == "ddp" else config.sdp.coverage, mesh,
                                        dtype=dtype, flops=fv.flops, remat=remat, fsdp=fsdp), v)
     print(format_table(rows))

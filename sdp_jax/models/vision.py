@@ -56,6 +56,7 @@ MODELS = RESNETS + ("swin_t",)
 # The fields of a run config's model section (VisionConfig.section): shared, then per model.
 SHARED_FIELDS = ("name", "num_classes", "image_size", "in_channels", "subnet_rescale")
 RESNET_FIELDS = ("width", "widen", "depths")
+WIDEN = {"wrn18": 2}   # WideResNet-18: ResNet-18 of twice the width (Zagoruyko & Komodakis 2016)
 SWIN_FIELDS = ("embed_dim", "depths", "num_heads", "window", "patch", "mlp_ratio")
 BN_MOMENTUM = 0.9
 BN_EPS = 1e-5
@@ -77,8 +78,7 @@ class VisionConfig:
       image_size: input height = width in pixels (32).
       in_channels: 3.
       width: ResNet base width (64: ResNet-18's 64, 128, 256, 512).
-      widen: ResNet widening factor (0, the default: the model's own, 1 for ResNet-18 and 2
-        for WideResNet-18).
+      widen: ResNet widening factor (WideResNet-18: 2, which :meth:`section` gives it).
       depths: blocks per stage (default: ResNet-18's (2, 2, 2, 2), Swin-T's (2, 2, 6, 2)).
       embed_dim, num_heads, window, patch, mlp_ratio: Swin shape.
       subnet_rescale: see the module docstring.
@@ -89,7 +89,7 @@ class VisionConfig:
     image_size: int = 32
     in_channels: int = 3
     width: int = 64
-    widen: int = 0
+    widen: int = 1
     depths: tuple = ()
     embed_dim: int = 96
     num_heads: tuple = (3, 6, 12, 24)
@@ -104,7 +104,6 @@ class VisionConfig:
                              "(or llama for language models).")
         default = (2, 2, 2, 2) if self.name in RESNETS else (2, 2, 6, 2)
         object.__setattr__(self, "depths", tuple(self.depths) or default)
-        object.__setattr__(self, "widen", self.widen or (2 if self.name == "wrn18" else 1))
         object.__setattr__(self, "num_heads", tuple(self.num_heads))
         for name in ("num_classes", "image_size", "in_channels", "width", "widen", "embed_dim",
                      "window", "patch", "mlp_ratio"):
@@ -145,7 +144,7 @@ class VisionConfig:
         Raises:
           ValueError: an unknown ``name``."""
         own = RESNET_FIELDS if name in RESNETS else SWIN_FIELDS
-        values = dataclasses.asdict(cls(name=name))
+        values = dataclasses.asdict(cls(name=name, widen=WIDEN.get(name, 1)))
         return {k: values[k] for k in SHARED_FIELDS + own}
 
     @classmethod

@@ -232,13 +232,15 @@ def _err(msg: str) -> NoReturn:
 
 def main(argv=None, check_only: bool = False) -> list[dict]:
     """The MAPL study's command line (``argv`` without the program name and the subcommand;
-    default ``sys.argv[1:]``; ``python -m sdp_jax.study`` dispatches to it). Returns one row per run; a bad flag or config exits with status 2 and
-    a one-line error before any compile or training. ``check_only``: stop after the
+    default ``sys.argv[1:]``; ``python -m sdp_jax.study`` dispatches to it). Returns one row
+    per run; a bad flag or config exits with status 2 and a one-line error before any compile
+    or training. ``check_only``: stop after the
     validation (the documentation check, ``tests/test_docs.py``)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    fv = bench.command_flags(flag_values, [PROG] + args, PROG, __doc__, "--ratios=4,8",
-                             RENAMED)
+    fv = cli.command_flags(flag_values, [PROG] + args, PROG, __doc__, "--ratios=4,8",
+                           RENAMED)
     methods, ratios, seeds, schedules = _settings(fv)
+    mesh_lib.simulate_cpu_devices(fv.config.num_cpu_devices)   # before JAX starts
     configs = _validate_runs(fv, methods, ratios, seeds, schedules)
     bench.out_folder(PROG, fv.out)  # validated: now the folder, before any compile
     if check_only:
@@ -279,11 +281,10 @@ def _settings(fv) -> tuple[list, list, list, list]:
 
 def _validate_runs(fv, methods, ratios, seeds, schedules) -> dict:
     """Every run's config (``{(method, ratio, seed, schedule): config}``, in run order; with
-    ``--bytes_only`` the first seed's only), validated on the config's ``num_cpu_devices``
-    (simulated here) and (when training) its run folder, before any compile or training; an
+    ``--bytes_only`` the first seed's only), validated on the devices present (the config's
+    ``num_cpu_devices`` on a CPU) and (when training) its run folder, before any compile or training; an
     error exits with status 2 and a one-line error naming the run."""
     import jax  # pylint: disable=g-import-not-at-top
-    mesh_lib.simulate_cpu_devices(fv.config.num_cpu_devices)
 
     configs = {}
     for seed in seeds[:1] if fv.bytes_only else seeds:

@@ -490,7 +490,7 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     stops after that validation (the documentation check, ``tests/test_docs.py``). A run that
     diverges (a non-finite loss) is recorded as such and the study goes on."""
     argv = [PROG] + (sys.argv[2:] if argv is None else list(argv))
-    fv = bench.command_flags(flag_values, argv, PROG, __doc__, "--arms=lm,gap")
+    fv = cli.command_flags(flag_values, argv, PROG, __doc__, "--arms=lm,gap")
     arms, variants, budgets, coverages, seeds = _settings(fv)
     bases = {"lm": fv.lm_config, "gap": fv.lm_config, "digits": fv.vision_config}
     _check_bases(fv, bases, arms)

@@ -39,14 +39,14 @@ def main(argv=None) -> dict:
     fv, config = trained_lib.command(PROG, __doc__, argv, define)
     try:
         if fv.export:
-            run = trained_lib.from_export(fv.export, config)
+            trained = trained_lib.from_export(fv.export, config)
         else:
             task = trained_lib.task_from(fv.task) if fv.task else None
-            run = trained_lib.load(fv.workdir, config, fv.step, task=task)
-        out = trained_lib.evaluation(run)
+            trained = trained_lib.load(fv.workdir, config, fv.step, task=task)
+        out = trained_lib.evaluation(trained)
     except (ValueError, ImportError) as e:
         cli.error(PROG, str(e))
-    out = {**out, "step": run.step,
+    out = {**out, "step": trained.step,
            **({"export": fv.export} if fv.export else {"workdir": fv.workdir})}
     print(json.dumps(out))
     return out

@@ -40,11 +40,12 @@ EXPORT_FILE = "model.safetensors"
 
 @dataclasses.dataclass
 class Trained:
-    """A run restored for use: ``config`` (ConfigDict), ``spec`` (:class:`sdp_jax.train.config.
-    RunSpec`), ``builder`` (:class:`sdp_jax.step.SDPStep`), ``state`` (its train state on the
-    mesh) and ``step`` (the checkpoint's step; None for an export)."""
+    """A run restored for use: ``config`` (ConfigDict), ``run`` (the resolved run,
+    :class:`sdp_jax.train.run.RunSpec`), ``builder`` (:class:`sdp_jax.step.SDPStep`),
+    ``state`` (its train state on the mesh) and ``step`` (the checkpoint's step; None for an
+    export)."""
     config: Any
-    spec: Any
+    run: Any
     builder: Any
     state: dict
     step: int | None
@@ -80,8 +81,8 @@ def read_config(workdir: str, task=None):
 def _builder(config, task=None):
     import jax  # pylint: disable=g-import-not-at-top
 
-    spec = run_lib.resolve(config, jax.device_count(), task)
-    return spec, loop.make_step(spec, loop.make_mesh(spec))
+    run = run_lib.resolve(config, jax.device_count(), task)
+    return run, loop.make_step(run, loop.make_mesh(run))
 
 
 def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
@@ -102,7 +103,7 @@ def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
         raise ValueError(f"{workdir!r} has no checkpoints/" + (
             ": it is an export; give it as --export" if os.path.isfile(
                 os.path.join(workdir, EXPORT_FILE)) else "; train first."))
-    spec, builder = _builder(config, task)
+    run, builder = _builder(config, task)
     # The checkpoint must be of this trajectory; other evaluation data is not another one.
     checked = copy.deepcopy(config)
     if "data" in saved:   # (a user's task may have no data section)
@@ -117,14 +118,14 @@ def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
             raise ValueError(f"--step={step}: {workdir!r} keeps the checkpoints of steps "
                              f"{steps}; choose one of them (0 = the latest).")
         at = step or max(steps)
-        manager.check_compatible(at, loop._meta(checked, spec),  # pylint: disable=protected-access
-                                 **migrations.compatibility(spec))
+        manager.check_compatible(at, loop._meta(checked, run),  # pylint: disable=protected-access
+                                 **migrations.compatibility(run))
     except ValueError:
         manager.close()
         raise
     state, _ = loop.restore_or_init(manager, at, builder, config.seed, announce=False)
     manager.close()
-    return Trained(config, spec, builder, state, at)
+    return Trained(config, run, builder, state, at)
 
 
 def evaluation(trained: Trained, log=None) -> dict:
@@ -132,11 +133,11 @@ def evaluation(trained: Trained, log=None) -> dict:
     config's evaluation data: ``{val_loss[, val_bpb]}`` (nats/token, bits/byte) for language
     models, ``{test_loss, test_acc}`` for vision. Reads only the evaluation data (and, for
     vision, the training images of BatchNorm re-estimation); no training iterator."""
-    config, spec, builder = trained.config, trained.spec, trained.builder
+    run, builder = trained.run, trained.builder
     log = log or (lambda _: None)
-    rows = loop.process_rows(builder.mesh, spec)
-    _, eval_data = spec.family.data(spec, rows, log, train=False)
-    return spec.family.evaluator(spec, builder, eval_data, loop.batch_putter(builder),
+    rows = loop.process_rows(builder.mesh, run)
+    _, eval_data = run.family.data(run, rows, log, train=False)
+    return run.family.evaluator(run, builder, eval_data, loop.batch_putter(builder),
                                  log)(trained.state)
 
 
@@ -234,8 +235,8 @@ def from_export(out: str, config=None) -> Trained:
     overrides (default: as exported)."""
     saved, params = read_export(out)
     config = saved if config is None else config
-    spec, builder = _builder(config)
-    return Trained(config, spec, builder, builder.init(params), None)
+    run, builder = _builder(config)
+    return Trained(config, run, builder, builder.init(params), None)
 
 
 def sample(config, params: dict, prompt: list[int], length: int, *, temperature: float = 1.0,
@@ -367,7 +368,8 @@ def task_from(name: str):
         return found
     if not (isinstance(found, type) and issubclass(found, task_lib.Family)):
         raise ValueError(f"--task={name!r}: {module}.{attr} is "
-                         + ("missing" if found is None else f"not a Task ({found!r})")
+                         + ("missing" if found is None else
+                            f"not a sdp_jax.train.task.Family ({found!r})")
                          + "; name your subclass of sdp_jax.train.task.Task.")
     try:
         return found()
@@ -390,8 +392,9 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
         print(doc.strip())
         sys.exit(0)
+    fv = tool_flags(define)
     sources = _given(argv, ("--workdir", "--export"))
-    named = [v for _, v in _given(argv, ("--task",))]
+    named = [v for _, v in _given(argv, ("--task",))] if "task" in fv else []
     try:   # a user's Task (its module imported now: read_config needs its schema)
         task = task_from(named[-1]) if named else None
     except ValueError as e:
@@ -407,7 +410,6 @@ def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     except ValueError as e:
         cli.error(prog, f"{source[1]!r} has no config.json: give a folder python -m "
                         "sdp_jax.tools.export wrote." if source[0] == "--export" else str(e))
-    fv = tool_flags(define)
     try:
         config_flags.DEFINE_config_dict("config", config, "the run's config.json; override "
                                         "fields as --config.FIELD=VALUE", flag_values=fv,

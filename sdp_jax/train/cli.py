@@ -191,3 +191,23 @@ def _config_error(prog: str, e: Exception) -> NoReturn:
     if msg.startswith("flag --"):   # absl could not parse a value
         msg += " (give a value of the field's type, e.g. True/False, 8, 0.5, bf16, \"(1,2)\")"
     error(prog, msg)
+
+
+def command_flags(define, argv: list[str], prog: str, doc: str, example: str,
+                  renamed: dict[str, str] | None = None):
+    """The flags of a command line (the bench's and the studies'): ``define(argv)`` defines
+    them (returns a ``FlagValues``), :func:`parse` reads ``argv`` (the program name first)
+    into them.
+
+    Returns:
+      the parsed ``FlagValues``.
+    Raises:
+      SystemExit: (2, one line on stderr naming ``prog``) for a bad flag (see :func:`parse`;
+        ``renamed``: old flag names with hints of their new form) or an argument that is not a
+        flag (the message shows ``example``, e.g. ``--variants=ddp,b-sdp``).
+    """
+    fv = define(argv)
+    rest = parse(fv, argv, prog, doc, renamed)
+    if len(rest) > 1:
+        error(prog, f"unexpected arguments {rest[1:]}; flags look like {example}")
+    return fv

@@ -20,7 +20,8 @@ def read_run(workdir: str) -> dict:
     """One run's curves: ``label`` (the directory's name), ``records`` (``metrics.jsonl``),
     ``items_per_step`` (tokens or images of every worker per step) and
     ``model_flops_per_step`` (training FLOPs of every worker per step; None when unknown),
-    ``item`` (``tokens`` / ``images``).
+    ``item`` (``tokens``, ``images`` or ``examples``; None in a summary from before it was
+    recorded).
 
     Raises:
       ValueError: no ``metrics.jsonl`` in ``workdir`` (not a run directory), or no
@@ -44,7 +45,7 @@ def read_run(workdir: str) -> dict:
     return {"label": os.path.basename(os.path.normpath(workdir)), "records": records,
             "items_per_step": summary.get("items_per_step"),
             "model_flops_per_step": summary.get("model_flops_per_step"),
-            "item": summary.get("item", "tokens")}
+            "item": summary.get("item")}
 
 
 def loss_label(key: str, runs: list[dict]) -> str:
@@ -52,8 +53,9 @@ def loss_label(key: str, runs: list[dict]) -> str:
     and, when every run counts the same items, their unit (nats/token for language models,
     nats for vision; none for a task's loss, which is the user's own)."""
     items = {r["item"] for r in runs}
-    unit = UNITS.get(items.pop(), "") if len(items) == 1 else ""
-    return dict(EVAL_KEYS)[key] + unit
+    if items == {None}:   # summaries from before `item` was recorded: the family from the key
+        items = {{"val_loss": "tokens", "test_loss": "images"}[key]}
+    return dict(EVAL_KEYS)[key] + (UNITS.get(items.pop(), "") if len(items) == 1 else "")
 
 
 def draw(runs: list[dict], path: str) -> str:
@@ -72,10 +74,10 @@ def draw(runs: list[dict], path: str) -> str:
         raise ValueError(f"the runs evaluate different losses ({', '.join(sorted(found))}): "
                          "plot language and vision runs separately.")
     key = next((k for k, _ in EVAL_KEYS if k in found), EVAL_KEYS[0][0])
-    unit = loss_label(key, runs)
+    y_label = loss_label(key, runs)
     axes = [("step", "optimizer steps")]
     if all(r["items_per_step"] for r in runs):
-        axes.append(("items", f"{runs[0]['item']} (all workers)"))
+        axes.append(("items", f"{runs[0]['item'] or 'items'} (all workers)"))
     if all(r["model_flops_per_step"] for r in runs):
         axes.append(("flops", "training FLOPs (all workers)"))
     fig, panels = plt.subplots(1, len(axes), figsize=(4.6 * len(axes), 3.8), squeeze=False)
@@ -93,7 +95,7 @@ def draw(runs: list[dict], path: str) -> str:
                 ax.plot(*zip(*evals), "o-", color=color, markersize=3, label=run["label"])
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-    panels[0][0].set_ylabel(f"{unit}; line: training loss")
+    panels[0][0].set_ylabel(f"{y_label}; line: training loss")
     panels[0][-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

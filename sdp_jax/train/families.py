@@ -23,6 +23,7 @@ statistics follow the same rules (:func:`vision_spec`).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 
@@ -472,13 +473,15 @@ class LanguageModelFamily(Family):
     nats/token and, for byte-level data, ``val_bpb`` bits/byte) and the summary fields."""
 
     kind = "language-model"
-    aligns = True
     positive_fields = ("seq_len", "eval_batches")
     non_negative_fields = ("data.worker_count",)
     rate_key = "tokens_per_s"
 
     def template(self, config):
         return config_lib.base_config(), "sdp_jax.train.config.base_config()"
+
+    def aligns(self, model, plan) -> bool:
+        return True
 
     def model_config(self, config) -> LlamaConfig:
         model = LlamaConfig.from_config(config.model)
@@ -503,8 +506,8 @@ class LanguageModelFamily(Family):
                             s.allow_nonuniform, s.allow_disconnected, pipe=pipe)
 
     def added_fields(self) -> dict:
-        """:data:`sdp_jax.train.migrations.LANGUAGE_MODEL_ADDED`."""
-        return migrations.LANGUAGE_MODEL_ADDED
+        """:data:`sdp_jax.train.migrations.LANGUAGE_MODEL_ADDED` (a copy)."""
+        return copy.deepcopy(migrations.LANGUAGE_MODEL_ADDED)
 
     def data(self, run, rows, log, train: bool = True):
         """``(start -> train iterator, validation batches)`` of this process's ``rows``
@@ -657,8 +660,8 @@ class VisionFamily(Family):
         return vision_record(plan)
 
     def added_fields(self) -> dict:
-        """:data:`sdp_jax.train.migrations.VISION_ADDED`."""
-        return migrations.VISION_ADDED
+        """:data:`sdp_jax.train.migrations.VISION_ADDED` (a copy)."""
+        return copy.deepcopy(migrations.VISION_ADDED)
 
     def _train(self, run, seed, rows):
         """``start -> iterator`` over this process's ``rows`` of the training batches."""

@@ -529,7 +529,7 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     done = step >= run.total_steps
     if done and not last_eval:
         last_eval = prog.evaluate(state)
-    out = _summary(run, builder, prog, step, last_eval, last_rec,
+    out = _summary(run, prog, step, last_eval, last_rec,
                    prev_wall + time.time() - t_start)
     out["interrupted_by"] = interrupted[0] if interrupted and not done else None
     _finish(run, workdir, path, out, interrupted)
@@ -541,15 +541,14 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
 def _log_run(run: run_lib.RunSpec, builder, mesh) -> None:
     """The run's opening lines: devices, masks and settings, the family's lines, the mask
     graph and the parameter counts."""
-    config, devices = run.config, list(mesh.devices.flat)
-    sdp, mask_info = config.sdp, run.plan.summary()
+    s, devices, mask_info = run.settings, list(mesh.devices.flat), run.plan.summary()
     log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
         f"process(es)); {run.plan.describe()}"
-        + (f"; parameters averaged over holders every {sdp.sync_every} steps"
-           if sdp.average == "parameters" else "")
-        + (f"; FSDP (ZeRO-3) over the {run.workers} workers" if config.fsdp else "")
-        + (f"; activation checkpointing: {config.remat}" if config.remat != "none" else "")
-        + (f"; compute dtype {config.dtype}" if config.dtype != "float32" else ""))
+        + (f"; parameters averaged over holders every {s.sync_every} steps"
+           if s.averaging == "parameters" else "")
+        + (f"; FSDP (ZeRO-3) over the {run.workers} workers" if s.fsdp else "")
+        + (f"; activation checkpointing: {s.remat}" if s.remat != "none" else "")
+        + (f"; compute dtype {s.dtype}" if s.dtype != "float32" else ""))
     for extra in run.family.describe(run):
         log(extra)
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
@@ -618,18 +617,19 @@ class _Program:
         return state, {**m, **cosines}
 
 
-def _summary(run: run_lib.RunSpec, builder, prog: _Program, step: int, last_eval: dict,
+def _summary(run: run_lib.RunSpec, prog: _Program, step: int, last_eval: dict,
              last_rec: dict, wall: float) -> dict:
     """``summary.json``: the family's fields and the run's own (settings, steps, wall
     seconds, memory, parameter counts, masks, throughput unit and model FLOPs)."""
-    config, family, sdp = run.config, run.family, run.config.sdp
+    family, s, builder = run.family, run.settings, prog.builder
     mask_info, mem, per_item = run.plan.summary(), prog.memory, prog.flops_per_item
     return {
         **family.summary(run, step, last_eval, last_rec),
-        "variant": sdp.variant, "regime": run.plan.regime, "coverage": run.plan.coverage,
-        "workers": run.workers, "scheme": sdp.scheme, "average": sdp.average,
-        "sync_every": sdp.sync_every, "fsdp": config.fsdp, "remat": config.remat,
-        "dtype": config.dtype, "steps": step, "total_steps": run.total_steps,
+        "variant": run.config.sdp.variant, "regime": run.plan.regime,
+        "coverage": run.plan.coverage,
+        "workers": run.workers, "scheme": run.config.sdp.scheme, "average": s.averaging,
+        "sync_every": s.sync_every, "fsdp": s.fsdp, "remat": s.remat,
+        "dtype": s.dtype, "steps": step, "total_steps": run.total_steps,
         "completed": step >= run.total_steps, "wall_s": wall,
         "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
         "params_total": family.param_count(run),

@@ -154,14 +154,14 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
     if pipe.stages > 1:
         pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
-    if config.align_every:
-        alignment.check(fsdp=config.fsdp, averaging=config.sdp.average,
-                        pipelined=pipe.stages > 1,
-                        no_full_loss="" if family.aligns else f"{family.kind} models",
-                        asked=f"config.align_every={config.align_every}",
-                        fix="set --config.align_every=0")
     workers = resolve_workers(config, device_count, pipe.stages)
     plan = family.plan(config, model, workers, pipe)
+    if config.align_every:
+        no_full_loss = "" if family.aligns(model, plan) else f"{family.kind} models"
+        alignment.check(fsdp=config.fsdp, averaging=config.sdp.average,
+                        pipelined=pipe.stages > 1, names=CONFIG_NAMES, no_full_loss=no_full_loss,
+                        asked=f"config.align_every={config.align_every}",
+                        fix="set --config.align_every=0")
     total = total_steps(config, plan.coverage)
     if optim.warmup_steps > total:
         raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "

@@ -135,8 +135,6 @@ class Family:
       positive_fields, non_negative_fields: the family's own integer fields (dotted names,
         e.g. ``data.worker_count``), checked by :func:`sdp_jax.train.run.resolve`.
       remat: the activation checkpointing modes the family supports.
-      aligns: whether ``config.align_every`` can measure its gradient alignment
-        (:meth:`sdp_jax.step.SDPStep.alignment_fn`).
       fixed_model_fields: True when :meth:`template`'s ``model`` section lists every field of
         the model section (then ``resolve`` names a missing or unknown one like any other
         field); False when :meth:`model_config` checks the model section itself (the vision
@@ -148,7 +146,6 @@ class Family:
     positive_fields: tuple = ()
     non_negative_fields: tuple = ()
     remat: tuple = runner.REMAT
-    aligns: bool = False
     fixed_model_fields: bool = False
 
     def _undefined(self, hook: str):
@@ -176,6 +173,12 @@ class Family:
         Raises:
           ValueError: what :func:`sdp_jax.spec.build` refuses (a coverage not realizable, ...)."""
         raise self._undefined("plan")
+
+    def aligns(self, model, plan: spec_lib.SDPSpec) -> bool:
+        """Whether ``config.align_every`` can measure the run's gradient alignment
+        (:meth:`sdp_jax.step.SDPStep.alignment_fn`: the model's own loss on the full model);
+        False by default."""
+        return False
 
     def record(self, plan: spec_lib.SDPSpec) -> dict:
         """What a checkpoint stores to recognise the masks (docs/design.md invariant 7): by
@@ -297,7 +300,6 @@ class Task(Family):
 
     name: str = ""
     fixed_model_fields = True
-    aligns = True   # (SDPStep.alignment_fn refuses what it cannot measure: stacked_slots)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -401,6 +403,11 @@ class Task(Family):
         return ml_collections.FrozenConfigDict(config.model)
 
     # ------------------------------------------------------------ the Family hooks
+    def aligns(self, model, plan) -> bool:
+        """True unless :meth:`step_options` gives ``stacked_slots`` (a model that runs its
+        own block slots has no full-model loss of its own here)."""
+        return not self.step_options(model, plan).get("stacked_slots")
+
     def plan(self, config, model, workers: int, pipe) -> spec_lib.SDPSpec:
         """:func:`sdp_jax.spec.build` of the parameters' shapes (:meth:`init` traced, no
         compute) and :meth:`rules`, with the config's variant, coverage and mask recipe.
