@@ -779,4 +779,5 @@ def family_of(config):
     raise ValueError(f"config.model.name={name!r} is not a built-in model (llama, "
                      f"{', '.join(vm.MODELS)}); a run of your own model is trained and read "
                      "back with its task: loop.train(config, workdir, task=YourTask()), "
-                     "trained.load(workdir, task=YourTask()).")
+                     "trained.load(workdir, task=YourTask()), or python -m "
+                     "sdp_jax.tools.evaluate --task your_module:YourTask.")
