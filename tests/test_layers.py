@@ -1,8 +1,12 @@
 """The package's layers (pyproject.toml's import-linter contracts; docs/design.md, "How SDP is laid
 out"): kept, with teeth; no import cycles; no imports of the package's own modules inside
-functions (which is how cycles hide)."""
+functions (which is how cycles hide); no function over 60 lines and no class over 400.
+
+``python tests/test_layers.py`` prints the census: lines per layer, the largest classes and
+functions."""
 
 import ast
+import collections
 import os
 import pathlib
 import shutil
@@ -117,3 +121,53 @@ def test_the_inner_import_check_flags_one(tmp_path):
     probe.write_text("import jax\n\n\ndef f():\n    import numpy\n    from sdp_jax import masks\n"
                      "    from . import spec\n    return masks, spec, numpy, jax\n")
     assert _inner_imports(probe, tmp_path) == ["probe.py:6", "probe.py:7"]
+
+
+
+MAX_FUNCTION, MAX_CLASS = 60, 400   # lines from the def / class line to the last, docstring included
+
+
+def _sizes(root: pathlib.Path = PACKAGE) -> list[tuple[int, str, str]]:
+    """``(lines, "function" | "class", "file:name")`` of every function and class, largest
+    first."""
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                kind = "class" if isinstance(node, ast.ClassDef) else "function"
+                out.append((node.end_lineno - node.lineno + 1, kind,
+                            f"{f.relative_to(root)}:{node.name}"))
+    return sorted(out, reverse=True)
+
+
+def test_no_function_or_class_past_its_size():
+    """One job per piece (docs/design.md): split a function that outgrows 60 lines or a class
+    that outgrows 400 by what its parts do."""
+    limit = {"function": MAX_FUNCTION, "class": MAX_CLASS}
+    assert [x for x in _sizes() if x[0] > limit[x[1]]] == []
+
+
+def test_the_size_check_flags_one(tmp_path):
+    (tmp_path / "probe.py").write_text("def f():\n" + "    x = 1\n" * 60 + "    return x\n")
+    assert _sizes(tmp_path) == [(62, "function", "probe.py:f")]
+
+
+def census() -> str:
+    """Lines per layer (the core: the top-level modules), the five largest classes and
+    functions, and imports of the package inside functions."""
+    layers = collections.Counter()
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(PACKAGE).parts
+        layers[parts[0] if len(parts) > 1 else "core"] += f.read_text().count("\n")
+    sizes = _sizes()
+    inner = sum(len(_inner_imports(f)) for f in PACKAGE.rglob("*.py"))
+    return "\n".join([
+        f"lines: {sum(layers.values())} ({', '.join(f'{k} {v}' for k, v in layers.items())})",
+        "largest classes: " + ", ".join([f"{w} {n}" for n, k, w in sizes if k == "class"][:5]),
+        "largest functions: " + ", ".join([f"{w} {n}" for n, k, w in sizes
+                                           if k == "function"][:5]),
+        f"imports of sdp_jax inside functions: {inner}"])
+
+
+if __name__ == "__main__":
+    print(census())
