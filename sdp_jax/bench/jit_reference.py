@@ -122,6 +122,12 @@ class JitDDP:
                                  out_shardings=(rep, rep), donate_argnums=0)
         return self._step
 
+    def skips_unheld(self) -> bool:
+        """False: every worker computes every block (the question
+        :meth:`sdp_jax.step.SDPStep.skips_unheld` answers for an SDP step, asked by the
+        bench's FLOP count)."""
+        return False
+
     def compiled_train_step(self, batch: jax.ShapeDtypeStruct):
         """The step compiled for abstract inputs (nothing materialized): ``batch`` the global
         batch's shape, int32 ``[W b, T + 1]``."""

@@ -176,13 +176,11 @@ def _count_flops(unrolled, batch_shape) -> float:
     of ``L`` blocks does ``F_u + (k / L) (F_h - F_u)`` (the blocks are alike and each branch's
     cost is the same in every block)."""
 
-    def count(b, branch=None):
+    def count(b, branch):
         return costs.flops_per_device(b.compiled_train_step(batch_shape, count_branch=branch))
     b = unrolled()
-    if isinstance(b, reference.JitDDP):   # the plain-jit reference: no SDP branches
+    if not b.skips_unheld():   # no conditional blocks (the plain-jit reference has none)
         return costs.flops_per_device(b.compiled_train_step(batch_shape))
-    if not b.skips_unheld():
-        return count(b)
     held, unheld = count(b, True), count(unrolled(), False)
     return unheld + b.spec.kinds[BLOCK].k / b.spec.n_blocks * (held - unheld)
 
