@@ -14,6 +14,7 @@ from sdp_jax import layout as layout_lib
 from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 from sdp_jax.mesh import DATA
+from sdp_jax.placement import Placement
 from sdp_jax.runner import ModelCall
 from sdp_jax.sources import FsdpGather, FsdpWhole
 from sdp_jax.state import Kind, StateLayout
@@ -27,11 +28,14 @@ class Evaluation:
     Args:
       state: the state layout; call: the model call; source: the run's parameter source
         (its FSDP gathers are reused here); periodic: parameter averaging (the holders'
-        average is evaluated).
+        average is evaluated); placement: where the workers run
+        (:class:`sdp_jax.placement.Placement`).
     """
 
-    def __init__(self, state: StateLayout, call: ModelCall, source, periodic: bool):
+    def __init__(self, state: StateLayout, call: ModelCall, source, periodic: bool,
+                 placement: Placement):
         self.state, self.call, self.source, self.periodic = state, call, source, periodic
+        self.placement = placement
         self._step = None
         if call.block_fn is not None:
             self._tables()
@@ -122,7 +126,6 @@ class Evaluation:
                              "gather() (its loss updates the state or runs slots): evaluate the "
                              "gathered full model with your own loss.")
         if self._step is None:
-            fn = jax.shard_map(self._local, mesh=self.state.mesh,
-                               in_specs=(self.state.param_specs, P(DATA)), out_specs=P())
+            fn = self.placement.map(self._local, (self.state.param_specs, P(DATA)), P())
             self._step = jax.jit(fn)
         return self._step

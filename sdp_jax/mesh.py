@@ -35,10 +35,12 @@ def simulate_cpu_devices(count) -> None:
         pass
 
 
-def make_mesh(workers: int, stages: int = 1, devices=None) -> Mesh:
+def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = False) -> Mesh:
     """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of shape
     ``(W, P)`` when pipelined (axis types Auto: the pipeline's averaging is written in the
-    global view and partitioned by XLA).
+    global view and partitioned by XLA). ``emulated``: the mesh of workers emulated on one
+    device (:mod:`sdp_jax.placement`): ``('data',)`` of one device, axis type Auto (the
+    per-worker ``jax.vmap`` axis is not a sharded one), whatever ``workers``.
 
     With several processes the devices are taken in process order, so that each process's
     devices are adjacent on ``data`` and it loads one contiguous range of batch rows
@@ -48,6 +50,8 @@ def make_mesh(workers: int, stages: int = 1, devices=None) -> Mesh:
       ValueError: fewer devices than ``W * P`` (names the counts and the fix).
     """
     devices = list(devices if devices is not None else jax.devices())
+    if emulated:
+        return jax.make_mesh((1,), (DATA,), axis_types=(AxisType.Auto,), devices=devices[:1])
     need = workers * stages
     if need > len(devices):
         what = (f"workers = {need}:" if stages == 1

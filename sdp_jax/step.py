@@ -25,7 +25,8 @@ Two forms of the loss:
   pass issues its own averaging collectives (the mean stays right, the bytes multiply).
 
 The step is assembled from pieces, one job each, inside ``jax.shard_map`` over the mesh axis
-``data``:
+``data`` (or, with ``emulate_workers``, under ``jax.vmap`` over ``data`` on one device: the
+placement, :mod:`sdp_jax.placement`):
 
 * :class:`sdp_jax.state.StateLayout`: how every leaf of the state is stored (the layout kinds
   ``R``, ``C``, ``Rw``, ``S``), its shapes and partition specs, init and ``full_params``;
@@ -70,6 +71,7 @@ from sdp_jax import update as update_lib
 from sdp_jax.evaluation import Evaluation
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.mesh import DATA, STAGE
+from sdp_jax.placement import placement_of
 from sdp_jax.runner import DTYPES, REMAT, ModelCall, check_remat_dtype
 from sdp_jax.sources import BackwardHeld, in_loop_tables, source_of
 from sdp_jax.state import StateLayout
@@ -107,44 +109,51 @@ def _explain_unreplicated(fn: Callable) -> Callable:
     return traced
 
 
-def _check_mesh(spec: spec_lib.SDPSpec, mesh):
-    """The step's mesh (default: the first ``W`` devices), checked against the spec."""
+def _check_mesh(spec: spec_lib.SDPSpec, mesh, emulate: bool):
+    """The step's mesh (default: the first ``W`` devices, or one device when ``emulate``),
+    checked against the spec."""
     W = spec.workers
+    need = 1 if emulate else W
     if mesh is None:
-        if len(jax.devices()) < W:
+        if len(jax.devices()) < need:
             raise ValueError(f"the spec has W={W} workers but only {len(jax.devices())} "
                              "devices are present; on a CPU set "
                              f"jax.config.update('jax_num_cpu_devices', {W}) before using "
-                             "JAX.")
-        mesh = mesh_lib.make_mesh(W)
+                             "JAX, or emulate the workers on one device (emulate_workers=True).")
+        mesh = mesh_lib.make_mesh(W, emulated=emulate)
     if DATA not in mesh.shape:
         raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}, none named "
-                         f"'{DATA}'; build it as jax.make_mesh(({W},), ('{DATA}',)).")
-    if mesh.shape[DATA] != W:
+                         f"'{DATA}'; build it as jax.make_mesh(({need},), ('{DATA}',)).")
+    if mesh.shape[DATA] != W and not emulate:
         raise ValueError(f"mesh axis '{DATA}' has {mesh.shape[DATA]} devices but the "
-                         f"spec has W={W} workers.")
+                         f"spec has W={W} workers; give a mesh of {W} devices, or emulate "
+                         "the workers on a mesh of one device (emulate_workers=True).")
     return mesh
 
 
 def check_settings(*, variant: str, averaging: str, sync_every, fsdp, remat: str, dtype,
-                   remat_modes: tuple = REMAT, names: dict | None = None) -> None:
+                   remat_modes: tuple = REMAT, names: dict | None = None,
+                   emulate_workers=False) -> None:
     """The one owner of the refusals of the averaging, FSDP, remat and dtype settings, for
     :class:`SDPStep` and for a run config (:func:`sdp_jax.train.run.resolve`, which rewords
     them through ``names``).
 
     Args:
       variant: the spec's variant (backward masking refuses parameter averaging).
-      averaging, sync_every, fsdp, remat, dtype: as :class:`SDPStep` takes them.
+      averaging, sync_every, fsdp, remat, dtype, emulate_workers: as :class:`SDPStep`
+        takes them.
       remat_modes: the activation checkpointing modes the model supports.
       names: how the caller calls each setting in messages ({setting: name}; default the
         argument names, e.g. ``averaging``; a run config: ``config.sdp.average``).
 
     Raises:
       ValueError: naming the bad value and the fix."""
-    n = {k: k for k in ("averaging", "sync_every", "fsdp", "remat", "dtype")}
+    n = {k: k for k in ("averaging", "sync_every", "fsdp", "remat", "dtype",
+                        "emulate_workers")}
     n.update(names or {})
-    if not isinstance(fsdp, bool):
-        raise ValueError(f"{n['fsdp']}={fsdp!r} must be True or False.")
+    for name, value in (("fsdp", fsdp), ("emulate_workers", emulate_workers)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{n[name]}={value!r} must be True or False.")
     check_remat_dtype(remat, dtype, remat_modes, n)
     if averaging not in AVERAGING:
         raise ValueError(f"{n['averaging']}={averaging!r}; use gradients or parameters.")
@@ -162,7 +171,7 @@ def check_settings(*, variant: str, averaging: str, sync_every, fsdp, remat: str
 
 
 def _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat,
-                    dtype) -> None:
+                    dtype, emulate_workers) -> None:
     """The refusals of the step's scalar settings."""
     if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float, np.floating)) \
             or not np.isfinite(grad_clip) or grad_clip < 0:
@@ -171,7 +180,7 @@ def _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat,
     if method not in METHODS:
         raise ValueError(f"method={method!r}; use alltoall or psum.")
     check_settings(variant=spec.variant, averaging=averaging, sync_every=sync_every, fsdp=fsdp,
-                   remat=remat, dtype=dtype)
+                   remat=remat, dtype=dtype, emulate_workers=emulate_workers)
 
 
 def _check_runner(spec, mesh, block_fn, remat) -> None:
@@ -238,7 +247,9 @@ class SDPStep:
         must act elementwise (AdamW, SGD, Lion; not Adafactor, LAMB, Muon or a weight-decay
         mask that reads a leaf's shape). Backward masking keeps always-kept leaves outside the
         blocks whole. Leave clipping out of it (``grad_clip``).
-      mesh: a mesh with an axis ``data`` of size ``W``; default: the first ``W`` devices.
+      mesh: a mesh with an axis ``data`` of size ``W``; default: the first ``W`` devices (with
+        ``emulate_workers``, a mesh of one device, :func:`sdp_jax.mesh.make_mesh` ``(W,
+        emulated=True)``).
       block_fn: ``(block_params, h) -> h`` for one block of the stacked block subtree.
       grad_clip: global-norm clipping threshold of the averaged gradient (0 = none).
       method: averaging of masked leaves, ``alltoall`` (holder-only bytes) or ``psum`` (the
@@ -279,9 +290,15 @@ class SDPStep:
         (stored form without the worker and stage axes), reported as metrics (mean over
         workers; with a pipeline each value must be the same on every stage), e.g. the
         boundary projectors' orthogonality error. Not with FSDP.
+      emulate_workers: run the ``W`` workers on one device: the same per-worker step under
+        ``jax.vmap`` over ``data`` instead of ``jax.shard_map`` over ``W`` devices
+        (:class:`sdp_jax.placement.Emulated`; the same results, ``W`` times one worker's
+        memory on the device). Not with a pipeline or several processes.
 
     Raises:
-      ValueError: the mesh's ``data`` size differs from ``W`` or too few devices; a bad
+      ValueError: the mesh's ``data`` size differs from ``W`` (from 1 with
+        ``emulate_workers``) or too few devices; emulation with a pipeline or several
+        processes; a bad
         ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat`` or ``dtype``; a
         ``stage`` axis without ``block_fn``, or with model state or ``stacked_slots``;
         ``param_metrics`` with FSDP; parameter averaging with backward masking or FSDP; remat
@@ -296,9 +313,12 @@ class SDPStep:
                  schedule: Callable | None = None, init_fn: Callable | None = None,
                  total_steps: int | None = None, unroll: bool = False, has_aux: bool = False,
                  state_spec: spec_lib.SDPSpec | None = None, stacked_slots: bool = False,
-                 param_metrics: Callable | None = None):
-        mesh = _check_mesh(spec, mesh)
-        _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat, dtype)
+                 param_metrics: Callable | None = None, emulate_workers: bool = False):
+        _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat, dtype,
+                        emulate_workers)
+        self.placement = placement_of(_check_mesh(spec, mesh, emulate_workers), spec.workers,
+                                      emulate_workers)
+        mesh = self.placement.mesh
         _check_runner(spec, mesh, block_fn, remat)
         _check_state(spec, state_spec, mesh, block_fn, stacked_slots, param_metrics, fsdp)
         self.spec, self.loss_fn, self.optimizer, self.mesh = spec, loss_fn, optimizer, mesh
@@ -320,7 +340,8 @@ class SDPStep:
         self.source = source_of(self.state_layout, self.call, self.in_loop_tables, method)
         self.update = update_lib.update_of(self.state_layout, method, self.in_loop_tables,
                                            self.periodic)
-        self.evaluation = Evaluation(self.state_layout, self.call, self.source, self.periodic)
+        self.evaluation = Evaluation(self.state_layout, self.call, self.source, self.periodic,
+                                     self.placement)
         st = self.state_layout   # the layout's public names, as the step has always offered them
         self.layout, self.staged, self.stages = st.layout, st.staged, st.stages
         self.param_layout, self.compact_layout = st.param_layout, st.compact_layout
@@ -421,9 +442,8 @@ class SDPStep:
         sync_now = bool(sync_now) or not self.periodic
         key = (sync_now, count_branch)
         if key not in self._train_steps:
-            fn = jax.shard_map(lambda s, b: self._local_step(s, b, sync_now, count_branch),
-                               mesh=self.mesh, in_specs=(self.state_specs, P(DATA)),
-                               out_specs=(self.state_specs, P()))
+            fn = self.placement.map(lambda s, b: self._local_step(s, b, sync_now, count_branch),
+                                    (self.state_specs, P(DATA)), (self.state_specs, P()))
             self._train_steps[key] = jax.jit(_explain_unreplicated(fn), donate_argnums=0)
         return self._train_steps[key]
 
@@ -464,9 +484,8 @@ class SDPStep:
           ValueError: a step with model state (``state_spec``)."""
         if self.state_spec is not None:
             raise ValueError("grads_fn is not built for a step with model state (state_spec).")
-        fn = jax.shard_map(self._averaged_grads, mesh=self.mesh,
-                           in_specs=(self.param_specs, P(DATA)),
-                           out_specs=(P(), self.compact_specs))
+        fn = self.placement.map(self._averaged_grads, (self.param_specs, P(DATA)),
+                                (P(), self.compact_specs))
         return jax.jit(fn)
 
     def alignment_fn(self):
@@ -500,15 +519,13 @@ class SDPStep:
         if self._alignment is None:
             ev = self.evaluation
             if self.state_spec is None:
-                fn = jax.shard_map(lambda p, b: alignment.local_alignment(ev, p, b),
-                                   mesh=self.mesh, in_specs=(self.param_specs, P(DATA)),
-                                   out_specs=P())
+                fn = self.placement.map(lambda p, b: alignment.local_alignment(ev, p, b),
+                                        (self.param_specs, P(DATA)), P())
                 self._alignment = jax.jit(lambda s, b: fn(s["params"], b))
             else:
-                fn = jax.shard_map(lambda p, st, b: alignment.local_alignment(ev, p, b, st),
-                                   mesh=self.mesh, in_specs=(self.param_specs,
-                                                             self.state_specs["stats"], P(DATA)),
-                                   out_specs=P())
+                fn = self.placement.map(
+                    lambda p, st, b: alignment.local_alignment(ev, p, b, st),
+                    (self.param_specs, self.state_specs["stats"], P(DATA)), P())
                 self._alignment = jax.jit(lambda s, b: fn(s["params"], s["stats"], b))
         return self._alignment
 

@@ -36,6 +36,7 @@ from sdp_jax import layout as layout_lib
 from sdp_jax import masks as _masks
 from sdp_jax import spec as spec_lib
 from sdp_jax.mesh import DATA
+from sdp_jax.placement import emulating
 
 AXIS = DATA   # the workers' mesh axis (sdp_jax.mesh)
 
@@ -48,7 +49,12 @@ def to_varying(tree: Any, axis: str | tuple = AXIS) -> Any:
     returns the gradient already *summed* over the axis (the transpose of the implicit broadcast);
     casting the parameter to varying first gives each worker its own local gradient, which the
     explicit averaging below then combines exactly once (docs/design.md invariant 1).
-    """
+
+    Emulated workers (``jax.vmap`` over ``data``, :func:`sdp_jax.placement.emulating`) have no
+    such types: ``tree`` is returned as it is (there the gradient of an unmapped value is each
+    worker's own already)."""
+    if emulating():
+        return tree
     if hasattr(lax, "pcast"):
         return jax.tree.map(lambda x: lax.pcast(x, axis, to="varying"), tree)
     return jax.tree.map(lambda x: lax.pvary(x, axis), tree)  # older JAX
@@ -732,7 +738,10 @@ def _sink_grad(ct: dict, tables: dict, paths: list, g, dtype, axis: str,
 
 def all_gather_invariant(x: jax.Array, axis: str = AXIS) -> jax.Array:
     """Tiled all-gather of shards ``[..., rs]`` along the last axis; the result is the same on
-    every worker and typed invariant, so it may leave ``shard_map`` replicated (``P()``)."""
+    every worker and typed invariant, so it may leave ``shard_map`` replicated (``P()``)
+    (under the ``jax.vmap`` of emulated workers, where nothing is typed, a plain all-gather)."""
+    if emulating():
+        return lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True)
     for to in ("invarying", "invariant"):  # the spelling of jax 0.10; a later one
         try:
             return lax.all_gather(x, axis, axis=x.ndim - 1, tiled=True, to=to)
@@ -974,7 +983,10 @@ def _holder_average(flat: dict, done, lay, axis: str) -> dict:
 def varying_axes(x) -> frozenset | None:
     """The mesh axes over which ``x`` (inside ``jax.shard_map``) may differ between devices,
     or None when this JAX does not say (``aval.vma``; ``aval.manual_axis_type.varying`` in
-    jax 0.10)."""
+    jax 0.10) or nothing types it (emulated workers under ``jax.vmap``,
+    :func:`sdp_jax.placement.emulating`: any value may differ)."""
+    if emulating():
+        return None
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
     if vma is None:

@@ -18,6 +18,7 @@ import shlex
 import pytest
 from absl import flags
 
+from sdp_jax.bench import device
 from sdp_jax.bench import measure as bench
 from sdp_jax.study import __main__ as study
 from sdp_jax.tools import plot, trained
@@ -35,6 +36,9 @@ NOT_PARSED = {
     ("tfds", "build"): "TFDS's own command, with network; the reader is tested on files the "
                        "test writes (tests/test_vision_data.py)",
     ("cd",): "a shell built-in",
+    ("bash", ".device/run"): "the prepared device command (on a lent GPU); its Python part runs "
+                             "as a dry run in tests/test_bench_device.py",
+    ("bash", ".device/wheels.sh"): "pip download of the wheels a device machine lacks (network)",
     ("python", "-m", "sdp_jax.tools.harness"): "lm-evaluation-harness's own command line (its flags); "
                                          "tests/test_trained.py runs the adapter through the "
                                          "harness on a local task",
@@ -161,6 +165,8 @@ def test_documented_command_is_valid(sandbox, path, cmd):
         _check_train(["train.py"] + cmd[2:])
     elif cmd[1:3] == ["-m", "sdp_jax.train.launch"]:
         _check_launch(cmd)
+    elif cmd[1:3] == ["-m", "sdp_jax.bench.device"]:   # its dry run: tests/test_bench_device.py
+        assert device.main(cmd[3:], check_only=True) == 0
     elif cmd[1:3] == ["-m", "sdp_jax.bench"]:
         assert bench.main(cmd[3:], check_only=True) == []
     elif cmd[1:3] == ["-m", "sdp_jax.study"]:

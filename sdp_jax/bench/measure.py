@@ -88,15 +88,19 @@ def _plan(config, variant, workers, coverage):
                             allow_nonuniform=True), False
 
 
-def _builder(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unroll=False):
-
-
+def lm_step(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unroll=False,
+            emulate_workers=False):
+    """``(the LLaMA train step of config's model, optimizer and averaging method for one
+    variant, whether its masks are uniform)`` (:func:`sdp_jax.train.families.language_model_step`;
+    ``unroll``: the block scan unrolled, for the FLOP count; ``emulate_workers``: the workers
+    on one device, ``mesh`` from ``sdp_jax.mesh.make_mesh(W, emulated=True)``)."""
     model = LlamaConfig.from_config(config.model)
     optim = optim_lib.OptimConfig.from_config(config.optim)
     sdp = config.sdp
     plan, uniform = _plan(config, variant, workers, coverage)
     b = families.language_model_step(model, plan, optim, mesh, config.steps, method=sdp.method,
-                                  unroll=unroll, fsdp=fsdp, remat=remat, dtype=dtype)
+                                     unroll=unroll, fsdp=fsdp, remat=remat, dtype=dtype,
+                                     emulate_workers=emulate_workers)
     return b, uniform
 
 
@@ -125,9 +129,9 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
     """
 
     t0 = time.time()
-    builder, uniform = _builder(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
+    builder, uniform = lm_step(config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat,
                                 dtype=dtype)
-    figures = _figures(config, builder, workers, flops, lambda: _builder(
+    figures = _figures(config, builder, workers, flops, lambda: lm_step(
         config, variant, workers, coverage, mesh, fsdp=fsdp, remat=remat, dtype=dtype,
         unroll=True)[0])
     plan = builder.spec
@@ -185,8 +189,10 @@ def _count_flops(unrolled, batch_shape) -> float:
     return unheld + b.spec.kinds[BLOCK].k / b.spec.n_blocks * (held - unheld)
 
 
-def _reference(config, mesh, remat: str, dtype: str, unroll: bool = False,
-               blocks: int | None = None):
+def reference_step(config, mesh, remat: str, dtype: str, unroll: bool = False,
+                   blocks: int | None = None):
+    """The plain-jit DDP step (:class:`sdp_jax.bench.jit_reference.JitDDP`) of config's model
+    and optimizer, or of the model cut to ``blocks`` blocks."""
 
     model = LlamaConfig.from_config(config.model)
     if blocks is not None:
@@ -204,9 +210,9 @@ def measure_reference(config, workers: int, mesh, *, remat: str = "none",
     setting ``jit-ddp k/L``, field ``blocks``); None: all of them."""
 
     t0 = time.time()
-    builder = _reference(config, mesh, remat, dtype, blocks=blocks)
+    builder = reference_step(config, mesh, remat, dtype, blocks=blocks)
     figures = _figures(config, builder, workers, flops,
-                       lambda: _reference(config, mesh, remat, dtype, unroll=True,
+                       lambda: reference_step(config, mesh, remat, dtype, unroll=True,
                                           blocks=blocks))
     model = builder.cfg
     setting = setting_name(reference.LABEL, False, remat)
@@ -277,34 +283,56 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
 def time_steps(config, runs: list[dict], workers: int, mesh, *, fsdp=False, remat="none",
                dtype="float32", steps: int = 10, warmup: int = 2) -> list[list[float]]:
     """Wall seconds of real train steps on random tokens for several variants, interleaved
-    (one step of each in turn, so that load from other processes hits all of them alike; each
-    round starts with the next variant, so that none always runs first).
+    (:func:`time_interleaved`).
 
     Args:
       runs: dicts with ``variant`` (``jit-ddp``: the plain-jit reference) and ``coverage``.
       steps: timed steps per variant, after ``warmup`` untimed ones (which include the compile).
     Returns:
-      per run, the list of step times in seconds. Each step is waited for before the next is
-      dispatched (one step in flight, see docs/design.md on the CPU backend).
-    """
+      per run, the list of step times in seconds."""
+    jobs = []
+    for run in runs:
+        if run["variant"] == reference.LABEL:
+            builder = reference_step(config, mesh, remat, dtype, blocks=run.get("blocks"))
+        else:
+            builder, _ = lm_step(config, run["variant"], workers, run["coverage"], mesh,
+                                  fsdp=fsdp, remat=remat, dtype=dtype)
+        jobs.append(timing_job(builder, random_tokens(config, workers, builder)))
+    return time_interleaved(jobs, steps, warmup)
+
+
+def random_tokens(config, workers: int, builder, seed: int = 0):
+    """A global batch of random tokens, int32 ``[W b, T + 1]`` (``config``'s vocabulary,
+    ``batch_per_worker`` and ``seq_len``), placed as ``builder``'s batches are."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    rng = np.random.default_rng(0)
-    jobs = []
-    for run in runs:
-        if run["variant"] == reference.LABEL:
-            builder = _reference(config, mesh, remat, dtype, blocks=run.get("blocks"))
-        else:
-            builder, _ = _builder(config, run["variant"], workers, run["coverage"], mesh,
-                                  fsdp=fsdp, remat=remat, dtype=dtype)
-        batch = jax.device_put(jnp.asarray(rng.integers(
-            0, config.model.vocab_size,
-            (workers * config.batch_per_worker, config.seq_len + 1)), jnp.int32),
-            builder.batch_sharding())
-        jobs.append([builder.train_step_fn(), builder.init_state(seed=0), batch, []])
-    for i in range(warmup + steps):   # round i starts at job i mod n: no variant always first
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, config.model.vocab_size,
+                          (workers * config.batch_per_worker, config.seq_len + 1))
+    return jax.device_put(jnp.asarray(tokens, jnp.int32), builder.batch_sharding())
+
+
+def timing_job(builder, batch, step=None) -> list:
+    """One program of :func:`time_interleaved`: its train step (``builder.train_step_fn()``,
+    or ``step``, e.g. the step compiled ahead of time), a fresh state (seed 0) and the batch
+    it steps on."""
+    return [step or builder.train_step_fn(), builder.init_state(seed=0), batch, []]
+
+
+def time_interleaved(jobs: list, steps: int, warmup: int) -> list[list[float]]:
+    """Wall seconds of ``steps`` train steps of each job (:func:`timing_job`), after
+    ``warmup`` untimed ones (which include the compile), interleaved: one step of each in
+    turn, so that load from other processes hits all of them alike; each round starts with the
+    next job, so that none always runs first. Each step is waited for before the next is
+    dispatched (one step in flight, see docs/design.md on the CPU backend).
+
+    Returns:
+      per job, the list of its step times in seconds."""
+    import jax
+
+    for i in range(warmup + steps):   # round i starts at job i mod n: no job always first
         for job in jobs[i % len(jobs):] + jobs[:i % len(jobs)]:
             step, state, batch, times = job
             t0 = time.perf_counter()
@@ -718,6 +746,10 @@ def _validate(config, variants: list[str], check_only: bool):
     ``check_only``, which leaves the caller's JAX devices as they are); exits with status 2 on
     a ValueError."""
     workers = config.get("workers", 0) or 8
+    if config.get("emulate_workers"):
+        _err("--config.emulate_workers=True: the bench reads per-device figures of W devices "
+             "(simulated on a CPU); leave it False here (python -m sdp_jax.bench.device "
+             "measures emulated workers on one device)")
     with config.unlocked():
         config.workers = workers
         if "seq_len" in config:   # the bench may measure longer sequences than the model's

@@ -122,7 +122,7 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
                         total_steps: int, *, averaging: str = "gradients", sync_every: int = 1,
                         method: str = "auto", fsdp: bool = False, remat: str = "none",
                         dtype: str = "float32", unroll: bool = False,
-                        pipe=None) -> step_lib.SDPStep:
+                        pipe=None, emulate_workers: bool = False) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a LLaMA run: AdamW (or SGD) with warm-up and cosine
     decay from ``optim`` (:class:`sdp_jax.train.optimizer.OptimConfig`), clipping at
     ``optim.grad_clip``, ``init_state(seed)`` from the model's initializer.
@@ -143,7 +143,7 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
     kw = dict(block_fn=task.block, grad_clip=optim.grad_clip, method=step_method(method),
               averaging=averaging, sync_every=sync_every, fsdp=fsdp, remat=remat, dtype=dtype,
               schedule=optim_lib.lr_schedule(optim, total_steps), total_steps=total_steps,
-              unroll=unroll)
+              unroll=unroll, emulate_workers=emulate_workers)
     stages = 1 if pipe is None else pipe.stages
     got = 1 if mesh is None else int(dict(mesh.shape).get("stage", 1))
     if got != stages or spec.n_blocks != cfg.n_layers // stages:
@@ -329,7 +329,8 @@ class VisionModel:
 def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total_steps: int,
                 *, dtype: str = "float32", remat: str = "none", fsdp: bool = False,
                 averaging: str = "gradients", sync_every: int = 1,
-                method: str = "auto", unroll: bool = False) -> step_lib.SDPStep:
+                method: str = "auto", unroll: bool = False,
+                emulate_workers: bool = False) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a vision run: AdamW (or SGD) from ``optim`` with
     weight decay on conv / linear weights only, clipping at ``optim.grad_clip``, the BatchNorm
     statistics as model state (averaged over each layer's holders after every step), metrics
@@ -358,7 +359,8 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
         grad_clip=optim.grad_clip, averaging=averaging, sync_every=sync_every, dtype=dtype,
         fsdp=fsdp, method=method,
         schedule=optim_lib.lr_schedule(optim, total_steps), init_fn=task.init,
-        total_steps=total_steps, has_aux=True, state_spec=task.stats_spec, stacked_slots=True)
+        total_steps=total_steps, has_aux=True, state_spec=task.stats_spec, stacked_slots=True,
+        emulate_workers=emulate_workers)
     step.task = task
     return step
 
@@ -419,10 +421,8 @@ class VisionEval:
                 # From zero running statistics one update leaves (1 - momentum) * batch stats.
                 return jax.tree.map(lambda x: jax.lax.pmean(x / (1 - vm.BN_MOMENTUM), DATA),
                                     new)
-            self._fns["bn"] = jax.jit(jax.shard_map(
-                local, mesh=self.step.mesh,
-                in_specs=(self.step.param_specs, self._sspec(), P(DATA)),
-                out_specs=self._stats_spec))
+            self._fns["bn"] = jax.jit(self.step.placement.map(
+                local, (self.step.param_specs, self._sspec(), P(DATA)), self._stats_spec))
         return self._fns["bn"]
 
     def eval_step_fn(self, recalibrated: bool = False):
@@ -445,8 +445,8 @@ class VisionEval:
             specs = (self.step.param_specs, self._sspec(), P(DATA), P(DATA), P(DATA))
             if recalibrated:
                 specs += (self._stats_spec,)
-            self._fns[recalibrated] = jax.jit(jax.shard_map(
-                local, mesh=self.step.mesh, in_specs=specs, out_specs=(P(), P(), P())))
+            self._fns[recalibrated] = jax.jit(self.step.placement.map(local, specs,
+                                                                      (P(), P(), P())))
         return self._fns[recalibrated]
 
     def full_model(self, state) -> tuple[dict, dict]:
@@ -456,10 +456,9 @@ class VisionEval:
             pspec = jax.tree.map(lambda _: P(), spec_lib.unflatten(
                 {p: 0 for p in self.step.spec.shapes}))
             # Every worker returns the same values; an FSDP all_gather is not typed invariant.
-            self._fns["full"] = jax.jit(jax.shard_map(
-                self._gather, mesh=self.step.mesh,
-                in_specs=(self.step.param_specs, self._sspec()),
-                out_specs=(pspec, self._stats_spec), check_vma=not self.step.fsdp))
+            self._fns["full"] = jax.jit(self.step.placement.map(
+                self._gather, (self.step.param_specs, self._sspec()),
+                (pspec, self._stats_spec), check_vma=not self.step.fsdp))
         return self._fns["full"](state["params"], state.get("stats", {}))
 
 
@@ -703,9 +702,10 @@ class VisionFamily(Family):
     def compiled(self, run, compiled) -> tuple[list[str], dict]:
         """``model_flops_per_step``: XLA's FLOP count of the compiled train step (without
         activation checkpointing the vision step has no loop, so every layer is counted;
-        backward variants count their full backward pass) times the ``W`` workers; None under
+        backward variants count their full backward pass) times the devices of the ``W``
+        workers (``RunSpec.worker_devices``: ``W``, or 1 when emulated); None under
         ``remat`` (a scan, whose body XLA counts once)."""
-        return [], compiled_flops(compiled, run.workers, run.settings.remat == "none")
+        return [], compiled_flops(compiled, run.worker_devices, run.settings.remat == "none")
 
     def param_count(self, run) -> int:
         return vm.param_count(run.model)

@@ -351,8 +351,10 @@ def restore_or_init(manager, latest, builder, seed: int, announce: bool = True):
 
 def make_mesh(run: run_lib.RunSpec):
     """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices, or
-    ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order."""
-    return mesh_lib.make_mesh(run.workers, run.pipe.stages)
+    ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order; one device
+    with ``config.emulate_workers``."""
+    return mesh_lib.make_mesh(run.workers, run.pipe.stages,
+                              emulated=run.settings.emulate_workers)
 
 
 def process_rows(mesh, run: run_lib.RunSpec) -> tuple[int, int]:
@@ -549,6 +551,8 @@ def _log_run(run: run_lib.RunSpec, builder, mesh) -> None:
         + (f"; FSDP (ZeRO-3) over the {run.workers} workers" if s.fsdp else "")
         + (f"; activation checkpointing: {s.remat}" if s.remat != "none" else "")
         + (f"; compute dtype {s.dtype}" if s.dtype != "float32" else ""))
+    if builder.placement.emulated:
+        log(builder.placement.describe())
     for extra in run.family.describe(run):
         log(extra)
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
@@ -636,6 +640,7 @@ def _summary(run: run_lib.RunSpec, prog: _Program, step: int, last_eval: dict,
         "params_per_device": builder.per_device_param_count(),
         "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
         "platform": list(builder.mesh.devices.flat)[0].platform,
+        "devices": builder.mesh.devices.size, "emulate_workers": s.emulate_workers,
         "item": family.rate_key.split("_per_s")[0],
         "items_per_step": prog.items, "model_flops_per_step": (
             None if per_item is None else per_item * prog.items),

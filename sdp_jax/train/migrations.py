@@ -108,8 +108,7 @@ def compact_optimizer(step: SDPStep) -> Migration:
         return st.restage(opt, step.opt_specs)
 
     def from_old(state: dict) -> dict:
-        fn = jax.shard_map(convert, mesh=step.mesh, in_specs=(old_specs,),
-                           out_specs=step.opt_specs)
+        fn = step.placement.map(convert, (old_specs,), step.opt_specs)
         return {**state, "opt_state": jax.jit(fn)(state["opt_state"])}
 
     return to_old, from_old

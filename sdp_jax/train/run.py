@@ -15,6 +15,7 @@ import ml_collections
 
 from sdp_jax import alignment
 from sdp_jax import pipeline as pl
+from sdp_jax import placement
 from sdp_jax import runner
 from sdp_jax import step as step_lib
 from sdp_jax.models.vision import MODELS
@@ -27,7 +28,7 @@ from sdp_jax.train.config import base_config, vision_config
 # still resumes (remat: same results, may change).
 RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
-               "remat", "peak_flops", "align_every")
+               "remat", "peak_flops", "align_every", "emulate_workers")
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
@@ -64,6 +65,13 @@ class RunSpec:
     pipe: Any
     settings: task_lib.StepSettings
     config: Any
+
+    @property
+    def worker_devices(self) -> int:
+        """The devices the ``W`` workers run on: ``W``, or 1 when emulated
+        (``config.emulate_workers``); a compiled step's per-device FLOPs times this is the
+        step's FLOPs."""
+        return 1 if self.settings.emulate_workers else self.workers
 
 
 def _integer(v, name: str, low: int, hint: str = "") -> None:
@@ -197,14 +205,16 @@ def _check_run_control(config, family) -> None:
 
 def resolve_workers(config, device_count: int, stages: int = 1) -> int:
     """``W`` from ``config.workers`` (0 = every device, or devices / ``stages`` with a
-    pipeline of ``stages`` stages).
+    pipeline of ``stages`` stages); with ``config.emulate_workers`` any ``W`` (on one device).
 
     Raises:
       ValueError: not a positive integer, ``W * stages`` more than the devices, or not every
-        device with several processes."""
+        device with several processes; emulation refused (a pipeline, several processes)."""
     zero = "0 = every device" + (" / pipeline.stages" if stages > 1 else "")
     workers = config.workers or max(device_count // stages, 1)
     _integer(workers, "workers", 1, zero)
+    if _emulated(config, stages):
+        return workers
     need = workers * stages
     if need > device_count:
         hint = (f", or simulate more CPU devices with --config.num_cpu_devices={need}"
@@ -225,9 +235,20 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
     return workers
 
 
+def _emulated(config, stages: int) -> bool:
+    """``config.emulate_workers`` (a bool, :func:`_check_step_fields`), with emulation's
+    refusals (:func:`sdp_jax.placement.check_emulation`)."""
+    emulate = config.emulate_workers
+    if emulate:
+        placement.check_emulation(stages, jax.process_count(),
+                                  fix="set --config.emulate_workers=False")
+    return emulate
+
+
 # How a run config names the step's settings (sdp_jax.step.check_settings words its refusals so)
 CONFIG_NAMES = {"averaging": "config.sdp.average", "sync_every": "config.sdp.sync_every",
-                "fsdp": "config.fsdp", "remat": "config.remat", "dtype": "config.dtype"}
+                "fsdp": "config.fsdp", "remat": "config.remat", "dtype": "config.dtype",
+                "emulate_workers": "config.emulate_workers"}
 
 
 def _check_step_fields(config, remat: tuple | None = None) -> None:
@@ -245,7 +266,7 @@ def _check_step_fields(config, remat: tuple | None = None) -> None:
     step_lib.check_settings(variant=sdp.variant, averaging=sdp.average,
                             sync_every=sdp.sync_every, fsdp=config.fsdp, remat=config.remat,
                             dtype=config.dtype, remat_modes=tuple(remat or runner.REMAT),
-                            names=CONFIG_NAMES)
+                            names=CONFIG_NAMES, emulate_workers=config.emulate_workers)
     task_lib.step_method(sdp.method, "config.sdp.method")
     if sdp.average == "gradients" and sdp.sync_every != 1:   # (a config-only rule)
         raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "

@@ -73,6 +73,8 @@ class StepSettings:
         ``reference``; :func:`step_method` gives the step's).
       fsdp: ZeRO-3 sharding over the workers; remat: activation checkpointing (``none``,
         ``full``, ``dots``); dtype: the compute dtype (``float32`` or ``bfloat16``).
+      emulate_workers: the ``W`` workers emulated on one device (``config.emulate_workers``;
+        :mod:`sdp_jax.placement`).
     """
 
     averaging: str
@@ -81,13 +83,15 @@ class StepSettings:
     fsdp: bool
     remat: str
     dtype: str
+    emulate_workers: bool = False
 
     @classmethod
     def from_config(cls, config) -> "StepSettings":
         """The settings of a run config (no checks: :func:`sdp_jax.train.run.resolve` checks)."""
         s = config.sdp
         return cls(averaging=s.average, sync_every=s.sync_every, method=s.method,
-                   fsdp=config.fsdp, remat=config.remat, dtype=config.dtype)
+                   fsdp=config.fsdp, remat=config.remat, dtype=config.dtype,
+                   emulate_workers=config.emulate_workers)
 
     def kwargs(self) -> dict[str, Any]:
         """The settings as keyword arguments of the families' step builders
@@ -95,13 +99,14 @@ class StepSettings:
         return dataclasses.asdict(self)
 
 
-def compiled_flops(compiled, workers: int, counted: bool) -> dict:
-    """``{"model_flops_per_step": XLA's FLOP count of the compiled train step times the W
-    workers}``, or None when not ``counted`` (a block scan or activation checkpointing: XLA
+def compiled_flops(compiled, devices: int, counted: bool) -> dict:
+    """``{"model_flops_per_step": XLA's FLOP count of the compiled train step times the
+    ``devices`` that run the W workers}`` (``RunSpec.worker_devices``: W, or 1 when emulated),
+    or None when not ``counted`` (a block scan or activation checkpointing: XLA
     counts a loop body once, whatever its trip count) or when XLA gives no count."""
     if not counted:
         return {"model_flops_per_step": None}
-    return {"model_flops_per_step": costs.flops_per_device(compiled) * workers or None}
+    return {"model_flops_per_step": costs.flops_per_device(compiled) * devices or None}
 
 
 def mean_loss(eval_fn: Callable, params, batches: list, put: Callable, shapes) -> float:
@@ -269,7 +274,8 @@ SET_BY_THE_RUN = {"grad_clip": "optim.grad_clip", "schedule": "optim", "total_st
                   "init_fn": "init (the Task's)", "averaging": "sdp.average",
                   "sync_every": "sdp.sync_every", "method": "sdp.method", "fsdp": "fsdp",
                   "remat": "remat", "dtype": "dtype", "spec": "sdp (the run's masks)",
-                  "loss_fn": "the Task's loss", "optimizer": "optim", "mesh": "workers"}
+                  "loss_fn": "the Task's loss", "optimizer": "optim", "mesh": "workers",
+                  "emulate_workers": "emulate_workers"}
 
 
 def _signature(batch) -> tuple:
@@ -520,7 +526,7 @@ class Task(Family):
         """``model_flops_per_step`` from XLA's count of the compiled step
         (:func:`compiled_flops`; None with a block runner or activation checkpointing)."""
         looped = "block_fn" in self.step_options(run.model, run.plan)
-        return [], compiled_flops(compiled, run.workers,
+        return [], compiled_flops(compiled, run.worker_devices,
                                   not looped and run.settings.remat == "none")
 
     def evaluator(self, run, builder, val_batches, put, log):

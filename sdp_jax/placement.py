@@ -1,0 +1,226 @@
+"""Where the ``W`` workers of the mesh axis ``data`` run: one device each, or all on one device.
+
+A per-worker function (the train step, the evaluation, the alignment: code written for one
+worker, whose collectives name the axis ``data``) becomes a function of the global arrays in one
+of two ways, behind one method, :meth:`Placement.map`:
+
+* :class:`OnDevices`: ``jax.shard_map`` over the mesh, worker ``w`` on the ``w``-th device of
+  ``data`` (the mesh's ``data`` size is ``W``);
+* :class:`Emulated`: every worker on one device (the mesh's ``data`` size is 1), the same
+  per-worker function under ``jax.vmap`` with ``axis_name="data"``, so that ``psum``,
+  ``all_to_all``, ``all_gather`` and ``axis_index`` over ``data`` mean what they mean across
+  devices. A leaf stored split over ``data`` (``P('data')`` on dimension ``d``, a global
+  ``[..., W * n, ...]`` array) is reshaped to ``[..., W, n, ...]`` and mapped on ``d``; a
+  replicated leaf (``P()``) enters every worker unmapped, and leaves as worker 0's value. That
+  every worker computes it alike is checked as ``jax.shard_map`` checks it: the same function
+  is first traced (shapes only, no compile) under ``jax.shard_map`` over an abstract mesh of
+  ``W`` devices, whose replication check refuses an output that differs between workers. The
+  device then holds every worker's share of the state (``W`` times a worker's compact
+  leaves; a leaf every worker holds alike is stored once) and ``W`` workers' activations
+  (:meth:`Emulated.describe`); a ``lax.cond`` whose predicate differs between workers (the
+  held / unheld branch of :func:`sdp_jax.runner.held_weight_grads`) runs both branches.
+  While a worker's function is traced under the ``vmap``, :func:`emulating` is True: the
+  typed casts of ``shard_map`` (:func:`sdp_jax.sync.to_varying`) are then left out.
+
+The global arrays, their shapes and partition specs are the same in both placements, so a
+checkpoint written by one resumes under the other (the ``data`` axis of size 1 keeps them on one
+device). Every variant, both averaging modes, FSDP (its shards are leaves split over ``data``),
+activation checkpointing and bf16 run emulated; a pipeline (its stages are devices, ``stage``)
+and several processes are refused (:func:`check_emulation`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sdp_jax.mesh import DATA
+
+_is_spec = lambda x: isinstance(x, P)  # noqa: E731
+_EMULATING = contextvars.ContextVar("sdp_jax_emulating", default=False)
+
+
+def emulating() -> bool:
+    """Whether the function being traced is an emulated worker's (inside the ``jax.vmap`` of
+    :meth:`Emulated.map`): its values carry no ``shard_map`` types, so
+    :mod:`sdp_jax.sync` leaves out its typed casts (``pcast``) and reads no varying axes."""
+    return _EMULATING.get()
+
+
+@contextlib.contextmanager
+def _emulated_trace():
+    token = _EMULATING.set(True)
+    try:
+        yield
+    finally:
+        _EMULATING.reset(token)
+
+
+class Placement:
+    """How a per-worker function runs over the ``W`` workers (base of :class:`OnDevices` and
+    :class:`Emulated`).
+
+    Attributes:
+      mesh: the run's mesh (axis ``data``, optionally ``stage``).
+      workers: ``W``.
+      emulated: whether every worker runs on one device.
+    """
+
+    emulated = False
+
+    def __init__(self, mesh, workers: int):
+        self.mesh, self.workers = mesh, int(workers)
+
+    def map(self, fn: Callable, in_specs: tuple, out_specs: Any,
+            check_vma: bool = True) -> Callable:
+        """``fn`` (one worker's function of its local arrays, collectives over ``data``) as a
+        function of the global arrays laid out by ``in_specs`` (a tuple, one PartitionSpec
+        tree prefix per argument), returning arrays laid out by ``out_specs`` (a prefix of
+        the output tree), as ``jax.shard_map`` takes them. Call it inside ``jax.jit``.
+        ``check_vma``: ``jax.shard_map``'s check that a replicated output is typed invariant
+        (leave it on unless a collective's result is equal on every worker but not typed
+        so, as an FSDP all-gather)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line for a run's log: where the workers run."""
+        n = self.mesh.devices.size
+        return f"{self.workers} workers on {n} device{'s' if n > 1 else ''} (jax.shard_map)"
+
+
+class OnDevices(Placement):
+    """One device per worker along ``data``: ``jax.shard_map`` over the mesh."""
+
+    def map(self, fn, in_specs, out_specs, check_vma=True):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=check_vma)
+
+
+class Emulated(Placement):
+    """Every worker on one device: the per-worker function under ``jax.vmap`` over ``data``
+    (the module docstring gives the layout)."""
+
+    emulated = True
+
+    def describe(self) -> str:
+        return (f"{self.workers} workers emulated on 1 device (jax.vmap over '{DATA}'): the "
+                f"device holds the {self.workers} workers' parameters, optimizer state and "
+                f"activations (up to {self.workers} times one worker's memory; leaves every "
+                "worker holds alike are stored once)")
+
+    def _data_dim(self, spec: P) -> int | None:
+        """The dimension of a leaf that ``spec`` splits over ``data`` (None: replicated)."""
+        dims = [i for i, s in enumerate(spec) if s is not None]
+        if any(spec[i] != DATA for i in dims) or len(dims) > 1:
+            raise ValueError(f"a leaf laid out {spec} cannot be emulated: only leaves split over "
+                             f"'{DATA}' alone or replicated run on one device (no pipeline "
+                             "stages, no other mesh axes).")
+        return dims[0] if dims else None
+
+    def _split(self, spec: P, x):
+        d = self._data_dim(spec)
+        if d is None:
+            return x, None
+        if x.shape[d] % self.workers:
+            raise ValueError(f"a leaf of shape {x.shape} does not split over W={self.workers} "
+                             f"workers on dimension {d}; give it a size there that is a "
+                             f"multiple of {self.workers}.")
+        return x.reshape(x.shape[:d] + (self.workers, -1) + x.shape[d + 1:]), d
+
+    def _join(self, spec: P, y):
+        d = self._data_dim(spec)
+        if d is None:
+            return y[0]   # worker 0's copy of a value every worker computes alike
+        return y.reshape(y.shape[:d] + (-1,) + y.shape[d + 2:])
+
+    def _constrain(self, spec: P, y):
+        return jax.lax.with_sharding_constraint(y, NamedSharding(self.mesh, spec))
+
+    def _check_replication(self, fn, in_specs, out_specs, args) -> None:
+        """Trace ``fn`` (shapes only) under ``jax.shard_map`` over an abstract mesh of ``W``
+        devices: its check refuses a replicated output that differs between workers, as on
+        ``W`` devices (raises its ValueError)."""
+        mesh = AbstractMesh((self.workers,), (DATA,), axis_types=(AxisType.Auto,))
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+        jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+                       *shapes)
+
+    def map(self, fn, in_specs, out_specs, check_vma=True):
+        def mapped(*args):
+            if len(args) != len(in_specs):
+                raise ValueError(f"{len(args)} arguments for {len(in_specs)} in_specs; give "
+                                 "one PartitionSpec tree per argument.")
+            values, axes = [], []
+            for spec, arg in zip(in_specs, args):
+                leaves, tree = jax.tree.flatten(arg)
+                pairs = [self._split(s, x) for s, x in zip(_leaf_specs(spec, arg), leaves)]
+                values.append(tree.unflatten([v for v, _ in pairs]))
+                axes.append(tree.unflatten([d for _, d in pairs]))
+            if check_vma:
+                self._check_replication(fn, in_specs, out_specs, args)
+            out_axes = jax.tree.map(lambda s: self._data_dim(s) or 0, out_specs,
+                                    is_leaf=_is_spec)
+            with _emulated_trace():
+                out = jax.vmap(fn, in_axes=tuple(axes), out_axes=out_axes, axis_name=DATA,
+                               axis_size=self.workers)(*values)
+            leaves, tree = jax.tree.flatten(out)
+            return tree.unflatten([self._constrain(s, self._join(s, y))
+                                   for s, y in zip(_leaf_specs(out_specs, out), leaves)])
+        return mapped
+
+
+def _leaf_specs(specs: Any, tree: Any) -> list:
+    """The PartitionSpec of every leaf of ``tree`` (flattened order), from ``specs``, a tree
+    prefix of ``tree`` as ``jax.shard_map``'s ``in_specs`` and ``out_specs`` are."""
+    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), specs, tree,
+                        is_leaf=_is_spec)
+    return jax.tree.leaves(full, is_leaf=_is_spec)
+
+
+def check_emulation(stages: int, processes: int, data_devices: int = 1,
+                    fix: str = "drop emulate_workers") -> None:
+    """The one owner of emulation's refusals (:func:`placement_of` for :class:`sdp_jax.step.
+    SDPStep`, :func:`sdp_jax.train.run.resolve` for a run config, which rewords ``fix``).
+
+    Args:
+      stages: pipeline stages (a ``stage`` mesh axis of that size, or 1); processes: the
+        run's processes (``jax.process_count()``); data_devices: devices along ``data``.
+
+    Raises:
+      ValueError: a pipeline (its stages are devices), several processes, or more than one
+        device along ``data``."""
+    if stages > 1:
+        raise ValueError(f"emulated workers run on one device, but a pipeline of {stages} stages "
+                         f"runs on {stages} devices; {fix}, or run without a pipeline.")
+    if processes > 1:
+        raise ValueError(f"emulated workers run on one device of one process, but {processes} "
+                         f"processes run; {fix}, or launch one process.")
+    if data_devices != 1:
+        raise ValueError(f"emulated workers run on one device, but the mesh's '{DATA}' axis has "
+                         f"{data_devices} devices; build it on one device "
+                         "(sdp_jax.mesh.make_mesh(W, emulated=True)), or " + fix + ".")
+
+
+def placement_of(mesh, workers: int, emulate: bool) -> Placement:
+    """The placement of ``W = workers`` on ``mesh``: :class:`Emulated` when ``emulate`` (on
+    ``mesh`` with axis type Auto), else :class:`OnDevices`.
+
+    Raises:
+      ValueError: emulation refused (:func:`check_emulation`), or a mesh axis other than
+        ``data`` and ``stage``."""
+    if not emulate:
+        return OnDevices(mesh, workers)
+    shape = dict(mesh.shape)
+    check_emulation(shape.get("stage", 1), jax.process_count(), shape.get(DATA, 1))
+    others = [a for a in mesh.axis_names if a != DATA]
+    if others:
+        raise ValueError(f"emulated workers run on one device, but the mesh has the axes "
+                         f"{tuple(mesh.axis_names)}; give a mesh of the axis '{DATA}' alone.")
+    if any(t != AxisType.Auto for t in mesh.axis_types):   # the vmap axis is not a sharded one
+        mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,))
+    return Emulated(mesh, workers)
