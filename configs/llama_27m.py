@@ -5,7 +5,7 @@ sequences; 8 workers emulated on one device (``emulate_workers``), so that it ru
 (or one CPU device); the default corpus.
 
     python train.py --config configs/llama_27m.py --config.sdp.variant=b-sdp \\
-        --config.sdp.coverage=0.5 --config.flop_matched=True --config.dtype=bf16
+        --config.sdp.coverage=0.5 --config.flop_matched=True --config.dtype=bfloat16
 """
 
 from sdp_jax.train.config import base_config

@@ -15,8 +15,8 @@ of two ways, behind one method, :meth:`Placement.map`:
   every worker computes it alike is checked as ``jax.shard_map`` checks it: the same function
   is first traced (shapes only, no compile) under ``jax.shard_map`` over an abstract mesh of
   ``W`` devices, whose replication check refuses an output that differs between workers. The
-  device then holds every worker's share of the state (``W`` times a worker's compact
-  leaves; a leaf every worker holds alike is stored once) and ``W`` workers' activations
+  device then holds every worker's share of the state (``W`` times a worker's leaves stored
+  per worker; a leaf stored replicated, ``P()``, once) and ``W`` workers' activations
   (:meth:`Emulated.describe`); a ``lax.cond`` whose predicate differs between workers (the
   held / unheld branch of :func:`sdp_jax.runner.held_weight_grads`) runs both branches.
   While a worker's function is traced under the ``vmap``, :func:`emulating` is True: the
@@ -108,10 +108,10 @@ class Emulated(Placement):
     emulated = True
 
     def describe(self) -> str:
-        return (f"{self.workers} workers emulated on 1 device (jax.vmap over '{DATA}'): the "
+        return (f"{self.workers} worker{'s' if self.workers > 1 else ''} emulated on 1 device "
+                f"(jax.vmap over '{DATA}'): the "
                 f"device holds the {self.workers} workers' parameters, optimizer state and "
-                f"activations (up to {self.workers} times one worker's memory; leaves every "
-                "worker holds alike are stored once)")
+                f"activations, up to {self.workers} times one worker's memory")
 
     def _data_dim(self, spec: P) -> int | None:
         """The dimension of a leaf that ``spec`` splits over ``data`` (None: replicated)."""

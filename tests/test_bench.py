@@ -178,11 +178,11 @@ def test_reference_of_a_b_sdp_workers_blocks():
     parameters per device), and B-SDP's paired step-time ratio to it (rows made here)."""
     config = _tiny_config()
     mesh = bench._mesh(4)
-    sub = bench._reference(config, mesh, "none", "float32", blocks=2)
-    bsdp, _ = bench._builder(config, "b-sdp", 4, 0.5, mesh, fsdp=False, remat="none",
-                             dtype="float32")
+    sub = bench.reference_step(config, mesh, "none", "float32", blocks=2)
+    bsdp, _ = bench.lm_step(config, "b-sdp", 4, 0.5, mesh, fsdp=False, remat="none",
+                            dtype="float32")
     assert sub.cfg.n_layers == 2 and sub.per_device_param_count() == \
-        bsdp.per_device_param_count() < bench._reference(
+        bsdp.per_device_param_count() < bench.reference_step(
             config, mesh, "none", "float32").per_device_param_count()
 
     def row(setting, times, blocks=None):

@@ -54,11 +54,26 @@ def test_a_section_without_time_is_skipped_and_said(tmp_path, capsys):
     assert device.main(["--dry_run", "--out", str(tmp_path), "--budget_s", "1"]) == 0
     text = (tmp_path / "device_tables.md").read_text()
     assert "- jit: skipped" in text and "- pair: skipped" in text
+    env = (tmp_path / "environment.txt").read_text()   # read in a child process
+    assert "jax 0." in env and "flax" in env and "jaxlib" in env
+
+
+def test_no_accelerator_without_dry_run_is_one_line(tmp_path, capsys):
+    """The full-size models on a CPU would run out of memory: refused after the environment
+    is read (in a child; this process starts no backend for the command)."""
+    with pytest.raises(SystemExit) as e:
+        device.main(["--out", str(tmp_path), "--sections", "jit"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no accelerator: JAX's backend is cpu" in err[-1] and "--dry_run" in err[-1]
+    assert (tmp_path / "environment.txt").exists() and not (tmp_path / "device_rows.json").exists()
 
 
 @pytest.mark.parametrize("args,fragment", [
     (["--budget_s", "0"], "--budget_s=0.0 must be a positive number"),
-    (["--sections", "jit,gpu"], "--sections=jit,gpu: choose from jit,attention,pair"),
+    (["--budget_s", "1e9"], "at most 86400"),
+    (["--sections", "jit,gpu"], "--sections=jit,gpu: choose each at most once from"),
+    (["--sections", "jit,jit"], "--sections=jit,jit: choose each at most once from"),
     ([], "--out is required"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, capsys, args, fragment):
@@ -76,4 +91,5 @@ def test_the_bench_refuses_emulated_workers(capsys):
         measure.main(["--config", os.path.join(ROOT, "configs", "llama_tiny.py"), "--variants",
                       "ddp", "--config.emulate_workers=True"], check_only=True)
     assert e.value.code == 2
-    assert "--config.emulate_workers=True: the bench reads" in capsys.readouterr().err
+    assert "config.emulate_workers=True (from the config file or a flag): the bench reads" \
+        in capsys.readouterr().err

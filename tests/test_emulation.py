@@ -179,6 +179,9 @@ def test_config_refusals_before_compute():
         resolve(tiny(emulate_workers=True, workers=4, **{"pipeline.stages": 2,
                                                              "pipeline.microbatches": 2}),
                 jax.device_count())
+    with pytest.raises(ValueError, match="config.workers=0 .every device. with "
+                                         "config.emulate_workers=True: give the number"):
+        resolve(tiny(emulate_workers=True, workers=0), jax.device_count())
     c = tiny()
     with c.ignore_type():
         c.emulate_workers = "yes"

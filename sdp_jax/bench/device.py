@@ -34,10 +34,10 @@ so that the command cannot rot between lendings.
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import importlib.metadata as md
 import json
-import math
 import os
 import signal
 import statistics
@@ -306,8 +306,9 @@ def _pair_steps(config, sizes: Sizes, deadline: float) -> tuple[int, dict]:
     lo, hi = sizes.pair_steps
     if fit < lo:
         raise TimeoutError(f"{max(fit, 0):.0f} DDP steps fit the {deadline - time.time():.0f} s "
-                           f"left (at {times['ddp'] * 1e3:.0f} ms / {times['b-sdp'] * 1e3:.0f} "
-                           f"ms a step), fewer than {lo}; give --budget_s more")
+                           f"left after {overhead:.0f} s for the two runs' compiles (at "
+                           f"{times['ddp'] * 1e3:.0f} / {times['b-sdp'] * 1e3:.0f} ms a DDP / "
+                           f"B-SDP step), fewer than {lo}; give --budget_s more")
     return int(min(fit, hi)), times
 
 
@@ -347,7 +348,8 @@ def section_env(sizes: Sizes, deadline: float, save) -> list[dict]:
     line = (f"{dev.device_kind} ({jax.default_backend()}, {jax.device_count()} device(s)); "
             f"Python {sys.version.split()[0]}; "
             + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    return [{"line": line, "text": jax.print_environment_info(return_string=True)}]
+    return [{"line": line, "backend": jax.default_backend(),
+             "text": jax.print_environment_info(return_string=True)}]
 
 
 RUNNERS = {"env": section_env, "jit": section_jit, "attention": section_attention,
@@ -376,12 +378,12 @@ def _check(fv) -> None:
     """One-line errors (exit 2) before anything runs."""
     if not fv.out:
         cli.error(PROG, "--out is required: the folder for the tables (e.g. --out runs/device)")
-    if not (0 < fv.budget_s < math.inf):
-        cli.error(PROG, f"--budget_s={fv.budget_s} must be a positive number of seconds "
-                  "(520 fits the 10 minutes of a lent GPU's command)")
+    if not (0 < fv.budget_s <= 86400):
+        cli.error(PROG, f"--budget_s={fv.budget_s} must be a positive number of seconds, at "
+                  "most 86400 (520 fits the 10 minutes of a lent GPU's command)")
     bad = [s for s in fv.sections if s not in SECTIONS]
-    if bad or not fv.sections:
-        cli.error(PROG, f"--sections={','.join(fv.sections)}: choose from "
+    if bad or not fv.sections or len(set(fv.sections)) < len(fv.sections):
+        cli.error(PROG, f"--sections={','.join(fv.sections)}: choose each at most once from "
                   f"{','.join(SECTIONS)}")
     measure.out_folder(PROG, fv.out)
 
@@ -389,6 +391,9 @@ def _check(fv) -> None:
 def _child(fv, sizes: Sizes) -> int:
     """A section's process: run it, writing its rows to ``--rows`` as they come; a section
     that cannot start (too little time) writes why."""
+    if fv.section not in RUNNERS or not fv.rows:
+        cli.error(PROG, f"--section={fv.section} is internal (with --rows); run {PROG} "
+                  "--out DIR [--sections ...]")
     def save(rows):
         loop.write_atomically(fv.rows, json.dumps(rows, indent=1))
     try:
@@ -398,39 +403,71 @@ def _child(fv, sizes: Sizes) -> int:
     return 0
 
 
+class Stopped(Exception):
+    """A signal (SIGINT, SIGTERM, SIGHUP) reached the command while a section ran: its rows so
+    far and a note, for the tables written before the command exits ``128 + signum``."""
+
+    def __init__(self, signum: int, rows: list | None = None, note: str = ""):
+        super().__init__(signum)
+        self.signum, self.rows, self.note = signum, rows or [], note
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+def _die_with_parent() -> None:
+    """In a section's process (before it starts): end when the command's process ends, even
+    by SIGKILL (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere the command's signal handlers
+    end it)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_section(fv, name: str, end: float, hard: float, cache: str) -> tuple[list, str]:
-    """Run section ``name`` in a child process (its own process group) until ``hard`` (epoch
-    s; it starts no new group after ``end``); ``(its rows, a note: empty, or why it stopped
-    early)``. A signal to this process ends the child's group first."""
+    """Run section ``name`` in a child process (its own process group, its temporary files in
+    ``cache``) until ``hard`` (epoch s; it starts no new group after ``end``); ``(its rows, a
+    note: empty, or why it stopped early)``.
+
+    Raises:
+      Stopped: a signal came (the child's group is ended first; its rows so far kept)."""
     rows_path = os.path.join(cache, f"{name}.json")
     args = [sys.executable, "-m", "sdp_jax.bench.device", "--section", name, "--rows",
             rows_path, "--deadline", repr(end), "--out", fv.out] + (
         ["--dry_run"] if fv.dry_run else [])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": cache}
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(cache, "xla"))
     t0, note = time.time(), ""
-    proc = subprocess.Popen(args, env=env, start_new_session=True)
-
-    def stop(signum, frame):
-        _end_group(proc)
-        cli.exit_on_signal(signum, "stopped; the tables of the sections done are in --out")
-    old = cli.handle_signals(stop)
+    proc = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     try:
         rc = proc.wait(timeout=max(hard - time.time(), 1))
         if rc:
-            note = f"{name}: failed (exit {rc}) after {time.time() - t0:.0f} s; see the log"
+            why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
+            note = f"{name}: failed ({why}) after {time.time() - t0:.0f} s; see the log"
     except subprocess.TimeoutExpired:
         note = f"{name}: stopped at its time limit after {time.time() - t0:.0f} s"
+    except Stopped as e:
+        _end_group(proc)
+        e.rows, e.note = _read_rows(rows_path)[0], (
+            f"{name}: interrupted by {signal.Signals(e.signum).name} after "
+            f"{time.time() - t0:.0f} s")
+        raise
     finally:
         _end_group(proc)
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    rows, skipped = _read_rows(rows_path)
+    return rows, (f"{name}: skipped, {skipped}" if skipped else note)
+
+
+def _read_rows(path: str) -> tuple[list, str | None]:
+    """A section's rows so far, and why it was skipped (None: it ran)."""
     rows = []
-    if os.path.exists(rows_path):
-        with open(rows_path) as f:
+    if os.path.exists(path):
+        with open(path) as f:
             rows = json.load(f)
     skipped = [r["skipped"] for r in rows if "skipped" in r]
-    return ([] if skipped else rows), (f"{name}: skipped, {skipped[0]}" if skipped else note)
+    return ([], skipped[0]) if skipped else (rows, None)
 
 
 def _end_group(proc) -> None:
@@ -446,9 +483,10 @@ def _end_group(proc) -> None:
 def main(argv=None, check_only: bool = False) -> int:
     """The command line (``argv`` without the program name; default ``sys.argv[1:]``): run
     the sections (see the module docstring) and return 0 (a section that failed or was
-    stopped is named in the tables); a bad flag exits with status 2 and one line.
-    ``check_only``: stop after the flags' checks (the documentation check,
-    ``tests/test_docs.py``)."""
+    stopped is named in the tables); a bad flag, or no accelerator without ``--dry_run``,
+    exits with status 2 and one line; a signal (SIGINT, SIGTERM, SIGHUP) writes the tables
+    of what was measured and exits ``128 + signum``. ``check_only``: stop after the flags'
+    checks (the documentation check, ``tests/test_docs.py``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     fv = cli.command_flags(_define, [PROG] + argv, PROG, __doc__, "--out runs/device")
     sizes = DRY if fv.dry_run else Sizes()
@@ -457,24 +495,51 @@ def main(argv=None, check_only: bool = False) -> int:
     _check(fv)
     if check_only:
         return 0
-    with tempfile.TemporaryDirectory(prefix="sdp_jax_device_") as cache:
-        env, note = _run_section(fv, "env", time.time() + 60, time.time() + 120, cache)
-        env_line = env[0]["line"] if env else f"an unknown device ({note})"
-        _write(fv.out, "environment.txt", env[0]["text"] if env else note)
-        start, rows, notes, end = time.time(), {}, [], time.time()
-        for name in fv.sections:
-            end = min(end + SHARE[name] * fv.budget_s, start + fv.budget_s)
-            if name == fv.sections[-1]:
-                end = start + fv.budget_s
-            if end - time.time() < 5:
-                notes.append(f"{name}: skipped, {max(end - time.time(), 0):.0f} s of the "
-                             "budget left")
-                continue
-            print(f"[{PROG}] section {name}: until +{end - start:.0f} s", flush=True)
-            hard = min(end + 0.1 * fv.budget_s, start + fv.budget_s + 15)
+    old = {sig: signal.signal(sig, _raise_stopped)
+           for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+           if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        with tempfile.TemporaryDirectory(prefix="sdp_jax_device_") as cache:
+            return _sections(fv, cache)
+    except Stopped as e:   # (between sections: the tables written so far stand)
+        print(f"{PROG}: interrupted by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _sections(fv, cache: str) -> int:
+    """The environment, then each section in turn within its share of the budget; the tables
+    after each (see :func:`main`)."""
+    env, note = _run_section(fv, "env", time.time() + 60, time.time() + 120, cache)
+    env_line = env[0]["line"] if env else f"an unknown device ({note})"
+    _write(fv.out, "environment.txt", env[0]["line"] + "\n\n" + env[0]["text"] if env else note)
+    if env and env[0]["backend"] == "cpu" and not fv.dry_run:
+        cli.error(PROG, "no accelerator: JAX's backend is cpu, where the full-size models do "
+                  "not fit; run on a GPU or TPU, or add --dry_run to check the command here")
+    start, rows, notes, end = time.time(), {}, [], time.time()
+    _write_outputs(fv, rows, ["sections running"], env_line, 0.0)   # (no earlier run's)
+    for name in fv.sections:
+        end = min(end + SHARE[name] * fv.budget_s, start + fv.budget_s)
+        if name == fv.sections[-1]:
+            end = start + fv.budget_s
+        if end - time.time() < 5:
+            notes.append(f"{name}: skipped, {max(end - time.time(), 0):.0f} s of the budget "
+                         "left")
+            continue
+        print(f"[{PROG}] section {name}: until +{end - start:.0f} s", flush=True)
+        hard = min(end + 0.1 * fv.budget_s, start + fv.budget_s + 15)
+        try:
             rows[name], note = _run_section(fv, name, end, hard, cache)
-            notes += [note] if note else []
-            _write_outputs(fv, rows, notes, env_line, time.time() - start)
+        except Stopped as e:
+            rows[name] = e.rows
+            _write_outputs(fv, rows, notes + [e.note], env_line, time.time() - start)
+            print(f"{PROG}: {e.note}; the tables of what was measured are in {fv.out}",
+                  file=sys.stderr)
+            return 128 + e.signum
+        notes += [note] if note else []
+        _write_outputs(fv, rows, notes, env_line, time.time() - start)
     print(_write_outputs(fv, rows, notes, env_line, time.time() - start))
     return 0
 
@@ -485,8 +550,9 @@ def _write(folder: str, name: str, text: str) -> None:
 
 def _write_outputs(fv, rows: dict, notes: list, env_line: str, wall: float) -> str:
     """Write device_tables.md and device_rows.json (after every section); the tables."""
+    sections = "" if fv.sections == list(SECTIONS) else f" --sections {','.join(fv.sections)}"
     text = device_tables.tables(rows, notes, env_line, wall,
-                                f"{PROG} --out {fv.out} --budget_s {fv.budget_s:g}"
+                                f"{PROG} --out {fv.out} --budget_s {fv.budget_s:g}{sections}"
                                 + (" --dry_run" if fv.dry_run else ""))
     _write(fv.out, "device_tables.md", text)
     _write(fv.out, "device_rows.json", json.dumps(rows, indent=1))

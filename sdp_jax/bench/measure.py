@@ -747,9 +747,10 @@ def _validate(config, variants: list[str], check_only: bool):
     a ValueError."""
     workers = config.get("workers", 0) or 8
     if config.get("emulate_workers"):
-        _err("--config.emulate_workers=True: the bench reads per-device figures of W devices "
-             "(simulated on a CPU); leave it False here (python -m sdp_jax.bench.device "
-             "measures emulated workers on one device)")
+        _err("config.emulate_workers=True (from the config file or a flag): the bench reads "
+             "per-device figures of W devices (simulated on a CPU); add "
+             "--config.emulate_workers=False (python -m sdp_jax.bench.device measures emulated "
+             "workers on one device)")
     with config.unlocked():
         config.workers = workers
         if "seq_len" in config:   # the bench may measure longer sequences than the model's

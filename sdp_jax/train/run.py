@@ -209,7 +209,8 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
 
     Raises:
       ValueError: not a positive integer, ``W * stages`` more than the devices, or not every
-        device with several processes; emulation refused (a pipeline, several processes)."""
+        device with several processes; emulation refused (a pipeline, several processes,
+        ``workers=0``)."""
     zero = "0 = every device" + (" / pipeline.stages" if stages > 1 else "")
     workers = config.workers or max(device_count // stages, 1)
     _integer(workers, "workers", 1, zero)
@@ -242,6 +243,10 @@ def _emulated(config, stages: int) -> bool:
     if emulate:
         placement.check_emulation(stages, jax.process_count(),
                                   fix="set --config.emulate_workers=False")
+        if not config.workers:
+            raise ValueError("config.workers=0 (every device) with config.emulate_workers=True: "
+                             "give the number of workers to emulate, e.g. "
+                             "--config.workers=8.")
     return emulate
 
 
