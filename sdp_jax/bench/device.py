@@ -97,19 +97,14 @@ DRY = Sizes(jit_models=("llama_500m.py",), seq_lens=(32,), tokens_per_step=64, s
 
 
 def _config(name: str, sizes: Sizes, **fields):
-    """A config file of ``configs/``, loaded and checked as ``--config`` loads it
-    (:func:`sdp_jax.train.cli.parse`), with the sizes' overrides and ``fields`` (dotted names
-    of existing fields)."""
-    fv = cli.flag_values(cli.config_file(name), [PROG], PROG)
-    cli.parse(fv, [PROG], PROG)
-    config = fv.config
-    config.model.update(sizes.model)
-    for key, value in {**sizes.run, **fields}.items():
-        node, *path = config, *key.split(".")
-        for part in path[:-1]:
-            node = node[part]
-        node[path[-1]] = value
-    return config
+    """A config file of ``configs/`` with the sizes' overrides and ``fields`` (dotted names),
+    given as ``--config.FIELD=VALUE`` flags: loaded, overridden and checked as every command's
+    ``--config`` is (:func:`sdp_jax.train.cli.parse`)."""
+    overrides = {**{f"model.{k}": v for k, v in sizes.model.items()}, **sizes.run, **fields}
+    argv = [PROG] + [f"--config.{k}={v}" for k, v in overrides.items()]
+    fv = cli.flag_values(cli.config_file(name), argv, PROG)
+    cli.parse(fv, argv, PROG)
+    return fv.config
 
 
 def _gpu() -> bool:

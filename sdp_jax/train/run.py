@@ -243,7 +243,7 @@ def _emulated(config, stages: int) -> bool:
     if emulate:
         placement.check_emulation(stages, jax.process_count(),
                                   fix="set --config.emulate_workers=False")
-        if not config.workers:
+        if not config.workers:   # (a config-only rule: SDPStep takes W from its spec)
             raise ValueError("config.workers=0 (every device) with config.emulate_workers=True: "
                              "give the number of workers to emulate, e.g. "
                              "--config.workers=8.")
