@@ -35,14 +35,17 @@ from sdp_jax.state import Kind, StateLayout
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
 
-def in_loop_tables(state: StateLayout, call: ModelCall, method: str) -> dict:
+def in_loop_tables(state: StateLayout, call: ModelCall, method: str,
+                   accumulating: bool = False) -> dict:
     """The block leaves whose gradients are averaged inside the backward loop
     (:func:`sdp_jax.sync.mean_in_backward`: {local path: None for a plain mean, or the leaf's
     holder tables}); the others are averaged after the backward pass.
 
     In the loop: the block runner, gradient averaging by ``alltoall``, no FSDP (its
     reduce-scatter is the transpose of its gathers), no periodic averaging, no pipeline (its
-    schedule runs the blocks once per microbatch, which would repeat the collectives). Leaves
+    schedule runs the blocks once per microbatch, which would repeat the collectives), no
+    gradient accumulation (``accumulating``: for the same reason; the accumulated gradient is
+    averaged once, after the last microbatch). Leaves
     stored per worker (``C``) held by every worker (DDP's blocks) get a plain mean, N-SDP's
     neuron leaves (loop step i is layer i on every worker) the holder mean of layer i.
     B-SDP's blocks cannot be averaged there: loop step i runs a different block on each worker
@@ -57,7 +60,7 @@ def in_loop_tables(state: StateLayout, call: ModelCall, method: str) -> dict:
     """
     lay, spec = state.layout, state.spec
     if (call.block_fn is None or state.fsdp or state.periodic or state.staged
-            or method != "alltoall"):
+            or method != "alltoall" or accumulating):
         return {}
     if spec.backward:   # N-SDP's neuron leaves, left in the owners' shards (ZeRO-2)
         if spec_lib.BLOCK in spec.kinds:

@@ -66,6 +66,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import alignment, sync
+from sdp_jax.accumulation import accumulate, check_accumulation
 from sdp_jax import spec as spec_lib
 from sdp_jax import update as update_lib
 from sdp_jax.evaluation import Evaluation
@@ -133,15 +134,15 @@ def _check_mesh(spec: spec_lib.SDPSpec, mesh, emulate: bool):
 
 def check_settings(*, variant: str, averaging: str, sync_every, fsdp, remat: str, dtype,
                    remat_modes: tuple = REMAT, names: dict | None = None,
-                   emulate_workers=False) -> None:
+                   emulate_workers=False, grad_accum=1) -> None:
     """The one owner of the refusals of the averaging, FSDP, remat and dtype settings, for
     :class:`SDPStep` and for a run config (:func:`sdp_jax.train.run.resolve`, which rewords
     them through ``names``).
 
     Args:
       variant: the spec's variant (backward masking refuses parameter averaging).
-      averaging, sync_every, fsdp, remat, dtype, emulate_workers: as :class:`SDPStep`
-        takes them.
+      averaging, sync_every, fsdp, remat, dtype, emulate_workers, grad_accum: as
+        :class:`SDPStep` takes them.
       remat_modes: the activation checkpointing modes the model supports.
       names: how the caller calls each setting in messages ({setting: name}; default the
         argument names, e.g. ``averaging``; a run config: ``config.sdp.average``).
@@ -149,8 +150,9 @@ def check_settings(*, variant: str, averaging: str, sync_every, fsdp, remat: str
     Raises:
       ValueError: naming the bad value and the fix."""
     n = {k: k for k in ("averaging", "sync_every", "fsdp", "remat", "dtype",
-                        "emulate_workers")}
+                        "emulate_workers", "grad_accum")}
     n.update(names or {})
+    check_accumulation(grad_accum, n["grad_accum"])
     for name, value in (("fsdp", fsdp), ("emulate_workers", emulate_workers)):
         if not isinstance(value, bool):
             raise ValueError(f"{n[name]}={value!r} must be True or False.")
@@ -171,7 +173,7 @@ def check_settings(*, variant: str, averaging: str, sync_every, fsdp, remat: str
 
 
 def _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat,
-                    dtype, emulate_workers) -> None:
+                    dtype, emulate_workers, grad_accum) -> None:
     """The refusals of the step's scalar settings."""
     if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float, np.floating)) \
             or not np.isfinite(grad_clip) or grad_clip < 0:
@@ -180,7 +182,8 @@ def _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat,
     if method not in METHODS:
         raise ValueError(f"method={method!r}; use alltoall or psum.")
     check_settings(variant=spec.variant, averaging=averaging, sync_every=sync_every, fsdp=fsdp,
-                   remat=remat, dtype=dtype, emulate_workers=emulate_workers)
+                   remat=remat, dtype=dtype, emulate_workers=emulate_workers,
+                   grad_accum=grad_accum)
 
 
 def _check_runner(spec, mesh, block_fn, remat) -> None:
@@ -294,12 +297,18 @@ class SDPStep:
         ``jax.vmap`` over ``data`` instead of ``jax.shard_map`` over ``W`` devices
         (:class:`sdp_jax.placement.Emulated`; the same results, ``W`` times one worker's
         memory on the device). Not with a pipeline or several processes.
+      grad_accum: gradient accumulation: each worker's slice of the batch in ``grad_accum``
+        microbatches run one after another, their mean gradient averaged and applied once
+        (:mod:`sdp_jax.accumulation`; the same step as on the whole slice, to float rounding,
+        with about ``1 / grad_accum`` of its activation memory). The per-worker rows ``b``
+        must be a multiple of it.
 
     Raises:
       ValueError: the mesh's ``data`` size differs from ``W`` (from 1 with
         ``emulate_workers``) or too few devices; emulation with a pipeline or several
         processes; a bad
-        ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat`` or ``dtype``; a
+        ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat``, ``dtype`` or
+        ``grad_accum``; a
         ``stage`` axis without ``block_fn``, or with model state or ``stacked_slots``;
         ``param_metrics`` with FSDP; parameter averaging with backward masking or FSDP; remat
         without ``block_fn``; ``block_fn`` without a stacked block subtree, or with a masked
@@ -313,9 +322,10 @@ class SDPStep:
                  schedule: Callable | None = None, init_fn: Callable | None = None,
                  total_steps: int | None = None, unroll: bool = False, has_aux: bool = False,
                  state_spec: spec_lib.SDPSpec | None = None, stacked_slots: bool = False,
-                 param_metrics: Callable | None = None, emulate_workers: bool = False):
+                 param_metrics: Callable | None = None, emulate_workers: bool = False,
+                 grad_accum: int = 1):
         _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat, dtype,
-                        emulate_workers)
+                        emulate_workers, grad_accum)
         self.placement = placement_of(_check_mesh(spec, mesh, emulate_workers), spec.workers,
                                       emulate_workers)
         mesh = self.placement.mesh
@@ -336,8 +346,11 @@ class SDPStep:
         self.state_layout = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix, fsdp=fsdp,
                                  periodic=self.periodic, state_spec=state_spec,
                                  stacked_slots=self.stacked_slots)
-        self.in_loop_tables = in_loop_tables(self.state_layout, self.call, method)
+        self.in_loop_tables = in_loop_tables(self.state_layout, self.call, method,
+                                             accumulating=grad_accum > 1)
         self.source = source_of(self.state_layout, self.call, self.in_loop_tables, method)
+        self.grad_accum = grad_accum
+        self.accumulated_grads = accumulate(self.source.grads, grad_accum, unroll)
         self.update = update_lib.update_of(self.state_layout, method, self.in_loop_tables,
                                            self.periodic)
         self.evaluation = Evaluation(self.state_layout, self.call, self.source, self.periodic,
@@ -409,7 +422,7 @@ class SDPStep:
     def _local_step(self, state, batch, sync_now: bool, count_branch: bool | None):
         st = self.state_layout
         state = st.unstage(state, self.state_specs)
-        loss, aux, grads, local, new_stats = self.source.grads(
+        loss, aux, grads, local, new_stats = self.accumulated_grads(
             state["params"], batch, state.get("stats"), count_branch=count_branch)
         params, opt_state, gnorm = update_lib.apply(self.update, self.optimizer,
                                                     self.grad_clip, grads, local,

@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from sdp_jax.train import data
+from sdp_jax.train import corpus, data
 
 
 def _cfg(**overrides):
@@ -43,21 +43,21 @@ def test_default_config_fields():
 
 
 def test_unknown_source_lists_valid_ones():
-    with pytest.raises(ValueError, match="stdlib, text, llmc, tfds"):
+    with pytest.raises(ValueError, match="stdlib, text, jsonl, parquet, llmc, tfds"):
         data.load_tokens(_cfg(source="nope"), "train", 256)
 
 
 def test_stdlib_split_deterministic_disjoint_and_sized():
-    files = data.stdlib_files()
+    files = corpus.stdlib_files()
     assert len(files) > 100
     assert not any("site-packages" in p.parts or "dist-packages" in p.parts for p in files)
     assert all(p.suffix == ".py" for p in files)
-    root = data._stdlib_root()
-    train, val = data.split_by_file(files, 0.05, root=root)
+    root = corpus.stdlib_root()
+    train, val = corpus.split_by_file(files, 0.05, root=root)
     # Same split from a shuffled file list (what another host computes).
     shuffled = list(files)
     np.random.default_rng(0).shuffle(shuffled)
-    train2, val2 = data.split_by_file(shuffled, 0.05, root=root)
+    train2, val2 = corpus.split_by_file(shuffled, 0.05, root=root)
     assert (train, val) == (train2, val2)
     assert train and val and not set(train) & set(val)
     assert len(train) + len(val) == len(files)
@@ -70,12 +70,12 @@ def test_stdlib_split_deterministic_disjoint_and_sized():
 
 def test_stdlib_tokens_are_file_bytes():
     cfg = _cfg()
-    root = data._stdlib_root()
-    train_files, val_files = data.split_by_file(data.stdlib_files(), 0.05, root=root)
+    root = corpus.stdlib_root()
+    train_files, val_files = corpus.split_by_file(corpus.stdlib_files(), 0.05, root=root)
     for split, files in (("train", train_files), ("val", val_files)):
         tokens = data.load_tokens(cfg, split, 256)
         assert tokens.ndim == 1 and tokens.dtype == np.uint8
-        head = b"".join(f.read_bytes() + data.DOC_SEPARATOR for f in files[:3])
+        head = b"".join(f.read_bytes() + corpus.DOC_SEPARATOR for f in files[:3])
         assert tokens[: len(head)].tobytes() == head
         assert tokens.size == sum(f.stat().st_size + 1 for f in files)
     # Cached: the same array object comes back.
@@ -98,7 +98,7 @@ def test_text_windows_reproduce_bytes(tmp_path):
     paths = _write_texts(tmp_path, n_files=2, size=500)
     cfg = _cfg(source="text", train_files=str(paths[0]), val_files=str(paths[1]))
     tokens = data.load_tokens(cfg, "train", 256)
-    expected = paths[0].read_bytes() + data.DOC_SEPARATOR
+    expected = paths[0].read_bytes() + corpus.DOC_SEPARATOR
     assert tokens.tobytes() == expected
     seq_len = 16
     src = data.TokenWindowSource(tokens, seq_len)
@@ -122,7 +122,7 @@ def test_text_glob_split_by_file_and_single_file_by_bytes(tmp_path):
     assert train.size + val.size == sum(p.stat().st_size + 1 for p in paths)
     # One matching file: the last ceil(val_fraction * n) bytes are val.
     one = _cfg(source="text", train_files=str(paths[0]), val_fraction=0.1)
-    whole = paths[0].read_bytes() + data.DOC_SEPARATOR
+    whole = paths[0].read_bytes() + corpus.DOC_SEPARATOR
     n_val = int(np.ceil(0.1 * len(whole)))
     assert data.load_tokens(one, "val", 256).tobytes() == whole[-n_val:]
     assert data.load_tokens(one, "train", 256).tobytes() == whole[:-n_val]
@@ -140,9 +140,9 @@ def test_text_glob_without_match_names_pattern(tmp_path):
 
 def test_split_by_file_keeps_both_sides_nonempty():
     files = [f"/data/f{i}.txt" for i in range(3)]
-    train, val = data.split_by_file(files, 0.01, root="/data")
+    train, val = corpus.split_by_file(files, 0.01, root="/data")
     assert len(val) == 1 and len(train) == 2
-    assert data.split_by_file(files, 0.0, root="/data") == ([pathlib.Path(f) for f in files], [])
+    assert corpus.split_by_file(files, 0.0, root="/data") == ([pathlib.Path(f) for f in files], [])
 
 
 # ----------------------------------------------------------------------------
@@ -486,7 +486,7 @@ def test_tfds_source_reads_array_record_dataset(tmp_path):
     for split, texts in (("train", train_texts), ("val", val_texts)):
         tokens = data.load_tokens(cfg, split, 256)
         assert tokens.dtype == np.uint8
-        got = tokens.tobytes().split(data.DOC_SEPARATOR)[:-1]
+        got = tokens.tobytes().split(corpus.DOC_SEPARATOR)[:-1]
         # tfds shuffles records on write; compare as multisets of documents.
         assert sorted(got) == sorted(t.encode("utf-8") for t in texts)
     it = data.make_train_iterator(cfg, seq_len=16, global_batch=4, seed=0, vocab_size=256)

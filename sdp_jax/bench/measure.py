@@ -100,7 +100,8 @@ def lm_step(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unr
     plan, uniform = _plan(config, variant, workers, coverage)
     b = families.language_model_step(model, plan, optim, mesh, config.steps, method=sdp.method,
                                      unroll=unroll, fsdp=fsdp, remat=remat, dtype=dtype,
-                                     emulate_workers=emulate_workers)
+                                     emulate_workers=emulate_workers,
+                                     grad_accum=config.get("grad_accum", 1))
     return b, uniform
 
 
@@ -139,6 +140,7 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
     held = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}
     return {"variant": variant, "setting": setting_name(variant, fsdp, remat), "fsdp": fsdp,
             "remat": remat, "dtype": dtype, "attention": config.model.attention,
+            "grad_accum": config.get("grad_accum", 1),
             "regime": plan.regime, "coverage": plan.coverage,
             "workers": workers,
             "held_per_worker": ", ".join(f"{t.k}/{t.masks.shape[-1]} {held[k]}"
@@ -781,7 +783,10 @@ def _main_lm(fv, config, config_path, variants, workers, mesh) -> list[dict]:
     print(f"{config_path}: {model.n_layers} blocks, batch {config.batch_per_worker} x "
           f"{config.seq_len} tokens per worker, {workers} x {jax.devices()[0].platform}, "
           f"{config.dtype}" + (", FSDP" if config.fsdp else "") + f", remat {config.remat}, "
-          f"averaging {config.sdp.method}, attention {model.attention}", flush=True)
+          f"averaging {config.sdp.method}, attention {model.attention}"
+          + (f", gradient accumulation over {config.grad_accum} microbatches of "
+             f"{config.batch_per_worker // config.grad_accum}" if config.get("grad_accum", 1) > 1
+             else ""), flush=True)
     rows = _lm_rows(fv, config, variants, workers, mesh)
     print(format_table(rows))
     for line in reference_lines(rows):

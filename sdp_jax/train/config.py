@@ -51,6 +51,7 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
     c.workers = 0               # W data-parallel workers; 0 = every device
     c.emulate_workers = False   # run the W workers on one device (jax.vmap; W x one worker's memory)
+    c.grad_accum = 1            # gradient accumulation: microbatches per optimizer step (divides b)
     c.num_cpu_devices = 8       # simulated devices when only a CPU is present
     c.batch_per_worker = 8      # examples per worker per step (b); global batch = W * b
     c.steps = 300               # optimizer steps (the DDP budget when flop_matched)

@@ -1,27 +1,23 @@
-"""Input pipeline: byte-level text and llm.c token shards, served through grain.
+"""Input pipeline of the language models: token arrays, llm.c token shards, and the windows and
+batches served through grain.
 
 Sources (``data_cfg.source``):
 
-``stdlib`` (default, needs no download)
-    The ``*.py`` files of the running interpreter's standard library
-    (``sysconfig.get_paths()['stdlib']``), excluding ``site-packages`` /
-    ``dist-packages`` and ``__pycache__``. Tokenized as bytes (vocab 256).
-``text``
-    Any text files named by comma-separated glob patterns in ``train_files`` (and
-    optionally ``val_files``); bytes as tokens.
+``stdlib`` (default, needs no download), ``text``, ``jsonl``, ``parquet``, ``tfds``
+    Documents (:mod:`sdp_jax.train.corpus`: the standard library's ``*.py`` files; text files,
+    JSON Lines or Parquet files named by ``train_files``; a TensorFlow Datasets text dataset)
+    turned into tokens by ``data.tokenizer``: bytes (vocab 256, the default) or a Hugging Face
+    ``tokenizer.json``, documents joined by the tokenizer's end-of-text token. A split is
+    tokenized once per process at load; ``python -m sdp_jax.tools.prepare`` writes the same
+    tokens as llm.c shards for corpora too large to tokenize at every start.
 ``llmc``
     Pre-tokenized llm.c shards (the format FineWeb is commonly distributed in): a
     header of 256 little-endian int32 (``[0]`` magic, ``[1]`` version, ``[2]`` token
     count), then ``count`` little-endian tokens: uint16 for magic 20240520 version 1,
     uint32 for magic 20240801 version 7 (vocabularies past 65,535). Shards are
-    memory-mapped and never read whole.
-``tfds``
-    A TensorFlow Datasets text dataset read through ``tfds.data_source`` (random
-    access over array_record files; TensorFlow itself is not needed). Bytes of the
-    UTF-8 text feature as tokens. Optional dependency: ``pip install 'sdp_jax[tfds]'``.
+    memory-mapped and never read whole. ``data.tokenizer`` may name the tokenizer that wrote
+    them, for the tools that decode text (``generate``, the harness).
 
-Byte sources are concatenated into one uint8 array per split: every file (or
-tfds record) contributes its raw bytes followed by ``DOC_SEPARATOR`` (b"\\n").
 Model inputs are windows of ``seq_len + 1`` tokens taken with stride ``seq_len``
 (so consecutive windows share one token: the last target of window i is the
 first input of window i+1); windows never straddle two llm.c shards (the few
@@ -29,20 +25,19 @@ tokens at a shard's end that do not fill a window are skipped).
 
 Train/validation split (the same on every host, no randomness):
 
-* ``stdlib`` and ``text`` without ``val_files``: by file, with
+* ``stdlib``, ``text``, ``jsonl`` and ``parquet`` without ``val_files``: by file, with
   ``zlib.crc32(relative POSIX path) % 10_000 < val_fraction * 10_000`` -> val
-  (see :func:`split_by_file`). A ``text`` glob that matches exactly one file is
-  split by bytes instead: its last ``ceil(val_fraction * n_bytes)`` bytes are val.
+  (see :func:`sdp_jax.train.corpus.split_by_file`). A glob that matches exactly one file is
+  split by tokens instead: the last ``ceil(val_fraction * n_tokens)`` tokens are val.
 * ``llmc``: ``val_files`` if given; otherwise the last (sorted) train shard is
   held out when there are at least two, else ``ValueError``.
 * ``tfds``: the named splits ``tfds_train_split`` / ``tfds_val_split`` (tfds
   slicing syntax such as ``'train[:95%]'`` / ``'train[95%:]'`` works).
 
-Token-range check: byte sources cannot exceed 255, so they are checked once at
-load only when ``vocab_size < 256``. Every llm.c shard is scanned once at load
-(chunked ``max`` over the memmap, cached per path, size and mtime; about 0.1 s per
-100 M tokens from the page cache), so a token id >= ``vocab_size`` stops the run
-before any compute; windows are checked again when read (cheap, defensive).
+Token-range check: every split is checked once at load (in-memory tokens by their maximum;
+every llm.c shard by a chunked ``max`` over the memmap, cached per path, size and mtime;
+about 0.1 s per 100 M tokens from the page cache), so a token id >= ``vocab_size`` stops the
+run before any compute; windows are checked again when read (cheap, defensive).
 
 Loaded token arrays are cached per process (keyed by the data config values
 that determine them), so train and val, the iterator and :func:`describe` read
@@ -53,25 +48,18 @@ from __future__ import annotations
 
 import bisect
 import functools
-import glob
 import math
 import os
-import pathlib
-import sysconfig
-import zlib
-from typing import Any, Iterable, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import grain
 import ml_collections
 import numpy as np
+import tqdm
 
-VOCAB_BYTES = 256
-"""Vocabulary size of the byte tokenizer (token id = byte value)."""
+from sdp_jax.train import corpus
 
-DOC_SEPARATOR = b"\n"
-"""Bytes appended after every file / record when byte sources are concatenated."""
-
-SOURCES = ("stdlib", "text", "llmc", "tfds")
+SOURCES = corpus.DOCUMENT_SOURCES[:4] + ("llmc",) + corpus.DOCUMENT_SOURCES[4:]
 
 LLMC_MAGIC = 20240520
 LLMC_VERSION = 1
@@ -82,7 +70,7 @@ LLMC_HEADER_INTS = 256
 LLMC_HEADER_BYTES = LLMC_HEADER_INTS * 4
 
 _SPLITS = ("train", "val")
-_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_FILE_SOURCES = ("text", "jsonl", "parquet", "llmc")
 
 
 # ----------------------------------------------------------------------------
@@ -94,17 +82,23 @@ def default_data_config() -> ml_collections.ConfigDict:
     """Returns the data config with its defaults.
 
     Fields: ``source`` (one of :data:`SOURCES`), ``train_files`` / ``val_files``
-    (comma-separated glob patterns, ``~`` expanded; ``text`` and ``llmc``),
-    ``val_fraction`` (fraction of files, or bytes for a single text file, held out
-    for validation; in [0, 1)), ``tfds_name``, ``tfds_train_split``,
-    ``tfds_val_split``, ``tfds_text_key``, ``tfds_data_dir`` (``''`` = tfds
-    default), ``worker_count`` (grain worker processes; 0 = in-process).
+    (comma-separated glob patterns, ``~`` expanded; ``text``, ``jsonl``, ``parquet`` and
+    ``llmc``), ``val_fraction`` (fraction of files, or of tokens for a single file, held out
+    for validation; in [0, 1)), ``tokenizer`` (a Hugging Face ``tokenizer.json`` or its
+    folder; ``''`` = bytes), ``eot_token`` (the token ending a document; ``''`` = the
+    tokenizer's usual one), ``text_field`` (the JSONL field or Parquet column of the text),
+    ``tfds_name``, ``tfds_train_split``, ``tfds_val_split``, ``tfds_text_key``,
+    ``tfds_data_dir`` (``''`` = tfds default), ``worker_count`` (grain worker processes;
+    0 = in-process).
     """
     cfg = ml_collections.ConfigDict()
     cfg.source = "stdlib"
     cfg.train_files = ""
     cfg.val_files = ""
     cfg.val_fraction = 0.05
+    cfg.tokenizer = ""
+    cfg.eot_token = ""
+    cfg.text_field = "text"
     cfg.tfds_name = ""
     cfg.tfds_train_split = "train"
     cfg.tfds_val_split = "validation"
@@ -122,149 +116,89 @@ def _cfg_get(cfg: Any, name: str) -> Any:
         return getattr(cfg, name, defaults[name])
 
 
-def _cache_key(cfg: Any) -> tuple:
-    """The config values that determine the token arrays (hashable)."""
-    source = str(_cfg_get(cfg, "source"))
+class _Key(NamedTuple):
+    """The config values that determine a corpus's token arrays (hashable)."""
+
+    source: str
+    train_files: str = ""
+    val_files: str = ""
+    val_fraction: float = 0.0
+    field: str = ""
+    tokenizer: tuple = ()     # (tokenizer.json, eot_token, size, mtime) or () for bytes
+    tfds: tuple = ()          # (name, train split, val split, data_dir)
+
+
+def _cache_key(cfg: Any) -> _Key:
+    """Validates the data config's fields (one-line errors naming the field and the fix) and
+    returns what determines its token arrays."""
+    get = functools.partial(_cfg_get, cfg)
+    source = str(get("source"))
     if source not in SOURCES:
-        raise ValueError(
-            f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)} "
-            "(set --config.data.source=...)"
-        )
-    val_fraction = float(_cfg_get(cfg, "val_fraction"))
+        raise ValueError(f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)} "
+                         "(set --config.data.source=...)")
+    val_fraction = float(get("val_fraction"))
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    for field in ("train_files", "val_files"):
+        if str(get(field)).strip() and source not in _FILE_SOURCES:
+            raise ValueError(
+                f"data.{field}={get(field)!r} is set but data.source={source!r} does not read "
+                f"files; set --config.data.source to one of {', '.join(_FILE_SOURCES)}")
+    if str(get("tfds_name")) and source != "tfds":
+        raise ValueError(f"data.tfds_name={get('tfds_name')!r} is set but data.source={source!r}"
+                         "; set --config.data.source=tfds")
+    tok = ()
+    if str(get("tokenizer")):
+        file = corpus.tokenizer_file(str(get("tokenizer")))
+        st = os.stat(file)
+        tok = (file, str(get("eot_token")), st.st_size, st.st_mtime_ns)
+    elif str(get("eot_token")):
+        raise ValueError(f"data.eot_token={get('eot_token')!r} needs data.tokenizer (the byte "
+                         "tokenizer ends documents with a newline)")
     if source == "stdlib":
-        return (source, val_fraction)
-    if source in ("text", "llmc"):
-        return (
-            source,
-            str(_cfg_get(cfg, "train_files")),
-            str(_cfg_get(cfg, "val_files")),
-            val_fraction,
-        )
-    return (
-        source,
-        str(_cfg_get(cfg, "tfds_name")),
-        str(_cfg_get(cfg, "tfds_train_split")),
-        str(_cfg_get(cfg, "tfds_val_split")),
-        str(_cfg_get(cfg, "tfds_text_key")),
-        str(_cfg_get(cfg, "tfds_data_dir")),
-    )
+        return _Key(source, val_fraction=val_fraction, tokenizer=tok)
+    if source == "tfds":
+        return _Key(source, field=str(get("tfds_text_key")), tokenizer=tok, tfds=tuple(
+            str(get(f"tfds_{n}")) for n in ("name", "train_split", "val_split", "data_dir")))
+    return _Key(source, str(get("train_files")), str(get("val_files")), val_fraction,
+                str(get("text_field")) if source in ("jsonl", "parquet") else "",
+                tok if source != "llmc" else ())
 
 
-# ----------------------------------------------------------------------------
-# Files and splits
-# ----------------------------------------------------------------------------
-
-
-def _stdlib_root() -> pathlib.Path:
-    return pathlib.Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files() -> list[pathlib.Path]:
-    """Lists the ``*.py`` files of the running interpreter's standard library.
-
-    Returns:
-      Absolute paths, sorted by their POSIX path relative to
-      ``sysconfig.get_paths()['stdlib']``; directories named ``site-packages``,
-      ``dist-packages`` and ``__pycache__`` are skipped (not descended into).
-      Symbolic links to directories are not followed.
-    """
-    root = _stdlib_root()
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
-        for name in filenames:
-            if name.endswith(".py"):
-                found.append(pathlib.Path(dirpath, name))
-    found.sort(key=lambda p: p.relative_to(root).as_posix())
-    return found
-
-
-def _split_key(path: pathlib.Path, root: pathlib.Path | None) -> str:
-    path = pathlib.Path(path)
-    if root is not None:
-        path = path.relative_to(root)
-    return path.as_posix()
-
-
-def split_by_file(
-    files: Iterable[os.PathLike | str], val_fraction: float, root: os.PathLike | str | None = None
-) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
-    """Splits files into (train, val) deterministically, by a hash of each path.
-
-    A file goes to val iff ``zlib.crc32(key) % 10_000 < val_fraction * 10_000``,
-    where ``key`` is the UTF-8 POSIX path relative to ``root`` (or the path as
-    given when ``root`` is None). The result depends only on the keys, so every
-    host computes the same split, whatever the order of ``files``.
-
-    With at least two files and ``0 < val_fraction``, neither side is left empty:
-    if no file hashes into val, the file with the smallest hash bucket is moved
-    there; if every file does, the one with the largest is moved back to train.
-
-    Args:
-      files: paths (str or PathLike).
-      val_fraction: expected fraction of files in val, in [0, 1).
-      root: optional directory the keys are taken relative to.
-
-    Returns:
-      ``(train, val)``: lists of ``pathlib.Path``, each sorted by key.
+def tokenizer_of(data_cfg: Any):
+    """The tokenizer of a data config (:func:`sdp_jax.train.corpus.load_tokenizer`): a
+    :class:`~sdp_jax.train.corpus.ByteTokenizer` unless ``data.tokenizer`` names a Hugging Face
+    one; ``None`` for llm.c shards without ``data.tokenizer`` (their text cannot be decoded).
 
     Raises:
-      ValueError: ``val_fraction`` outside [0, 1), or a file not under ``root``.
-    """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    root = pathlib.Path(root) if root is not None else None
-    keyed = sorted(
-        ((_split_key(pathlib.Path(f), root), pathlib.Path(f)) for f in files), key=lambda kp: kp[0]
-    )
-    threshold = val_fraction * 10_000
-    buckets = [zlib.crc32(k.encode("utf-8")) % 10_000 for k, _ in keyed]
-    is_val = [b < threshold for b in buckets]
-    if len(keyed) >= 2 and val_fraction > 0:
-        if not any(is_val):
-            is_val[min(range(len(keyed)), key=lambda i: (buckets[i], keyed[i][0]))] = True
-        elif all(is_val):
-            is_val[max(range(len(keyed)), key=lambda i: (buckets[i], keyed[i][0]))] = False
-    train = [p for (_, p), v in zip(keyed, is_val) if not v]
-    val = [p for (_, p), v in zip(keyed, is_val) if v]
-    return train, val
+      ValueError: a bad data config (:func:`check`'s errors)."""
+    _cache_key(data_cfg)
+    path = str(_cfg_get(data_cfg, "tokenizer"))
+    if str(_cfg_get(data_cfg, "source")) == "llmc" and not path:
+        return None
+    return corpus.load_tokenizer(path, str(_cfg_get(data_cfg, "eot_token")))
 
 
-def _expand_patterns(patterns: str, field: str) -> list[pathlib.Path]:
-    """Comma-separated globs -> sorted unique files; a pattern matching no file raises."""
-    files: dict[str, pathlib.Path] = {}
-    parts = [p.strip() for p in patterns.split(",") if p.strip()]
-    if not parts:
-        raise ValueError(
-            f"data.{field} is empty; give a comma-separated list of "
-            f"file glob patterns (--config.data.{field}=...)"
-        )
-    for pattern in parts:
-        expanded = os.path.expanduser(pattern)
-        matches = [m for m in glob.glob(expanded, recursive=True) if os.path.isfile(m)]
-        if not matches:
-            raise ValueError(
-                f"data.{field}: pattern {pattern!r} matches no file "
-                f"(expanded to {expanded!r}, working directory {os.getcwd()!r})"
-            )
-        for m in matches:
-            files[os.path.abspath(m)] = pathlib.Path(os.path.abspath(m))
-    return [files[k] for k in sorted(files)]
+def byte_level(data_cfg: Any) -> bool:
+    """Whether a data config's tokens are bytes (then losses convert to bits per byte)."""
+    return isinstance(tokenizer_of(data_cfg), corpus.ByteTokenizer)
 
 
-def _concat_bytes(chunks: Iterable[bytes]) -> np.ndarray:
-    """Byte chunks -> one uint8 array, DOC_SEPARATOR after each chunk."""
-    buf = bytearray()
-    for chunk in chunks:
-        buf += chunk
-        buf += DOC_SEPARATOR
-    return np.frombuffer(buf, dtype=np.uint8)
+def check(data_cfg: Any, vocab_size: int) -> None:
+    """Validates a data config against a model's vocabulary, before anything is read.
 
-
-def _read_files(files: Sequence[pathlib.Path]) -> np.ndarray:
-    return _concat_bytes(pathlib.Path(f).read_bytes() for f in files)
+    Raises:
+      ValueError: an unknown source, ``val_fraction`` outside [0, 1), files given to a source
+        that reads none, no tokenizer at ``data.tokenizer``, a tokenizer without an end-of-text
+        token, or a tokenizer with more tokens than ``vocab_size`` (naming
+        ``--config.model.vocab_size``).
+      ImportError: ``data.tokenizer`` without the ``tokenizers`` library."""
+    tok = tokenizer_of(data_cfg)
+    if tok is not None and tok.vocab_size > vocab_size:
+        what = (f"data.tokenizer={_cfg_get(data_cfg, 'tokenizer')!r}" if tok.name != "bytes"
+                else "byte-level data")
+        raise ValueError(f"{what} has {tok.vocab_size} tokens but model.vocab_size="
+                         f"{vocab_size}; set --config.model.vocab_size={tok.vocab_size} (or more)")
 
 
 # ----------------------------------------------------------------------------
@@ -363,121 +297,116 @@ def read_llmc_shard(path: os.PathLike | str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
 
 
-# ----------------------------------------------------------------------------
-# tfds
-# ----------------------------------------------------------------------------
-
-
-def _import_tfds():
-    try:
-        import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-        raise ImportError(
-            "data.source='tfds' needs the optional dependency tensorflow-datasets: "
-            "pip install 'sdp_jax[tfds]' (TensorFlow itself is not required)"
-        ) from e
-    return tfds
-
-
-def _load_tfds_split(name: str, split: str, text_key: str, data_dir: str) -> tuple[np.ndarray, int]:
-    tfds = _import_tfds()
-    if not name:
-        raise ValueError("data.source='tfds' needs data.tfds_name (--config.data.tfds_name=...)")
-    try:
-        source = tfds.data_source(name, split=split, data_dir=data_dir or None,
-                                  download=False)
-        n = len(source)
-    except Exception as e:  # tfds raises many types (not found, not prepared, no network)
-        where = data_dir or "the default tfds data_dir (~/tensorflow_datasets)"
-        raise ValueError(
-            f"could not open tfds dataset {name!r} split {split!r} in {where}: "
-            f"{type(e).__name__}: {e}. Prepare it first (`tfds build {name} "
-            "--file_format=array_record --data_dir DIR`, on a machine with network access) and set "
-            "--config.data.tfds_data_dir=DIR, or check the name and split."
-        ) from e
-
-    def texts():
-        for i in range(n):
-            record = source[i]
-            if text_key not in record:
-                raise ValueError(
-                    f"tfds dataset {name!r} split {split!r}: record has no feature "
-                    f"{text_key!r}; available: {sorted(record)} "
-                    "(set --config.data.tfds_text_key=...)"
-                )
-            text = record[text_key]
-            if isinstance(text, np.ndarray):
-                text = text.item()
-            yield text.encode("utf-8") if isinstance(text, str) else bytes(text)
-
-    return _concat_bytes(texts()), n
-
 
 # ----------------------------------------------------------------------------
 # Loading (cached)
 # ----------------------------------------------------------------------------
 
 
-def _file_splits(train: Sequence[pathlib.Path], val: Sequence[pathlib.Path]) -> dict:
-    return dict(
-        train=(_read_files(train),),
-        val=(_read_files(val),),
-        counts=(len(train), len(val)),
-        unit="files",
-    )
+def _file_lists(key: _Key) -> tuple[list, list | None]:
+    """The (train, val) files of a file source; val None: one file, split by tokens."""
+    if key.source == "stdlib":
+        return corpus.split_by_file(corpus.stdlib_files(), key.val_fraction,
+                                    root=corpus.stdlib_root())
+    train = corpus.expand_patterns(key.train_files, "train_files")
+    if key.val_files.strip():
+        return train, corpus.expand_patterns(key.val_files, "val_files")
+    if len(train) == 1:
+        return train, None
+    root = os.path.commonpath([str(f) for f in train])
+    return corpus.split_by_file(train, key.val_fraction,
+                                root=os.path.dirname(root) if os.path.isfile(root) else root)
+
+
+class Corpus(NamedTuple):
+    """The documents of a data config, as :func:`document_corpus` finds them: the pieces of each
+    split (``val`` None: one file, whose tokens :func:`split_tokens` divides), their counts and
+    unit (``files`` or ``records``), the field holding the text, and the tokenizer."""
+
+    train: list
+    val: list | None
+    counts: tuple[int, int]
+    unit: str
+    field: str
+    tokenizer: Any
+
+
+def _corpus(key: _Key) -> Corpus:
+    tokenizer = (corpus.load_tokenizer(*key.tokenizer[:2]) if key.tokenizer
+                 else corpus.ByteTokenizer())
+    if key.source == "tfds":
+        name, train_split, val_split, data_dir = key.tfds
+        (train, n_train), (val, n_val) = (corpus.tfds_pieces(name, s, data_dir)
+                                          for s in (train_split, val_split))
+        return Corpus(train, val, (n_train, n_val), "records", key.field, tokenizer)
+    kind = "text" if key.source == "stdlib" else key.source
+    train, val = _file_lists(key)
+    return Corpus(corpus.file_pieces(kind, train),
+                  None if val is None else corpus.file_pieces(kind, val),
+                  (len(train), 1 if val is None else len(val)), "files", key.field, tokenizer)
+
+
+def document_corpus(data_cfg: Any) -> Corpus:
+    """The documents and tokenizer of a data config whose source is a document source (not
+    ``llmc``): what a run tokenizes at load and ``python -m sdp_jax.tools.prepare`` writes.
+
+    Raises:
+      ValueError: ``source='llmc'``, plus :func:`check`'s errors and bad files or patterns."""
+    key = _cache_key(data_cfg)
+    if key.source == "llmc":
+        raise ValueError("data.source='llmc' is already tokens; give a document source "
+                         f"({', '.join(corpus.DOCUMENT_SOURCES)})")
+    return _corpus(key)
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The (train, val) tokens of a corpus of one file: the last
+    ``ceil(val_fraction * len(tokens))`` tokens are val."""
+    n_val = math.ceil(val_fraction * tokens.size)
+    return tokens[: tokens.size - n_val], tokens[tokens.size - n_val:]
+
+
+def tokenize_pieces(pieces: list, c: Corpus, what: str) -> np.ndarray:
+    """Every token of ``pieces`` (of the corpus ``c``) in one array, with a progress bar for a
+    Hugging Face tokenizer over many pieces (``what`` names the split on it)."""
+    bar = tqdm.tqdm(total=len(pieces), desc=f"tokenizing {what}", unit="piece", leave=False,
+                    disable=c.tokenizer.name == "bytes" or len(pieces) < 16)
+    with bar:
+        return corpus.tokenize_all(corpus.Documents(pieces, c.field), c.tokenizer,
+                                   lambda n: bar.update(1))
+
+
+def _document_splits(key: _Key) -> dict:
+    c = _corpus(key)
+    if c.val is None:
+        train, val = split_tokens(tokenize_pieces(c.train, c, "train"), key.val_fraction)
+        return dict(train=(train,), val=(val,), counts=(1, 1 if val.size else 0),
+                    unit="file (split by tokens)")
+    return dict(train=(tokenize_pieces(c.train, c, "train"),),
+                val=(tokenize_pieces(c.val, c, "val"),), counts=c.counts, unit=c.unit)
+
+
+def _llmc_splits(key: _Key) -> dict:
+    train_files = corpus.expand_patterns(key.train_files, "train_files")
+    if key.val_files.strip():
+        val_files = corpus.expand_patterns(key.val_files, "val_files")
+    elif len(train_files) >= 2:
+        train_files, val_files = train_files[:-1], train_files[-1:]
+    else:
+        raise ValueError(
+            f"data.source='llmc' has a single train shard ({train_files[0]}) and "
+            "no validation shards: set --config.data.val_files=GLOB, or give at "
+            "least two train shards (the last one is then held out for validation)"
+        )
+    return dict(train=tuple(read_llmc_shard(f) for f in train_files),
+                val=tuple(read_llmc_shard(f) for f in val_files),
+                counts=(len(train_files), len(val_files)), unit="shards")
 
 
 @functools.lru_cache(maxsize=8)
-def _load_splits(key: tuple) -> dict:
-    """Loads both splits for a cache key. Arrays are made read-only."""
-    source = key[0]
-    if source == "stdlib":
-        root = _stdlib_root()
-        train, val = split_by_file(stdlib_files(), key[1], root=root)
-        out = _file_splits(train, val)
-    elif source == "text":
-        _, train_pat, val_pat, frac = key
-        train_files = _expand_patterns(train_pat, "train_files")
-        if val_pat.strip():
-            out = _file_splits(train_files, _expand_patterns(val_pat, "val_files"))
-        elif len(train_files) == 1:
-            data = _read_files(train_files)
-            n_val = math.ceil(frac * data.size)
-            out = dict(
-                train=(data[: data.size - n_val],),
-                val=(data[data.size - n_val :],),
-                counts=(1, 1 if n_val else 0),
-                unit="file (split by bytes)",
-            )
-        else:
-            root = os.path.commonpath([str(f) for f in train_files])
-            if os.path.isfile(root):
-                root = os.path.dirname(root)
-            out = _file_splits(*split_by_file(train_files, frac, root=root))
-    elif source == "llmc":
-        _, train_pat, val_pat, _ = key
-        train_files = _expand_patterns(train_pat, "train_files")
-        if val_pat.strip():
-            val_files = _expand_patterns(val_pat, "val_files")
-        elif len(train_files) >= 2:
-            train_files, val_files = train_files[:-1], train_files[-1:]
-        else:
-            raise ValueError(
-                f"data.source='llmc' has a single train shard ({train_files[0]}) and "
-                "no validation shards: set --config.data.val_files=GLOB, or give at "
-                "least two train shards (the last one is then held out for validation)"
-            )
-        out = dict(
-            train=tuple(read_llmc_shard(f) for f in train_files),
-            val=tuple(read_llmc_shard(f) for f in val_files),
-            counts=(len(train_files), len(val_files)),
-            unit="shards",
-        )
-    else:
-        _, name, train_split, val_split, text_key, data_dir = key
-        train, n_train = _load_tfds_split(name, train_split, text_key, data_dir)
-        val, n_val = _load_tfds_split(name, val_split, text_key, data_dir)
-        out = dict(train=(train,), val=(val,), counts=(n_train, n_val), unit="records")
+def _load_splits(key: _Key) -> dict:
+    """Loads both splits for a cache key. In-memory arrays are read-only."""
+    out = _llmc_splits(key) if key.source == "llmc" else _document_splits(key)
     for split in _SPLITS:
         for arr in out[split]:
             if not isinstance(arr, np.memmap):
@@ -504,25 +433,22 @@ def _check_vocab_at_load(arrays: Sequence[np.ndarray], vocab_size: int) -> None:
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     for arr in arrays:
-        if arr.dtype == np.uint8 and vocab_size < VOCAB_BYTES and arr.size:
-            top = int(arr.max())
-            if top >= vocab_size:
-                raise ValueError(
-                    f"byte token id {top} >= model vocab_size {vocab_size}; byte-level "
-                    f"sources need --config.model.vocab_size={VOCAB_BYTES} (or more)"
-                )
-        elif (isinstance(arr, np.memmap) and arr.size
-              and vocab_size <= np.iinfo(arr.dtype).max):
+        if not arr.size or vocab_size > np.iinfo(arr.dtype).max:
+            continue
+        if isinstance(arr, np.memmap):
             # llm.c shards: scanned once before training, so a bad token stops the run before
             # any compute rather than at the batch that holds it.
-            path = str(arr.filename)
-            st = os.stat(path)
-            top = _shard_max(path, st.st_size, st.st_mtime)
-            if top >= vocab_size:
-                raise ValueError(
-                    f"token id {top} in {path} is >= the model's vocab_size {vocab_size}; "
-                    f"set --config.model.vocab_size={top + 1} (or your tokenizer's size)"
-                )
+            where = str(arr.filename)
+            st = os.stat(where)
+            top = _shard_max(where, st.st_size, st.st_mtime)
+        else:
+            where, top = "the tokenized corpus", int(arr.max())
+        if top >= vocab_size:
+            need = corpus.VOCAB_BYTES if arr.dtype == np.uint8 else top + 1
+            raise ValueError(
+                f"token id {top} in {where} is >= the model's vocab_size {vocab_size}; "
+                f"set --config.model.vocab_size={need} (or your tokenizer's size)"
+            )
 
 
 def _split_shards(data_cfg: Any, split: str, vocab_size: int) -> tuple[np.ndarray, ...]:
@@ -560,6 +486,7 @@ def load_tokens(data_cfg: Any, split: str, vocab_size: int) -> np.ndarray:
     if not arrays:
         return np.zeros((0,), np.uint16)
     return np.concatenate(arrays)
+
 
 
 # ----------------------------------------------------------------------------
@@ -913,10 +840,12 @@ def describe(data_cfg: Any) -> str:
     n_train = sum(len(a) for a in loaded["train"])
     n_val = sum(len(a) for a in loaded["val"])
     c_train, c_val = loaded["counts"]
-    name = key[0]
-    if name == "tfds":
-        name = f"tfds:{key[1]}"
+    name = f"tfds:{key.tfds[0]}" if key.source == "tfds" else key.source
+    tok = tokenizer_of(data_cfg)
+    how = ("" if tok is None or tok.name == "bytes" else
+           f"; tokenizer {tok.path} ({tok.vocab_size:,} tokens, documents end with "
+           f"{tok.eot_token!r})")
     return (
         f"data {name}: {c_train} train / {c_val} val {loaded['unit']}, "
-        f"{n_train:,} train tokens, {n_val:,} val tokens"
+        f"{n_train:,} train tokens, {n_val:,} val tokens{how}"
     )

@@ -122,7 +122,8 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
                         total_steps: int, *, averaging: str = "gradients", sync_every: int = 1,
                         method: str = "auto", fsdp: bool = False, remat: str = "none",
                         dtype: str = "float32", unroll: bool = False,
-                        pipe=None, emulate_workers: bool = False) -> step_lib.SDPStep:
+                        pipe=None, emulate_workers: bool = False,
+                        grad_accum: int = 1) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a LLaMA run: AdamW (or SGD) with warm-up and cosine
     decay from ``optim`` (:class:`sdp_jax.train.optimizer.OptimConfig`), clipping at
     ``optim.grad_clip``, ``init_state(seed)`` from the model's initializer.
@@ -143,7 +144,7 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
     kw = dict(block_fn=task.block, grad_clip=optim.grad_clip, method=step_method(method),
               averaging=averaging, sync_every=sync_every, fsdp=fsdp, remat=remat, dtype=dtype,
               schedule=optim_lib.lr_schedule(optim, total_steps), total_steps=total_steps,
-              unroll=unroll, emulate_workers=emulate_workers)
+              unroll=unroll, emulate_workers=emulate_workers, grad_accum=grad_accum)
     stages = 1 if pipe is None else pipe.stages
     got = 1 if mesh is None else int(dict(mesh.shape).get("stage", 1))
     if got != stages or spec.n_blocks != cfg.n_layers // stages:
@@ -330,7 +331,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
                 *, dtype: str = "float32", remat: str = "none", fsdp: bool = False,
                 averaging: str = "gradients", sync_every: int = 1,
                 method: str = "auto", unroll: bool = False,
-                emulate_workers: bool = False) -> step_lib.SDPStep:
+                emulate_workers: bool = False, grad_accum: int = 1) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a vision run: AdamW (or SGD) from ``optim`` with
     weight decay on conv / linear weights only, clipping at ``optim.grad_clip``, the BatchNorm
     statistics as model state (averaged over each layer's holders after every step), metrics
@@ -360,7 +361,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total
         fsdp=fsdp, method=method,
         schedule=optim_lib.lr_schedule(optim, total_steps), init_fn=task.init,
         total_steps=total_steps, has_aux=True, state_spec=task.stats_spec, stacked_slots=True,
-        emulate_workers=emulate_workers)
+        emulate_workers=emulate_workers, grad_accum=grad_accum)
     step.task = task
     return step
 
@@ -487,9 +488,7 @@ class LanguageModelFamily(Family):
         if config.seq_len > model.max_seq_len:
             raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
                              f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
-        if config.data.source != "llmc" and model.vocab_size < data_lib.VOCAB_BYTES:
-            raise ValueError(f"byte-level data needs model.vocab_size >= 256, got "
-                             f"{model.vocab_size}.")
+        data_lib.check(config.data, model.vocab_size)
         if model.attention == "cudnn" and config.dtype not in ("bfloat16", "bf16"):
             raise ValueError(f"model.attention='cudnn' computes in bf16 only (cuDNN refuses "
                              f"float32), but dtype={config.dtype!r}; add --config.dtype=bfloat16 "
@@ -578,7 +577,7 @@ class LanguageModelFamily(Family):
 
     def evaluator(self, run, builder, val_batches, put, log):
         """``state -> {val_loss[, val_bpb]}``: the full model on the validation batches."""
-        eval_fn, byte_level = builder.eval_step_fn(), run.config.data.source != "llmc"
+        eval_fn, byte_level = builder.eval_step_fn(), data_lib.byte_level(run.config.data)
         shape = self.batch_shapes(run)
 
         def evaluate(state):
@@ -705,7 +704,8 @@ class VisionFamily(Family):
         backward variants count their full backward pass) times the devices of the ``W``
         workers (``RunSpec.worker_devices``: ``W``, or 1 when emulated); None under
         ``remat`` (a scan, whose body XLA counts once)."""
-        return [], compiled_flops(compiled, run.worker_devices, run.settings.remat == "none")
+        return [], compiled_flops(compiled, run.worker_devices, run.settings.remat == "none"
+                                  and run.settings.grad_accum == 1)
 
     def param_count(self, run) -> int:
         return vm.param_count(run.model)

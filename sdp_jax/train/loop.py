@@ -641,6 +641,7 @@ def _summary(run: run_lib.RunSpec, prog: _Program, step: int, last_eval: dict,
         "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
         "platform": list(builder.mesh.devices.flat)[0].platform,
         "devices": builder.mesh.devices.size, "emulate_workers": s.emulate_workers,
+        "grad_accum": s.grad_accum,
         "item": family.rate_key.split("_per_s")[0],
         "items_per_step": prog.items, "model_flops_per_step": (
             None if per_item is None else per_item * prog.items),

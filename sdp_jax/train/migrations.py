@@ -36,7 +36,9 @@ Migration = tuple[Callable, Callable]   # (current abstract state -> old, restor
 OPTIM_ADDED = {"optim": {"schedule": "cosine", "cooldown_fraction": 0.2}}
 # Config fields added after language-model checkpoints were first written (older runs' values).
 LANGUAGE_MODEL_ADDED = {"fsdp": False, "dtype": "float32",
-                        "pipeline": dict(pl.PipelineConfig().__dict__), **OPTIM_ADDED}
+                        "pipeline": dict(pl.PipelineConfig().__dict__),
+                        "data": {"tokenizer": "", "eot_token": "", "text_field": "text"},
+                        **OPTIM_ADDED}
 # Config fields newer than some vision checkpoints (older runs' values).
 VISION_ADDED = {"sdp": {"average": "gradients", "sync_every": 1, "method": "auto"},
                 "fsdp": False, **OPTIM_ADDED}

@@ -28,7 +28,7 @@ from sdp_jax.train.config import base_config, vision_config
 # still resumes (remat: same results, may change).
 RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
-               "remat", "peak_flops", "align_every", "emulate_workers")
+               "remat", "peak_flops", "align_every", "emulate_workers", "grad_accum")
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
@@ -160,8 +160,13 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
     optim = optim_lib.OptimConfig.from_config(config.optim)
     _check_step_fields(config, family.remat)
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
+    if config.batch_per_worker % config.grad_accum:   # (both checked positive integers above)
+        raise ValueError(f"config.grad_accum={config.grad_accum} does not divide "
+                         f"config.batch_per_worker={config.batch_per_worker}; the per-worker "
+                         "batch is cut into grad_accum equal microbatches: choose a divisor.")
     if pipe.stages > 1:
-        pipe.check(model, config.batch_per_worker, config.fsdp, config.sdp.average)
+        pipe.check(model, config.batch_per_worker // config.grad_accum, config.fsdp,
+                   config.sdp.average)
     workers = resolve_workers(config, device_count, pipe.stages)
     plan = family.plan(config, model, workers, pipe)
     if config.align_every:
@@ -186,7 +191,7 @@ def _check_run_control(config, family) -> None:
     Raises:
       ValueError: naming the field, its value and what it must be."""
     for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
-                 "num_cpu_devices") + family.positive_fields:
+                 "num_cpu_devices", "grad_accum") + family.positive_fields:
         _integer(_value(config, name), name, 1, HINTS.get(name, ""))
     for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed", "align_every") \
             + family.non_negative_fields:
@@ -253,7 +258,8 @@ def _emulated(config, stages: int) -> bool:
 # How a run config names the step's settings (sdp_jax.step.check_settings words its refusals so)
 CONFIG_NAMES = {"averaging": "config.sdp.average", "sync_every": "config.sdp.sync_every",
                 "fsdp": "config.fsdp", "remat": "config.remat", "dtype": "config.dtype",
-                "emulate_workers": "config.emulate_workers"}
+                "emulate_workers": "config.emulate_workers",
+                "grad_accum": "config.grad_accum"}
 
 
 def _check_step_fields(config, remat: tuple | None = None) -> None:
@@ -271,7 +277,8 @@ def _check_step_fields(config, remat: tuple | None = None) -> None:
     step_lib.check_settings(variant=sdp.variant, averaging=sdp.average,
                             sync_every=sdp.sync_every, fsdp=config.fsdp, remat=config.remat,
                             dtype=config.dtype, remat_modes=tuple(remat or runner.REMAT),
-                            names=CONFIG_NAMES, emulate_workers=config.emulate_workers)
+                            names=CONFIG_NAMES, emulate_workers=config.emulate_workers,
+                            grad_accum=config.grad_accum)
     task_lib.step_method(sdp.method, "config.sdp.method")
     if sdp.average == "gradients" and sdp.sync_every != 1:   # (a config-only rule)
         raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "

@@ -75,6 +75,8 @@ class StepSettings:
         ``full``, ``dots``); dtype: the compute dtype (``float32`` or ``bfloat16``).
       emulate_workers: the ``W`` workers emulated on one device (``config.emulate_workers``;
         :mod:`sdp_jax.placement`).
+      grad_accum: microbatches per optimizer step (``config.grad_accum``;
+        :mod:`sdp_jax.accumulation`).
     """
 
     averaging: str
@@ -84,6 +86,7 @@ class StepSettings:
     remat: str
     dtype: str
     emulate_workers: bool = False
+    grad_accum: int = 1
 
     @classmethod
     def from_config(cls, config) -> "StepSettings":
@@ -91,7 +94,7 @@ class StepSettings:
         s = config.sdp
         return cls(averaging=s.average, sync_every=s.sync_every, method=s.method,
                    fsdp=config.fsdp, remat=config.remat, dtype=config.dtype,
-                   emulate_workers=config.emulate_workers)
+                   emulate_workers=config.emulate_workers, grad_accum=config.grad_accum)
 
     def kwargs(self) -> dict[str, Any]:
         """The settings as keyword arguments of the families' step builders
@@ -275,7 +278,7 @@ SET_BY_THE_RUN = {"grad_clip": "optim.grad_clip", "schedule": "optim", "total_st
                   "sync_every": "sdp.sync_every", "method": "sdp.method", "fsdp": "fsdp",
                   "remat": "remat", "dtype": "dtype", "spec": "sdp (the run's masks)",
                   "loss_fn": "the Task's loss", "optimizer": "optim", "mesh": "workers",
-                  "emulate_workers": "emulate_workers"}
+                  "emulate_workers": "emulate_workers", "grad_accum": "grad_accum"}
 
 
 def _signature(batch) -> tuple:
@@ -525,7 +528,8 @@ class Task(Family):
     def compiled(self, run, compiled) -> tuple[list[str], dict]:
         """``model_flops_per_step`` from XLA's count of the compiled step
         (:func:`compiled_flops`; None with a block runner or activation checkpointing)."""
-        looped = "block_fn" in self.step_options(run.model, run.plan)
+        looped = ("block_fn" in self.step_options(run.model, run.plan)
+                  or run.settings.grad_accum > 1)
         return [], compiled_flops(compiled, run.worker_devices,
                                   not looped and run.settings.remat == "none")
 
