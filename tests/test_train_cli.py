@@ -292,6 +292,10 @@ def test_wsd_run_extends_as_if_planned_longer(tmp_path):
     ({"fsdp": True, "sdp.variant": "b-sdp", "sdp.coverage": 0.5, "sdp.average": "parameters",
       "sdp.sync_every": 2}, "one sharded copy"),
     ({"data.source": "text", "data.train_files": "/nonexistent/*.txt"}, "/nonexistent/*.txt"),
+    ({"profile_start": 3}, "config.profile_start=3 with config.profile_stop=0: give both"),
+    ({"profile_start": 3, "profile_stop": 2}, "config.profile_stop=2 is before"),
+    ({"profile_start": 7, "profile_stop": 9}, "config.profile_start=7 is past the run's last"),
+    ({"profile_stop": -1}, "config.profile_stop=-1 must be an integer >= 0"),
 ])
 def test_bad_config_raises_before_compute(tmp_path, overrides, fragment):
     with pytest.raises(ValueError, match=fragment.replace("*", r"\*").replace(".", r"\.")):
@@ -591,3 +595,67 @@ def test_backward_masking_resumes_a_checkpoint_of_the_compact_optimizer_state(tm
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))   # two holders: exact
     resume_from_old_layout(ck, path, {**state, "opt_state": old_opt}, abstract, ValueError, c,
                            a, b)
+
+
+def _traces(wd):
+    """The trace folders a run wrote (``plugins/profile/<time>``) and their files."""
+    root = wd / "profile" / "process_0" / "plugins" / "profile"
+    return {d.name: sorted(f.name for f in d.iterdir()) for d in root.iterdir()}
+
+
+def test_profile_window_writes_a_trace_also_when_the_run_stops_inside_it(tmp_path, capsys):
+    """--config.profile_start/profile_stop: steps 2..3 of a tiny run traced into
+    WORKDIR/profile/process_0 (TensorBoard's xplane.pb and a Perfetto trace, non-empty). The
+    first invocation stops at step 2 (stop_at_step) inside the window: its trace is still
+    written; the resumed invocation traces the rest of the window (step 3) in a second
+    folder, and the steps' outputs are those of a run without profiling."""
+    wd = tmp_path / "run"
+    c = tiny(steps=4, eval_every=0, checkpoint_every=0, profile_start=2, profile_stop=3,
+             stop_at_step=2)
+    loop.train(c, str(wd))
+    out = capsys.readouterr().out
+    assert "profile: tracing steps 2..3" in out
+    assert "profile of steps 2..2 (the run stopped inside the window 2..3) written to" in out
+    first = _traces(wd)
+    assert len(first) == 1
+    files = next(iter(first.values()))
+    assert "perfetto_trace.json.gz" in files and any(f.endswith(".xplane.pb") for f in files)
+    folder = wd / "profile" / "process_0" / "plugins" / "profile" / next(iter(first))
+    assert all((folder / f).stat().st_size > 0 for f in files)
+    time.sleep(1.1)   # (jax names a trace folder by the second)
+    c.stop_at_step = 0
+    loop.train(c, str(wd))
+    out = capsys.readouterr().out
+    assert "profile: tracing steps 3..3" in out and "profile of steps 3..3 written to" in out
+    assert len(_traces(wd)) == 2
+    plain = tiny(steps=4, eval_every=0, checkpoint_every=0)
+    loop.train(plain, str(tmp_path / "plain"))
+    got, want = (read_jsonl(p / "metrics.jsonl") for p in (wd, tmp_path / "plain"))
+    assert [r["train_loss"] for r in got] == [r["train_loss"] for r in want]
+    assert not (tmp_path / "plain" / "profile").exists()
+
+
+def test_profile_window_is_stopped_by_an_error_inside_it(tmp_path):
+    """A step that raises inside the window leaves a written trace and no running profiler
+    (a new trace can start)."""
+    import jax.numpy as jnp
+    from sdp_jax.train import profiling
+    lines = []
+
+    def one_step(state, batch, n):
+        if n == 3:
+            raise FloatingPointError("non-finite")
+        return state @ state, {"x": jnp.sum(state)}
+
+    with pytest.raises(FloatingPointError):
+        with profiling.StepWindow(str(tmp_path), 2, 5, 0, lines.append) as window:
+            step, state = window.wrap(one_step), jnp.eye(8)
+            for n in (1, 2, 3):
+                state, _ = step(state, None, n)
+    assert lines[0] == f"profile: tracing steps 2..5 into {tmp_path}/profile/process_0"
+    assert "profile of steps 2..2 (the run stopped inside the window 2..5)" in lines[1]
+    run = profiling.latest_trace(profiling.trace_dir(str(tmp_path)))
+    assert run and any(f.endswith(".xplane.pb") and os.path.getsize(os.path.join(run, f))
+                       for f in os.listdir(run))
+    jax.profiler.start_trace(str(tmp_path / "again"))   # the profiler was stopped
+    jax.profiler.stop_trace()

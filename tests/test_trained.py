@@ -69,6 +69,8 @@ def test_generate_is_deterministic_for_a_seed(run, capsys):
     greedy = trained.sample(c, params, list(b"x"), 5, temperature=0)
     assert greedy == trained.sample(c, params, list(b"x"), 5, temperature=0, seed=9)
     assert trained.sample(c, params, list(b"x"), 5, top_k=1, seed=4) == greedy
+    assert "12 tokens in " in capsys.readouterr().err   # the time per token
+    assert greedy == full_recompute(c, params, list(b"x"), 5, temperature=0)
     capsys.readouterr()
     for bad in ("--temperature=-1", "--temperature=nan"):
         with pytest.raises(SystemExit):
@@ -77,6 +79,110 @@ def test_generate_is_deterministic_for_a_seed(run, capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["--workdir", wd, "--config.nonexistent=1"])
     assert "unknown config field" in capsys.readouterr().err
+
+
+def full_recompute(config, params, prompt, length, temperature=1.0, top_k=0, seed=0):
+    """The sampling of before the key/value cache, the reference: for every new token a full
+    forward pass over the last ``seq_len`` tokens (at positions 0.., zero-padded to
+    ``seq_len``), token ``i`` drawn with ``fold_in(key(seed), i)``."""
+    import jax
+    from flax import nnx
+
+    from sdp_jax.train.families import LanguageModel
+    window, graphdef = trained.context(config), LanguageModel(
+        trained.language_model(config, "test")).graphdef
+
+    @jax.jit
+    def next_token(params, buf, last, key):
+        logits = nnx.merge(graphdef, params)(buf)[0, last]
+        return trained.pick_token(logits, key, temperature, top_k)
+
+    tokens, key = list(prompt), jax.random.key(seed)
+    for i in range(length):
+        ctx = tokens[-window:]
+        buf = np.zeros((1, window), np.int32)
+        buf[0, :len(ctx)] = ctx
+        tokens.append(int(next_token(params, buf, len(ctx) - 1, jax.random.fold_in(key, i))))
+    return tokens[len(prompt):]
+
+
+def _random_model(attention="dot_product", window=16):
+    """A tiny config (4 query heads, 2 key/value heads) with seq_len ``window`` and randomly
+    initialised parameters, spread (init_std 0.3) so that the likeliest tokens are far apart."""
+    import llama_tiny as tiny
+    from sdp_jax.train.families import LanguageModel
+    c = tiny.get_config()
+    c.seq_len, c.model.init_std, c.model.attention = window, 0.3, attention
+    cfg = trained.language_model(c, "test")
+    return c, cfg, LanguageModel(cfg).init(3)
+
+
+@pytest.mark.parametrize("attention", ["dot_product", "chunked"])
+def test_cached_decoding_logits_equal_the_full_forward(attention):
+    """Llama.decode: a 5-token prefill, a 2-token step and five 1-token steps into a cache
+    of 12 positions give every position's logits of the full forward pass of the 12 tokens
+    (float32, 1e-5; 3e-5 against chunked attention), for two sequences at once (grouped-query attention, K=2 < H=4); the
+    cache's rows past the decoded position (noise here) are never seen."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sdp_jax.models import llama
+    from sdp_jax.train.families import LanguageModel
+    _, cfg, params = _random_model(attention)
+    model = nnx.merge(LanguageModel(cfg).graphdef, params)
+    tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
+    full = model(tokens)
+    empty = llama.init_cache(cfg, 2, 12)
+    assert empty.k.shape == (cfg.n_layers, 2, 12, cfg.n_kv_heads, cfg.head_dim)
+    cache = llama.KVCache(*(jax.random.normal(jax.random.key(i), empty.k.shape)
+                            for i in (1, 2)))
+    step = jax.jit(model.decode)
+    got, at = [], 0
+    for n in (5, 2, 1, 1, 1, 1, 1):
+        logits, cache = step(tokens[:, at:at + n], cache, jnp.int32(at))
+        got.append(logits)
+        at += n
+    # (chunked attention's full forward is itself 1.7e-5 from dot_product's on these logits
+    # of up to 6.3: the cache attends by XLA's dot-product attention)
+    tol = {"dot_product": 1e-5, "chunked": 3e-5}[attention]
+    np.testing.assert_allclose(np.concatenate(got, 1), full, atol=tol, rtol=0)
+    assert float(jnp.max(jnp.abs(full[:, 1:] - full[:, :-1]))) > 0.1   # (not all alike)
+    with pytest.raises(ValueError, match=r"need a cache of batch 1 and at least 13"):
+        model.decode(jnp.zeros((1, 13), jnp.int32), llama.init_cache(cfg, 1, 12), 0)
+    with pytest.raises(ValueError, match="size <= model.max_seq_len=64"):
+        llama.init_cache(cfg, 1, 65)
+
+
+def test_cached_sampling_equals_full_recompute(run):
+    """trained.sample (one compiled loop with a key/value cache) draws the tokens of the
+    full forward pass per token (the sampling of before; same seed, temperature, top_k):
+    greedy and sampled, a prompt that the new tokens push past the 16-token context (the
+    window then slides, as before) and one longer than it; and on the trained run's model.
+    The cached loop is no slower than the full recompute's."""
+    import time
+
+    c, _, params = _random_model()
+    for prompt, length, temperature, top_k in (([1, 2, 3], 30, 0, 0),
+                                               ([1, 2, 3], 30, 1.0, 0),
+                                               (list(range(40, 60)), 8, 0.8, 5)):
+        args = dict(temperature=temperature, top_k=top_k, seed=1)
+        cached = trained.sample(c, params, prompt, length, **args)
+        assert cached == full_recompute(c, params, prompt, length, **args), args
+        assert len(set(cached)) > 3
+    wd, _ = run
+    config = trained.read_config(wd)
+    params = trained.load(wd, config).full_params()
+    took = {}
+    ids = trained.sample(config, params, list(b"def "), 40, temperature=0, timings=took)
+    assert ids == full_recompute(config, params, list(b"def "), 40, temperature=0)
+    assert set(took) == {"compile_s", "decode_s"} and took["compile_s"] > 0
+    again = {}
+    trained.sample(config, params, list(b"import "), 40, temperature=0, timings=again)
+    assert again["compile_s"] == 0.0   # one program for every prompt of the context
+    t0 = time.perf_counter()
+    full_recompute(config, params, list(b"import "), 40, temperature=0)
+    assert again["decode_s"] < time.perf_counter() - t0
 
 
 def test_export_loads_back_to_the_same_validation_loss(run, tmp_path, capsys):

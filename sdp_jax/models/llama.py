@@ -22,13 +22,16 @@ Parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``), shapes for `
     lm_head:     [d, V]          (absent when tie_embeddings)
 
 Heads and MLP neurons have their own axes so neuron-level pruning is indexing too.
+
+Incremental decoding (:meth:`Llama.decode`) runs the same blocks on new tokens only, reading and
+writing the keys and values of earlier positions in a :class:`KVCache` (:func:`init_cache`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,10 +136,15 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float):
-    """Rotary tables (Su et al. 2021, Eq. 34): cos, sin float32 ``[T, head_dim/2]``."""
+def rope_tables(seq_len: int, head_dim: int, theta: float, start=0):
+    """Rotary tables (Su et al. 2021, Eq. 34): cos, sin float32 ``[T, head_dim/2]`` of the
+    ``T = seq_len`` positions ``start, start + 1, ...`` (``start``: an int or an int32 scalar
+    array)."""
     inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]
+    pos = jnp.arange(seq_len, dtype=jnp.float32)
+    if not (isinstance(start, int) and start == 0):   # (the training program is unchanged)
+        pos = pos + jnp.asarray(start).astype(jnp.float32)   # exact below 2**24
+    ang = pos[:, None] * inv[None, :]
     return jnp.cos(ang), jnp.sin(ang)
 
 
@@ -162,6 +170,23 @@ def causal_attention(q, k, v, impl: str = "dot_product", chunk: int = 128):
         return chunked_attention(q, k, v, chunk)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                         implementation="cudnn" if impl == "cudnn" else None)
+
+
+def cached_attention(q, k, v, start):
+    """Attention of ``T`` new queries at positions ``start .. start + T - 1`` over a key/value
+    cache: query ``t`` sees the cached positions ``0 .. start + t`` (causal; later cache rows
+    are masked out, whatever they hold). The arithmetic is ``jax.nn.dot_product_attention``'s
+    XLA path, whatever ``model.attention`` is (one query row per decoding step).
+
+    Args:
+      q: ``[B, T, H, h]``; k, v: the cache ``[B, S, K, h]`` (``H`` a multiple of ``K``) with the
+        new positions already written; start: int32 scalar, ``start + T <= S``.
+    Returns:
+      ``[B, T, H, h]`` in ``q``'s dtype.
+    """
+    T, S = q.shape[1], k.shape[1]
+    visible = jnp.arange(S)[None, :] <= start + jnp.arange(T)[:, None]      # [T, S]
+    return jax.nn.dot_product_attention(q, k, v, mask=visible[None, None])
 
 
 def chunked_attention(q, k, v, chunk: int = 128):
@@ -232,17 +257,27 @@ class Attention(nnx.Module):
         self.n_heads, self.rescale = H, cfg.subnet_rescale
         self.impl, self.chunk = cfg.attention, cfg.attention_chunk
 
-    def __call__(self, x, cos, sin):
+    def __call__(self, x, cos, sin, cache=None):
+        """``x [B, T, d]`` -> ``[B, T, d]``. With ``cache = (k, v, start)`` (this block's
+        cache ``[B, S, K, h]`` and the position of ``x``'s first token) the new keys and values
+        are written into the cache at ``start``, the queries attend over it
+        (:func:`cached_attention`), and the result is ``(out, (k, v))``."""
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...])
         k = jnp.einsum("btd,dnh->btnh", x, self.wk[...])
         v = jnp.einsum("btd,dnh->btnh", x, self.wv[...])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = causal_attention(q, k, v, self.impl, self.chunk)
+        if cache is None:
+            o = causal_attention(q, k, v, self.impl, self.chunk)
+        else:
+            ck, cv, start = cache
+            k, v = (jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), start, axis=1)
+                    for c, n in ((ck, k), (cv, v)))
+            o = cached_attention(q, k.astype(q.dtype), v.astype(q.dtype), start)
         out = jnp.einsum("btnh,nhd->btd", o, self.wo[...])
         held = q.shape[2]
         if self.rescale and held != self.n_heads:
             out = out * (self.n_heads / held)
-        return out
+        return out if cache is None else (out, (k, v))
 
 
 class MLP(nnx.Module):
@@ -272,9 +307,14 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, h, cos, sin):
-        h = h + self.attn(self.attn_norm(h), cos, sin)
-        return h + self.mlp(self.mlp_norm(h))
+    def __call__(self, h, cos, sin, cache=None):
+        """``h [B, T, d]`` -> ``[B, T, d]``; with ``cache`` (:meth:`Attention.__call__`)
+        ``(h, (k, v))``, the block's cache with the new positions written."""
+        a = self.attn(self.attn_norm(h), cos, sin, cache)
+        a, kv = (a, None) if cache is None else a
+        h = h + a
+        h = h + self.mlp(self.mlp_norm(h))
+        return h if cache is None else (h, kv)
 
 
 class Llama(nnx.Module):
@@ -311,20 +351,79 @@ class Llama(nnx.Module):
 
         ``unroll=True`` unrolls the scan (XLA's cost analysis counts a loop body once, so FLOP
         counts need the unrolled program)."""
-        graphdef, state = nnx.split(self.blocks)
-        cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta)
+        return self._scan_blocks(h, 0, None, remat, unroll)[0]
 
-        def body(x, block_state):
-            return nnx.merge(graphdef, block_state)(x, cos, sin), None
+    def _scan_blocks(self, h, start, cache, remat=None, unroll=False):
+        """``(h, cache)`` after the block stack on ``h [B, T, d]`` at positions ``start ..``;
+        ``cache``: a :class:`KVCache` read and written (None: plain causal attention)."""
+        graphdef, state = nnx.split(self.blocks)
+        cos, sin = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, start)
+
+        def body(x, layer):
+            block_state, kv = layer
+            block = nnx.merge(graphdef, block_state)
+            return (block(x, cos, sin), None) if kv is None else block(x, cos, sin,
+                                                                       (*kv, start))
 
         if remat is not None:
             body = remat(body)
-        h, _ = jax.lax.scan(body, h, state, unroll=unroll)
-        return h
+        h, kv = jax.lax.scan(body, h, (state, None if cache is None else tuple(cache)),
+                             unroll=unroll)
+        return h, None if cache is None else KVCache(*kv)
 
     def __call__(self, tokens, unroll: bool = False):
         """tokens int32 [B, T] -> logits float32 [B, T, V]."""
         return self.logits(self.run_blocks(self.embed_tokens(tokens), unroll=unroll))
+
+    def decode(self, tokens, cache: "KVCache", start):
+        """Incremental decoding: the logits of ``T`` new tokens at positions ``start .. start
+        + T - 1``, given the keys and values of the positions before them in ``cache``.
+
+        A prompt is decoded once (``start = 0``, its ``T`` tokens: the prefill), then one token
+        at a time (``T = 1``, ``start`` = its position); every decoded position's keys and
+        values are written into the cache, and each query sees the cache up to its own
+        position, so the logits are the full forward's (:meth:`__call__`) of the tokens so far
+        (to float rounding: XLA's dot-product attention whatever ``model.attention``).
+
+        Args:
+          tokens: int32 ``[B, T]``.
+          cache: a :class:`KVCache` of ``S >= start + T`` positions (:func:`init_cache`).
+          start: int or int32 scalar array (traced: one compiled step serves every position).
+        Returns:
+          ``(logits float32 [B, T, V], the cache with positions start .. start + T - 1
+          written)``.
+        Raises:
+          ValueError: ``tokens`` not ``[B, T]`` with the cache's ``B`` and ``T <= S``.
+        """
+        B, T = tokens.shape
+        if cache.k.shape[1] != B or T > cache.k.shape[2]:
+            raise ValueError(f"decode: tokens {tokens.shape} need a cache of batch {B} and at "
+                             f"least {T} positions, got k {cache.k.shape} [L, B, S, K, h]; "
+                             "build it with init_cache(cfg, B, S).")
+        h, cache = self._scan_blocks(self.embed_tokens(tokens), start, cache)
+        return self.logits(h), cache
+
+
+class KVCache(NamedTuple):
+    """The keys and values (after rotary embedding) of every decoded position, per block:
+    ``k``, ``v`` ``[L, B, S, K, h]`` (``S`` positions, ``K`` key/value heads, head dim ``h``;
+    the dtype of :func:`init_cache`). A pytree; which positions are filled is the caller's
+    count (:meth:`Llama.decode` masks later rows)."""
+    k: jax.Array
+    v: jax.Array
+
+
+def init_cache(cfg: LlamaConfig, batch: int, size: int, dtype=jnp.float32) -> KVCache:
+    """An empty (zero) :class:`KVCache` of ``size`` positions for ``batch`` sequences of the
+    model ``cfg``, in ``dtype`` (the parameters' compute dtype).
+
+    Raises:
+      ValueError: ``batch`` or ``size`` not positive, or ``size > cfg.max_seq_len``."""
+    if batch < 1 or not 1 <= size <= cfg.max_seq_len:
+        raise ValueError(f"init_cache: batch={batch}, size={size}: need batch >= 1 and "
+                         f"1 <= size <= model.max_seq_len={cfg.max_seq_len}.")
+    shape = (cfg.n_layers, batch, size, cfg.n_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 def sdp_rules(cfg: LlamaConfig) -> list:

@@ -7,7 +7,9 @@
 
 ``--prompt`` is text for byte-level runs (every data source but llm.c shards); runs on token
 shards take ``--prompt_ids 1,2,3`` and print token ids. The same seed, prompt and checkpoint
-give the same sample.
+give the same sample. Tokens are decoded with a key/value cache
+(:func:`sdp_jax.tools.trained.sample`); the time per token goes to stderr
+(``N tokens in X s, Y ms/token``).
 """
 
 from __future__ import annotations
@@ -62,13 +64,18 @@ def main(argv=None) -> str | list[int]:
                            top_k=fv.top_k, seed=fv.seed, check_only=True)
         params = (trained_lib.read_export(fv.export)[1] if fv.export
                   else trained_lib.load(fv.workdir, config, fv.step).full_params())
+        took: dict = {}
         ids = trained_lib.sample(config, params, prompt, fv.length,
-                                 temperature=fv.temperature, top_k=fv.top_k, seed=fv.seed)
+                                 temperature=fv.temperature, top_k=fv.top_k, seed=fv.seed,
+                                 timings=took)
     except ValueError as e:
         cli.error(PROG, str(e))
     out = trained_lib.decode(prompt + ids) if fv.prompt is not None else ids
     print(out if isinstance(out, str) else ",".join(map(str, out)))
     sys.stdout.flush()
+    print(f"{len(ids)} tokens in {took['decode_s']:.3f} s, "
+          f"{1e3 * took['decode_s'] / len(ids):.2f} ms/token (KV cache, prompt prefill "
+          f"included; compiled in {took['compile_s']:.1f} s)", file=sys.stderr)
     return out
 
 

@@ -136,7 +136,8 @@ class SDPJaxLM(LM):
 
     def generate_until(self, requests) -> list[str]:
         """lm-eval: greedy continuation of each context, up to ``max_gen_toks`` (default 64)
-        bytes, cut at the first of the ``until`` strings."""
+        bytes, cut at the first of the ``until`` strings (decoded with a key/value cache by
+        :func:`sdp_jax.tools.trained.sample`, as ``python -m sdp_jax.tools.generate``)."""
         out = []
         for ctx, kw in (r.args for r in requests):
             until = kw.get("until") or []

@@ -22,12 +22,16 @@ import importlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from sdp_jax import mesh as mesh_lib
-from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.models.llama import LlamaConfig, init_cache
 from sdp_jax.spec import flatten, unflatten
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import cli, families, loop, migrations
@@ -240,22 +244,30 @@ def from_export(out: str, config=None) -> Trained:
 
 
 def sample(config, params: dict, prompt: list[int], length: int, *, temperature: float = 1.0,
-           top_k: int = 0, seed: int = 0, check_only: bool = False) -> list[int]:
-    """``length`` new token ids after ``prompt`` from the full model (one device; each new
-    token recomputes the last :func:`context` tokens: no KV cache).
+           top_k: int = 0, seed: int = 0, check_only: bool = False,
+           timings: dict | None = None) -> list[int]:
+    """``length`` new token ids after ``prompt`` from the full model (one device), decoded
+    with a key/value cache (:meth:`sdp_jax.models.llama.Llama.decode`) in one compiled loop:
+    the prompt's last :func:`context` tokens are decoded once (the prefill), then each new
+    token alone. Once the tokens outgrow the context (the run's ``seq_len``), each next token
+    is predicted from the last ``seq_len`` tokens at positions ``0 ..`` (a sliding window, the
+    positions the model was trained on), which decodes that whole window again for every
+    token: a cache of earlier positions would hold keys computed with the dropped tokens in
+    view. The tokens are those of a full forward pass per token (to float rounding).
 
     Args:
       params: the full model's parameters (:meth:`Trained.full_params`).
       temperature: softmax temperature (0: the most likely token every time).
       top_k: sample among the ``k`` likeliest tokens only (0: all).
-      seed: the sampling key (the same seed, prompt and model give the same tokens).
+      seed: the sampling key (the same seed, prompt and model give the same tokens; token
+        ``i`` is drawn with ``jax.random.fold_in(key(seed), i)``).
       check_only: validate the arguments only (returns ``[]``).
+      timings: a dict that gets ``compile_s`` (0.0 when an earlier call compiled the same
+        program) and ``decode_s`` (the sampling's seconds, prefill included).
 
     Raises:
       ValueError: an empty prompt, a token id outside the vocabulary, ``length < 1``,
         ``temperature < 0`` or ``top_k < 0`` (before any compute)."""
-    import jax  # pylint: disable=g-import-not-at-top
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     cfg = language_model(config, "generate")
     if not prompt:
         raise ValueError("the prompt is empty; give at least one token.")
@@ -270,36 +282,83 @@ def sample(config, params: dict, prompt: list[int], length: int, *, temperature:
     if check_only:
         return []
     window = context(config)
-    next_token = _next_token(cfg, float(temperature), int(top_k))
-    params = jax.tree.map(jnp.asarray, params)
-    tokens, key = list(prompt), jax.random.key(seed)
-    for i in range(length):
-        ctx = tokens[-window:]
-        buf = np.zeros((1, window), np.int32)
-        buf[0, :len(ctx)] = ctx
-        tokens.append(int(next_token(params, buf, len(ctx) - 1, jax.random.fold_in(key, i))))
-    return tokens[len(prompt):]
+    ctx = prompt[-window:]
+    seq = np.zeros(window + length, np.int32)   # the context, then the new tokens
+    seq[:len(ctx)] = ctx
+    args = (jax.tree.map(jnp.asarray, params), jnp.asarray(seq), jnp.int32(len(ctx)),
+            jax.random.key(seed))
+    decoder, compile_s = _decoder(cfg, window, length, float(temperature), int(top_k), args)
+    t0 = time.perf_counter()
+    ids = np.asarray(decoder(*args))
+    if timings is not None:
+        timings.update(compile_s=compile_s, decode_s=time.perf_counter() - t0)
+    return [int(t) for t in ids]
 
 
-@functools.lru_cache(maxsize=8)
-def _next_token(cfg, temperature: float, top_k: int):
-    """Jitted ``(params, tokens [1, S] int32, last position, key) -> next token id`` of the
-    LLaMA ``cfg`` (compiled once per model and sampling setting)."""
-    import jax  # pylint: disable=g-import-not-at-top
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    from flax import nnx  # pylint: disable=g-import-not-at-top
+def pick_token(logits, key, temperature: float, top_k: int):
+    """The next token id (int32 scalar) from the logits float32 ``[V]``: among the ``top_k``
+    likeliest (0: all), the most likely one (``temperature`` 0) or a draw from
+    ``softmax(logits / temperature)`` with ``key``."""
+    if top_k:
+        logits = jnp.where(logits < jax.lax.top_k(logits, top_k)[0][-1], -jnp.inf, logits)
+    if temperature == 0:
+        return jnp.argmax(logits).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
+
+_DECODERS: dict = {}   # compiled sampling loops of :func:`sample`, by settings and shapes
+
+
+def _decoder(cfg: LlamaConfig, window: int, length: int, temperature: float, top_k: int,
+             args: tuple):
+    """``(the compiled :func:`_sampling_loop` for these settings and ``args``' shapes, its
+    compile seconds)``: compiled on first use (0.0 seconds after; the last 8 are kept)."""
+    sig = (cfg, window, length, temperature, top_k, jax.tree.structure(args),
+           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
+    if sig in _DECODERS:
+        return _DECODERS[sig], 0.0
+    while len(_DECODERS) >= 8:
+        _DECODERS.pop(next(iter(_DECODERS)))
+    t0 = time.perf_counter()
+    loop_fn = _sampling_loop(cfg, window, length, temperature, top_k)
+    _DECODERS[sig] = jax.jit(loop_fn).lower(*args).compile()
+    return _DECODERS[sig], time.perf_counter() - t0
+
+
+def _sampling_loop(cfg: LlamaConfig, window: int, length: int, temperature: float,
+                   top_k: int):
+    """``(params, seq int32 [window + length], n int32, key) -> int32 [length]``: the
+    ``length`` tokens after the ``n`` context tokens at the start of ``seq`` (zeros after
+    them), one per ``fori_loop`` step; :func:`sample` says how."""
     graphdef = LanguageModel(cfg).graphdef
 
-    @jax.jit
-    def next_token(params, buf, last, key):
-        logits = nnx.merge(graphdef, params)(buf)[0, last].astype(jnp.float32)
-        if top_k:
-            logits = jnp.where(logits < jax.lax.top_k(logits, top_k)[0][-1], -jnp.inf, logits)
-        if temperature == 0:
-            return jnp.argmax(logits)
-        return jax.random.categorical(key, logits / temperature)
-    return next_token
+    def run(params, seq, n, key):
+        model = nnx.merge(graphdef, params)
+
+        def window_step(seq, c, cache):   # tokens max(c - window, 0) .. at positions 0 ..
+            s = jnp.maximum(c - window, 0)
+            logits, cache = model.decode(jax.lax.dynamic_slice_in_dim(seq, s, window)[None],
+                                         cache, 0)
+            return logits[0, c - 1 - s], cache
+
+        def cached_step(seq, c, cache):   # token c - 1 alone, at its position
+            logits, cache = model.decode(jax.lax.dynamic_slice_in_dim(seq, c - 1, 1)[None],
+                                         cache, c - 1)
+            return logits[0, 0], cache
+
+        def body(i, carry):
+            seq, cache = carry
+            c = n + i   # tokens so far; the last one at position c - 1
+            logits, cache = jax.lax.cond((i > 0) & (c <= window), cached_step, window_step,
+                                         seq, c, cache)
+            tok = pick_token(logits, jax.random.fold_in(key, i), temperature, top_k)
+            return jax.lax.dynamic_update_slice_in_dim(seq, tok[None], c, 0), cache
+
+        cache = init_cache(cfg, 1, window, params["embed"].dtype)
+        seq, _ = jax.lax.fori_loop(0, length, body, (seq, cache))
+        return jax.lax.dynamic_slice_in_dim(seq, n, length)
+
+    return run
 
 
 def context(config) -> int:

@@ -17,6 +17,8 @@ the family's log and summary fields), and then, written once for every family:
 * saves orbax checkpoints every ``checkpoint_every`` steps, at ``stop_at_step``, at the end and
   when SIGINT / SIGTERM arrives (a second signal aborts without saving);
 * never checkpoints a non-finite state (:func:`check_finite`);
+* traces steps ``profile_start`` .. ``profile_stop`` with JAX's profiler into
+  ``workdir/profile/`` (:class:`sdp_jax.train.profiling.StepWindow`);
 * writes ``summary.json`` and the run's ``curves.png`` (:mod:`sdp_jax.train.curves`); a finished run
   rerun only re-reads its summary.
 """
@@ -44,6 +46,7 @@ from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import cli, curves, migrations
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train import profiling
 from sdp_jax.train import run as run_lib
 from sdp_jax.train.task import Family
 
@@ -519,13 +522,16 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     train_iter = train_at(start)   # the data position is the step (any process layout)
     prog = _Program.compile(run, builder, eval_data)
     devices, per_item = list(mesh.devices.flat), prog.flops_per_item
-    state, step, last_eval, interrupted, last_rec = _loop(
-        config, workdir, run.family, prog.one_step, prog.evaluate, prog.items,
-        state=state, start=start, total=run.total_steps, manager=manager, meta=meta,
-        train_iter=train_iter, wall=lambda: prev_wall + time.time() - t_start,
-        flops_per_item=None if per_item is None else per_item / len(devices),
-        peak=costs.peak_flops(devices[0].device_kind, config.peak_flops),
-        once={"peak_bytes_per_device": prog.memory["peak_bytes_per_device"]})
+    # steps profile_start..profile_stop traced (stopped however the loop ends)
+    with profiling.StepWindow(workdir, config.profile_start, config.profile_stop, start,
+                              log) as window:
+        state, step, last_eval, interrupted, last_rec = _loop(
+            config, workdir, run.family, window.wrap(prog.one_step), prog.evaluate, prog.items,
+            state=state, start=start, total=run.total_steps, manager=manager, meta=meta,
+            train_iter=train_iter, wall=lambda: prev_wall + time.time() - t_start,
+            flops_per_item=None if per_item is None else per_item / len(devices),
+            peak=costs.peak_flops(devices[0].device_kind, config.peak_flops),
+            once={"peak_bytes_per_device": prog.memory["peak_bytes_per_device"]})
     if jax.process_count() > 1:   # every process waits for the others' last writes
         multihost_utils.sync_global_devices("sdp_jax.train.loop.train: end")
     done = step >= run.total_steps

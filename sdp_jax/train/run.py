@@ -28,7 +28,8 @@ from sdp_jax.train.config import base_config, vision_config
 # still resumes (remat: same results, may change).
 RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
-               "remat", "peak_flops", "align_every", "emulate_workers", "grad_accum")
+               "remat", "peak_flops", "align_every", "emulate_workers", "grad_accum",
+               "profile_start", "profile_stop")
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
@@ -176,6 +177,7 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
                         asked=f"config.align_every={config.align_every}",
                         fix="set --config.align_every=0")
     total = total_steps(config, plan.coverage)
+    _check_profile(config.profile_start, config.profile_stop, total)
     if optim.warmup_steps > total:
         raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
                          f"({total} steps); lower --config.optim.warmup_steps.")
@@ -193,8 +195,8 @@ def _check_run_control(config, family) -> None:
     for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
                  "num_cpu_devices", "grad_accum") + family.positive_fields:
         _integer(_value(config, name), name, 1, HINTS.get(name, ""))
-    for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed", "align_every") \
-            + family.non_negative_fields:
+    for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed", "align_every",
+                 "profile_start", "profile_stop") + family.non_negative_fields:
         _integer(_value(config, name), name, 0, HINTS.get(name, ""))
     pf = config.peak_flops
     if isinstance(pf, bool) or not isinstance(pf, (int, float)) or not 0 <= pf < math.inf:
@@ -206,6 +208,28 @@ def _check_run_control(config, family) -> None:
     if isinstance(cov, bool) or not isinstance(cov, (int, float)) or not 0 < cov <= 1:
         raise ValueError(f"config.sdp.coverage={cov!r} must be a number in (0, 1] (the fraction "
                          "of components each worker holds; 1 for ddp).")
+
+
+def _check_profile(first: int, last: int, total: int) -> None:
+    """The profiler's window (``profile_start`` .. ``profile_stop``, integers >= 0 already):
+    both 0 (off), or ``1 <= profile_start <= profile_stop`` with ``profile_start`` one of the
+    run's ``total`` steps (a window past the end of the run is traced up to it).
+
+    Raises:
+      ValueError: one of the two without the other, a reversed window, or a start past the
+        run's last step."""
+    if not first and not last:
+        return
+    if not first or not last:
+        raise ValueError(f"config.profile_start={first} with config.profile_stop={last}: give "
+                         "both, the first and last step traced (e.g. --config.profile_start=5 "
+                         "--config.profile_stop=7), or neither.")
+    if last < first:
+        raise ValueError(f"config.profile_stop={last} is before config.profile_start={first}; "
+                         "give profile_start <= profile_stop (both steps are traced).")
+    if first > total:
+        raise ValueError(f"config.profile_start={first} is past the run's last step ({total}); "
+                         f"choose a step in 1..{total}.")
 
 
 def resolve_workers(config, device_count: int, stages: int = 1) -> int:
