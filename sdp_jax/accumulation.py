@@ -3,8 +3,7 @@
 :func:`accumulate` wraps the ``grads`` of a parameter source (:mod:`sdp_jax.sources`:
 ``(params, batch, stats, count_branch) -> (loss, aux, gradient, parameters, new model
 state)``) into one of the same signature that cuts the batch's leading axis ``b`` into ``K``
-microbatches of ``b / K`` rows, runs the source on each in turn (the first outside a
-``lax.scan``, whose carry then has the types of its results, the other ``K - 1`` inside it) and
+microbatches of ``b / K`` rows, runs the source on each in turn (one ``lax.scan``) and
 returns the means of the losses, aux values and gradients. Only one microbatch's activations
 are alive at a time, so the activation memory of a step is about ``1 / K`` of the whole
 slice's, while the optimizer step, the averaging over holders and the clipping see the mean
@@ -28,6 +27,9 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
+
+from sdp_jax import sync
 
 
 def check_accumulation(grad_accum, name: str = "grad_accum") -> None:
@@ -53,31 +55,53 @@ def microbatches(batch, k: int):
     return jax.tree.map(cut, batch)
 
 
-def accumulate(grads: Callable, k: int, unroll: bool = False) -> Callable:
-    """``grads`` of a parameter source, over ``k`` microbatches (see the module docstring);
-    ``grads`` itself when ``k == 1``. ``unroll``: the microbatch loop unrolled (XLA counts a
-    loop body's FLOPs once; the same results).
+def _cast_like(x, aval):
+    """``x`` marked varying over the mesh axes ``aval`` (an abstract value of a traced result)
+    varies over and ``x`` does not, so that a loop carry keeps one type."""
+    want = getattr(aval, "vma", None)
+    if want is None:
+        want = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    extra = tuple(sorted(set(want or ()) - set(sync.varying_axes(x) or ())))
+    return sync.to_varying(x, extra) if extra else x
+
+
+def accumulate(source, k: int, unroll: bool = False) -> Callable:
+    """The ``grads`` of a parameter source (``source.grads``, with ``source.local(params)`` its
+    parameters in the optimizer's layout), over ``k`` microbatches (see the module docstring);
+    ``source.grads`` itself when ``k == 1``. ``unroll``: the microbatch loop unrolled (XLA
+    counts a loop body's FLOPs once; the same results).
+
+    The microbatches run in one ``lax.scan`` of ``k`` trips whose carry starts at zeros typed as
+    the source's results (their varying mesh axes read from a trace of one microbatch, which
+    computes nothing).
 
     The returned function raises ValueError (when traced, before any compute) for a batch
     whose per-worker rows ``k`` does not divide."""
     if k == 1:
-        return grads
+        return source.grads
     scale = 1.0 / k
 
     def accumulated(params, batch, stats=None, count_branch=None):
         micro = microbatches(batch, k)
-        loss, aux, g, local, stats = grads(params, jax.tree.map(lambda x: x[0], micro), stats,
-                                           count_branch)
+
+        def one(mb, state):
+            loss, aux, g, _, state = source.grads(params, mb, state, count_branch)
+            return loss, aux, g, state
+
+        jaxpr, shapes = jax.make_jaxpr(one, return_shape=True)(
+            jax.tree.map(lambda x: x[0], micro), stats)
+        avals = jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.out_avals)
+        zeros = [jax.tree.map(lambda a: _cast_like(jnp.zeros(a.shape, a.dtype), a), t)
+                 for t in avals[:3]]
+        start = (*zeros, jax.tree.map(_cast_like, stats, avals[3]))
 
         def body(carry, mb):
             total, aux_sum, g_sum, state = carry
-            l_i, a_i, g_i, _, state = grads(params, mb, state, count_branch)
+            l_i, a_i, g_i, state = one(mb, state)
             add = lambda a, b: jax.tree.map(lambda x, y: x + y, a, b)  # noqa: E731
             return (total + l_i, add(aux_sum, a_i), add(g_sum, g_i), state), None
 
-        (loss, aux, g, stats), _ = jax.lax.scan(
-            body, (loss, aux, g, stats), jax.tree.map(lambda x: x[1:], micro),
-            unroll=bool(unroll))
+        (loss, aux, g, stats), _ = jax.lax.scan(body, start, micro, unroll=bool(unroll))
         mean = lambda t: jax.tree.map(lambda x: x * scale, t)  # noqa: E731
-        return loss * scale, mean(aux), mean(g), local, stats
+        return loss * scale, mean(aux), mean(g), source.local(params), stats
     return accumulated

@@ -13,8 +13,8 @@ when its model runs, and where their gradients go.
   the step, the worker's subnetwork pruned from it.
 
 Each runs inside ``jax.shard_map`` over ``data``; :meth:`grads` returns ``(loss, aux,
-gradient, parameters, new model state)``, the gradient and parameters flat in the optimizer's
-layout (compact, or ``S`` with the mean over holders already taken under FSDP and backward
+gradient, parameters, new model state)``, the gradient and parameters (also :meth:`local`)
+flat in the optimizer's layout (compact, or ``S`` with the mean over holders already taken under FSDP and backward
 masking). Pipeline stages are not a source of their own: the state layout drops the stage axis
 (:meth:`sdp_jax.state.StateLayout.unstage`) and every source runs per stage.
 """
@@ -126,10 +126,15 @@ class Compact:
         return {lp: sync.to_varying(x) if self.state.param_layout.get(lp) == Kind.REPLICATED
                 else x for lp, x in local.items()}
 
+    def local(self, params) -> dict:
+        """The worker's parameters as the optimizer takes them: flat, compact."""
+        st = self.state
+        return st.to_local(st.strip(params))
+
     def grads(self, params, batch, stats=None, count_branch=None):
         """(loss, aux, local gradient, local parameters, new model state), flat, compact."""
         st, call = self.state, self.call
-        local = st.to_local(st.strip(params))
+        local = self.local(params)
         state_local = st.state_local(stats)
         extra = () if state_local is None else (state_local,)
         diff = self.differentiable(local)
@@ -271,7 +276,7 @@ class BackwardHeld:
         if call.block_fn is None:   # the full gradient, masked to this worker's part
             loss, aux, g, new = call.value_and_grad(call.loss, sync.to_varying(full), batch,
                                                     *extra)
-            return loss, aux, self.mean_shards(g), st.my_shards(full), new
+            return loss, aux, self.mean_shards(g), self.local(params), new
         local = st.layout.prune(full, my)
         diff = {p: sync.to_varying(x) if st.layout.leaves[p].form == layout_lib.KEPT else x
                 for p, x in local.items() if p not in tables}   # (kept: local gradients)
@@ -280,7 +285,12 @@ class BackwardHeld:
             lambda both, *a: self.loss(both[0], *a, sinks=both[1], count_branch=count_branch),
             (diff, sinks), full, batch, *extra)
         done = sync.sinks_to_shards(sums, {p: local[p] for p in tables}, tables)
-        return loss, aux, self.mean_shards(g, done), st.my_shards(full), new
+        return loss, aux, self.mean_shards(g, done), self.local(params), new
+
+    def local(self, params) -> dict:
+        """The worker's part of the parameters as the sharded update takes them: layout ``S``
+        (``R`` for always-kept leaves outside the blocks)."""
+        return self.state.my_shards(_flatten(params))
 
 
 class FsdpGather:
@@ -344,9 +354,13 @@ class FsdpGather:
                 out[p] = g / jnp.asarray(c, g.dtype)
         return out
 
+    def local(self, params) -> dict:
+        """The device's shards (layout ``S``), flat."""
+        return _flatten(params)
+
     def grads(self, params, batch, stats=None, count_branch=None):
         loss, aux, g, _ = self.call.value_and_grad(self.loss, params, batch)
-        return loss, aux, self.divide_counts(_flatten(g)), _flatten(params), None
+        return loss, aux, self.divide_counts(_flatten(g)), self.local(params), None
 
 
 class FsdpWhole:
@@ -388,7 +402,11 @@ class FsdpWhole:
         state_local = self.state.state_local(stats)
         extra = () if state_local is None else (state_local,)
         loss, aux, g, new = self.call.value_and_grad(self.loss, params, batch, *extra)
-        return loss, aux, _flatten(g), _flatten(params), new
+        return loss, aux, _flatten(g), self.local(params), new
+
+    def local(self, params) -> dict:
+        """The device's shards (layout ``S``), flat."""
+        return _flatten(params)
 
 
 def source_of(state: StateLayout, call: ModelCall, tables: dict, method: str):

@@ -350,7 +350,7 @@ class SDPStep:
                                              accumulating=grad_accum > 1)
         self.source = source_of(self.state_layout, self.call, self.in_loop_tables, method)
         self.grad_accum = grad_accum
-        self.accumulated_grads = accumulate(self.source.grads, grad_accum, unroll)
+        self.accumulated_grads = accumulate(self.source, grad_accum, unroll)
         self.update = update_lib.update_of(self.state_layout, method, self.in_loop_tables,
                                            self.periodic)
         self.evaluation = Evaluation(self.state_layout, self.call, self.source, self.periodic,

@@ -1,6 +1,7 @@
 """Tokenized corpora (sdp_jax.train.corpus, the document sources of sdp_jax.train.data) and the
 prepare command (sdp_jax.tools.prepare): small files written by the tests, no downloads."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -205,3 +206,60 @@ def test_bad_parquet_and_tokenizers_are_refused_in_one_line(tmp_path):
         with pytest.raises(ValueError, match=message) as e:
             data.check(cfg, vocab)
         assert "\n" not in str(e.value)
+
+
+def test_a_run_on_parquet_with_a_bpe_trains_and_its_tools_speak_text(tmp_path, capsys):
+    """train.py's loop on a Parquet folder tokenized by a trained BPE: the loss falls, the
+    summary has no bits/byte (tokens are not bytes), and generate and the harness adapter
+    encode and decode text with the run's tokenizer; a run on shards without a tokenizer is
+    refused a text prompt in one line."""
+    import os
+    import sys
+
+    from sdp_jax.tools import generate, harness
+    from sdp_jax.train import loop
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs"))
+    import llama_tiny  # pylint: disable=import-outside-toplevel
+
+    folder = _write(tmp_path, "parquet", docs=[d * 8 for d in DOCS])
+    done = prepare.main(["--config.data.source=parquet", f"--config.data.train_files={folder}/*",
+                         "--train_tokenizer", "--vocab_size=300", f"--out={tmp_path / 'bpe'}"])
+    c = llama_tiny.get_config()
+    c.data.update(source="parquet", train_files=f"{folder}/*", val_fraction=0.25,
+                  tokenizer=str(tmp_path / "bpe"))
+    c.model.vocab_size = 320
+    c.update(dict(steps=6, eval_every=0, checkpoint_every=0, seq_len=16, batch_per_worker=2,
+                  log_every=1))
+    c.optim.update(lr=1e-2, warmup_steps=1)
+    wd = str(tmp_path / "run")
+    summary = loop.train(c, wd)
+    losses = [json.loads(line)["train_loss"] for line in open(os.path.join(wd, "metrics.jsonl"))]
+    assert losses[-1] < losses[0] and summary["final_val_bpb"] is None
+    text = generate.main(["--workdir", wd, "--prompt", "def f", "--length", "6"])
+    assert text.startswith("def f") and len(text) > len("def f")
+    model = harness.SDPJaxLM(workdir=wd, batch_size=2)
+    assert model.encode("def f1") == corpus.load_tokenizer(str(tmp_path / "bpe")).encode("def f1")
+    assert model.tok.decode([model.tok.eot_id]) == "<|endoftext|>"   # documents' separator
+    from sdp_jax.tools import export   # the Hugging Face export carries the tokenizer
+    export.main(["--workdir", wd, "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "bpe" / "tokenizer.json").read_bytes()
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config["eos_token_id"] == model.tok.eot_id and hf_config["vocab_size"] == 320
+    if importlib.util.find_spec("transformers") is not None:   # (the optional extra [hf])
+        import transformers
+        auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+        assert auto.encode("def f1") == model.encode("def f1")
+        assert auto.eos_token == "<|endoftext|>"
+    c.data.update(source="llmc", train_files=done["train"][0], val_files=done["val"][0],
+                  tokenizer="", val_fraction=0.05)
+    c.steps = 1
+    loop.train(c, str(tmp_path / "shards"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        generate.main(["--workdir", str(tmp_path / "shards"), "--prompt", "def"])
+    assert "--config.data.tokenizer=PATH" in capsys.readouterr().err
+    ids = generate.main(["--workdir", str(tmp_path / "shards"), "--prompt_ids", "5,6",
+                         "--length", "3", "--config.data.tokenizer", str(tmp_path / "bpe")])
+    assert isinstance(ids, list) and len(ids) == 3

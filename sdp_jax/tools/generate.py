@@ -5,8 +5,9 @@
         --top_k 40 --seed 1
     python -m sdp_jax.tools.generate --export runs/default/export --prompt "def "
 
-``--prompt`` is text for byte-level runs (every data source but llm.c shards); runs on token
-shards take ``--prompt_ids 1,2,3`` and print token ids. The same seed, prompt and checkpoint
+``--prompt`` is text, encoded by the run's tokenizer (bytes, or the Hugging Face tokenizer of
+``data.tokenizer``); runs on llm.c token shards without ``data.tokenizer`` take
+``--prompt_ids 1,2,3`` and print token ids. The same seed, prompt and checkpoint
 give the same sample. Tokens are decoded with a key/value cache
 (:func:`sdp_jax.tools.trained.sample`); the time per token goes to stderr
 (``N tokens in X s, Y ms/token``).
@@ -27,7 +28,7 @@ def define(fv) -> None:
     from absl import flags  # pylint: disable=g-import-not-at-top
     flags.DEFINE_integer("step", 0, "the checkpoint's step (0 = the latest)",
                          flag_values=fv)
-    flags.DEFINE_string("prompt", None, "the prompt's text (byte-level runs)",
+    flags.DEFINE_string("prompt", None, "the prompt's text (runs with a tokenizer)",
                         flag_values=fv)
     flags.DEFINE_list("prompt_ids", None, "the prompt's token ids (token-shard runs)",
                       flag_values=fv)
@@ -48,14 +49,18 @@ def main(argv=None) -> str | list[int]:
         trained_lib.language_model(config, "generate")
     except ValueError as e:
         cli.error(PROG, str(e))
-    text = trained_lib.byte_level(config)
     if (fv.prompt is None) == (fv.prompt_ids is None):
-        cli.error(PROG, "give --prompt=TEXT (byte-level runs) or --prompt_ids=1,2,3")
-    if fv.prompt is not None and not text:
-        cli.error(PROG, "this run trained on token shards (data.source=llmc): give "
-                        "--prompt_ids=1,2,3 (the tokenizer is not part of sdp_jax)")
+        cli.error(PROG, "give --prompt=TEXT or --prompt_ids=1,2,3")
     try:
-        prompt = (list(fv.prompt.encode("utf-8")) if fv.prompt is not None
+        tok = trained_lib.tokenizer(config)
+    except ValueError as e:
+        cli.error(PROG, str(e))
+    if fv.prompt is not None and tok is None:
+        cli.error(PROG, "this run trained on llm.c token shards without data.tokenizer: give "
+                        "--prompt_ids=1,2,3, or the tokenizer that wrote them with "
+                        "--config.data.tokenizer=PATH")
+    try:
+        prompt = (tok.encode(fv.prompt) if fv.prompt is not None
                   else [int(t) for t in fv.prompt_ids])
     except ValueError:
         cli.error(PROG, f"--prompt_ids={','.join(fv.prompt_ids)!r} must be integers")
@@ -70,7 +75,7 @@ def main(argv=None) -> str | list[int]:
                                  timings=took)
     except ValueError as e:
         cli.error(PROG, str(e))
-    out = trained_lib.decode(prompt + ids) if fv.prompt is not None else ids
+    out = tok.decode(prompt + ids) if fv.prompt is not None else ids
     print(out if isinstance(out, str) else ",".join(map(str, out)))
     sys.stdout.flush()
     print(f"{len(ids)} tokens in {took['decode_s']:.3f} s, "

@@ -1,6 +1,6 @@
 """Downstream evaluation through lm-evaluation-harness (``pip install -e '.[eval]'``).
 
-:class:`SDPJaxLM` serves a trained byte-level language-model run (its latest checkpoint, or
+:class:`SDPJaxLM` serves a trained language-model run (its latest checkpoint, or
 an export of :mod:`sdp_jax.tools.export`) to the harness as the model ``sdp_jax``: ``loglikelihood``
 (multiple-choice tasks: the paper's ARC-Easy, BoolQ, HellaSwag, OpenBookQA, SciQ),
 ``loglikelihood_rolling`` (perplexity tasks) and greedy ``generate_until``. This module runs
@@ -11,8 +11,9 @@ the harness's own command line with that model registered:
 
 (the harness downloads the tasks' datasets, or reads them from its cache; any of its flags
 apply). From Python: ``lm_eval.simple_evaluate(model=SDPJaxLM(workdir=...), tasks=[...])``.
-Tokens are UTF-8 bytes, as in training; a run on llm.c token shards has no tokenizer here and
-is refused.
+Text is encoded by the run's tokenizer (:func:`sdp_jax.tools.trained.tokenizer`: UTF-8 bytes,
+or the Hugging Face tokenizer of ``data.tokenizer``); a run on llm.c token shards without
+``data.tokenizer`` has none and is refused.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class SDPJaxLM(LM):
 
     Raises:
       ImportError: lm-eval is not installed (with the install command).
-      ValueError: neither or both of ``workdir`` / ``export``; a run that is not a byte-level
-        language model.
+      ValueError: neither or both of ``workdir`` / ``export``; a run that is not a language
+        model, or has no tokenizer (llm.c shards without ``data.tokenizer``).
     """
 
     def __init__(self, workdir: str | None = None, export: str | None = None, step: int = 0,
@@ -72,9 +73,11 @@ class SDPJaxLM(LM):
             mesh_lib.simulate_cpu_devices(config.num_cpu_devices)   # restoring needs the run's W devices
             params = trained.load(workdir, config, int(step)).full_params()
         cfg = trained.language_model(config, "the lm-eval adapter")
-        if not trained.byte_level(config):
-            raise ValueError("this run trained on llm.c token shards: its tokenizer is not "
-                             "part of sdp_jax, so the harness's text cannot be encoded.")
+        self.tok = trained.tokenizer(config)
+        if self.tok is None:
+            raise ValueError("this run trained on llm.c token shards without data.tokenizer, so "
+                             "the harness's text cannot be encoded; name the tokenizer that "
+                             "wrote them in the run's config.json (data.tokenizer).")
         self.cfg, self.config = cfg, config
         self.window = trained.context(config)
         self.batch = max(1, int(batch_size) if str(batch_size).isdigit() else 8)
@@ -88,10 +91,10 @@ class SDPJaxLM(LM):
         self._logprobs = logprobs
 
     # ------------------------------------------------------------------ tokens
-    @staticmethod
-    def encode(text: str) -> list[int]:
-        """UTF-8 bytes, the training tokens of byte-level runs."""
-        return list(text.encode("utf-8"))
+    def encode(self, text: str) -> list[int]:
+        """The run's tokens of ``text`` (:func:`sdp_jax.tools.trained.tokenizer`: UTF-8 bytes,
+        or the run's Hugging Face tokenizer)."""
+        return self.tok.encode(text)
 
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """``(sum of log p(continuation | context) in nats, whether every continuation token
@@ -117,34 +120,36 @@ class SDPJaxLM(LM):
     # ------------------------------------------------------------------ lm-eval's API
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         """lm-eval: ``(context, continuation)`` requests -> ``(log-likelihood, is greedy)``.
-        An empty context conditions on a newline (the document separator of training)."""
-        pairs = [(self.encode(ctx) or self.encode("\n"), self.encode(cont))
+        An empty context conditions on the end-of-text token (the document separator of
+        training: a newline for byte-level runs)."""
+        pairs = [(self.encode(ctx) or [self.tok.eot_id], self.encode(cont))
                  for ctx, cont in (r.args for r in requests)]
         return self.score(pairs)
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         """lm-eval: the log-likelihood of each whole string: disjoint windows of ``seq_len``
         predicted tokens, each conditioned on what fits before it in the model's ``seq_len``
-        positions (the first on a newline, the document separator of training)."""
+        positions (the first on the end-of-text token, the document separator of training)."""
         out = []
         for (text,) in (r.args for r in requests):
             ids = self.encode(text)
-            pairs = [(([10] + ids)[max(0, s - self.window + 1):s + 1], ids[s:s + self.window])
+            pairs = [(([self.tok.eot_id] + ids)[max(0, s - self.window + 1):s + 1],
+                      ids[s:s + self.window])
                      for s in range(0, len(ids), self.window)]
             out.append(sum(ll for ll, _ in self.score(pairs)))
         return out
 
     def generate_until(self, requests) -> list[str]:
         """lm-eval: greedy continuation of each context, up to ``max_gen_toks`` (default 64)
-        bytes, cut at the first of the ``until`` strings (decoded with a key/value cache by
+        tokens, cut at the first of the ``until`` strings (decoded with a key/value cache by
         :func:`sdp_jax.tools.trained.sample`, as ``python -m sdp_jax.tools.generate``)."""
         out = []
         for ctx, kw in (r.args for r in requests):
             until = kw.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            ids = trained.sample(self.config, self.params, self.encode(ctx) or [10],
+            ids = trained.sample(self.config, self.params, self.encode(ctx) or [self.tok.eot_id],
                                  int(kw.get("max_gen_toks", 64)), temperature=0)
-            text = trained.decode(ids)
+            text = self.tok.decode(ids)
             cut = min([text.find(u) for u in until if u and u in text] or [len(text)])
             out.append(text[:cut])
         return out

@@ -21,6 +21,7 @@ import functools
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -31,10 +32,12 @@ import numpy as np
 from flax import nnx
 
 from sdp_jax import mesh as mesh_lib
+from sdp_jax.models import hf_llama
 from sdp_jax.models.llama import LlamaConfig, init_cache
 from sdp_jax.spec import flatten, unflatten
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import cli, families, loop, migrations
+from sdp_jax.train import data as data_lib
 from sdp_jax.train import run as run_lib
 from sdp_jax.train import task as task_lib
 from sdp_jax.train.families import LanguageModel
@@ -184,6 +187,40 @@ def export(trained: Trained, out: str) -> str:
     os.chmod(path + ".tmp", 0o644)
     os.replace(path + ".tmp", path)
     loop.write_atomically(os.path.join(out, "config.json"), text)
+    return path
+
+
+def export_hf(trained: Trained, out: str) -> str:
+    """Write the full model (as :func:`export` takes it) as a Hugging Face ``transformers``
+    LLaMA folder: ``out/config.json`` (``LlamaForCausalLM``'s,
+    :func:`sdp_jax.models.hf_llama.hf_config`), ``out/model.safetensors`` (its parameter names
+    and layouts, float32, :func:`sdp_jax.models.hf_llama.to_hf`), the run's tokenizer when it
+    had a Hugging Face one (``tokenizer.json`` and a ``tokenizer_config.json`` naming
+    ``PreTrainedTokenizerFast`` and its end-of-text token) and the run's own config as
+    ``sdp_jax_config.json``. Returns the weights' path.
+
+    Raises:
+      ValueError: as :func:`export`."""
+    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+    cfg = language_model(trained.config, "export")
+    path = export_target(out)
+    tok = tokenizer(trained.config)
+    hf_tok = tok is not None and tok.name != "bytes"
+    os.makedirs(out, exist_ok=True)
+    if hf_tok:
+        shutil.copyfile(tok.path, os.path.join(out, "tokenizer.json"))
+        loop.write_atomically(os.path.join(out, "tokenizer_config.json"), json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
+            "model_max_length": context(trained.config)}, indent=2))
+    loop.write_atomically(os.path.join(out, "sdp_jax_config.json"),
+                          trained.config.to_json(indent=2))
+    loop.write_atomically(os.path.join(out, "config.json"), json.dumps(
+        hf_llama.hf_config(cfg, tok.eot_id if hf_tok else None), indent=2))
+    save_file(hf_llama.to_hf(trained.full_params(), cfg), path + ".tmp",
+              metadata={"format": "pt", "step": str(trained.step)})
+    os.chmod(path + ".tmp", 0o644)
+    os.replace(path + ".tmp", path)
     return path
 
 
@@ -367,16 +404,15 @@ def context(config) -> int:
     return int(config.seq_len)
 
 
-def decode(ids: list[int]) -> str:
-    """Byte-level token ids as text (invalid UTF-8, and ids past 255 of a larger vocabulary,
-    shown as U+FFFD)."""
-    return b"".join(bytes([t]) if t < 256 else "\ufffd".encode() for t in ids).decode(
-        "utf-8", errors="replace")
+def tokenizer(config):
+    """The run's tokenizer (:func:`sdp_jax.train.data.tokenizer_of` of its data section, with
+    ``encode(text) -> ids``, ``decode(ids) -> text`` and ``eot_id``): bytes, the Hugging Face
+    tokenizer of ``data.tokenizer``, or None for llm.c shards without ``data.tokenizer``.
 
-
-def byte_level(config) -> bool:
-    """Whether the run's tokens are bytes (every data source but llm.c shards)."""
-    return config.data.get("source") != "llmc"
+    Raises:
+      ValueError: ``data.tokenizer`` names no readable tokenizer.json (override it with
+        ``--config.data.tokenizer=PATH``)."""
+    return data_lib.tokenizer_of(config.data)
 
 
 # ---------------------------------------------------------------------------- command lines

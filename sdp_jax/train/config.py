@@ -98,6 +98,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.pipeline = defaults(PipelineConfig)   # stages, schedule gpipe | 1f1b, method, ratio, ...
     c.seq_len = 128             # tokens per sequence (T)
     c.eval_batches = 8          # validation batches of W * b sequences
+    c.init_from = ""            # a Hugging Face LLaMA folder the run starts from ('' = init)
     return c
 
 

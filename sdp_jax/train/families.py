@@ -40,7 +40,7 @@ from sdp_jax import step as step_lib
 from sdp_jax import stiefel, sync
 from sdp_jax.costs import fmt_bytes
 from sdp_jax.mesh import DATA
-from sdp_jax.models import llama
+from sdp_jax.models import hf_llama, llama
 from sdp_jax.models import vision as vm
 from sdp_jax.models.llama import BLOCK_KEY, Llama, LlamaConfig, block_apply_fn, next_token_loss
 from sdp_jax.train import config as config_lib
@@ -489,6 +489,12 @@ class LanguageModelFamily(Family):
             raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
                              f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
         data_lib.check(config.data, model.vocab_size)
+        if config.get("init_from"):
+            if config.pipeline.stages > 1 and config.pipeline.method != "none":
+                raise ValueError(f"config.init_from={config.init_from!r} with pipeline.method="
+                                 f"{config.pipeline.method!r}: a Hugging Face LLaMA has no "
+                                 "boundary projectors; use pipeline.method=none, or no init_from.")
+            hf_llama.check_matches(config.init_from, model)
         if model.attention == "cudnn" and config.dtype not in ("bfloat16", "bf16"):
             raise ValueError(f"model.attention='cudnn' computes in bf16 only (cuDNN refuses "
                              f"float32), but dtype={config.dtype!r}; add --config.dtype=bfloat16 "
@@ -525,6 +531,20 @@ class LanguageModelFamily(Family):
     def step(self, run, mesh) -> step_lib.SDPStep:
         return language_model_step(run.model, run.plan, run.optim, mesh, run.total_steps,
                                    pipe=run.pipe, **run.settings.kwargs())
+
+    def initial_state(self, run, builder, log):
+        """The model's initializer, or the Hugging Face LLaMA of ``config.init_from``
+        (:func:`sdp_jax.models.hf_llama.read`) laid out under the run's masks: every holder of
+        a component starts from its values (continued pre-training under any variant)."""
+        folder = run.config.get("init_from")
+        if not folder:
+            return builder.init_state(run.config.seed)
+        params = hf_llama.read(folder, run.model)
+        if run.pipe.stages > 1:   # (method none: the boundary holds no parameters)
+            params["boundary"] = pl.init_boundary(jax.random.key(0), run.model, run.pipe)
+        log(f"initialized from the Hugging Face LLaMA in {folder} "
+            f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters)")
+        return builder.init(params)
 
     def batch_shapes(self, run):
         return jax.ShapeDtypeStruct((run.global_batch, run.config.seq_len + 1), jnp.int32)

@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -318,8 +318,10 @@ def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = Non
     return manager, latest
 
 
-def restore_or_init(manager, latest, builder, seed: int, announce: bool = True):
-    """The latest checkpoint's state, or a fresh one.
+def restore_or_init(manager, latest, builder, seed: int, announce: bool = True,
+                    initial: Callable[[], dict] | None = None):
+    """The latest checkpoint's state, or a fresh one (``initial()``, default
+    ``builder.init_state(seed)``).
 
     A checkpoint in an earlier layout of the same run (:func:`sdp_jax.train.migrations.layouts`: pairs of functions
     ``(current abstract state -> that layout's, restored state -> current)``) is read in that
@@ -328,7 +330,7 @@ def restore_or_init(manager, latest, builder, seed: int, announce: bool = True):
     Returns:
       ``(state, start step)``. Raises ValueError for an unreadable checkpoint (before compute)."""
     if latest is None:
-        return builder.init_state(seed), 0
+        return (builder.init_state(seed) if initial is None else initial()), 0
     try:
         abstract = builder.abstract_state()
         try:
@@ -517,7 +519,8 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     builder = make_step(run, mesh)
     _log_run(run, builder, mesh)
     # Restore before compiling: an unreadable checkpoint is reported before any compute.
-    state, start = restore_or_init(manager, latest, builder, config.seed)
+    state, start = restore_or_init(manager, latest, builder, config.seed,
+                                   initial=lambda: run.family.initial_state(run, builder, log))
     prev_wall = previous_wall(path, start, manager)  # a resumed run adds the earlier time
     train_iter = train_at(start)   # the data position is the step (any process layout)
     prog = _Program.compile(run, builder, eval_data)

@@ -29,7 +29,7 @@ from sdp_jax.train.config import base_config, vision_config
 RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
                "remat", "peak_flops", "align_every", "emulate_workers", "grad_accum",
-               "profile_start", "profile_stop")
+               "profile_start", "profile_stop", "init_from")
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")

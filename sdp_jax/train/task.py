@@ -218,6 +218,11 @@ class Family:
         :func:`sdp_jax.train.loop.make_mesh`), with ``init_fn(seed)``."""
         raise self._undefined("step")
 
+    def initial_state(self, run, builder: step_lib.SDPStep, log: Callable) -> dict:
+        """The train state a run without a checkpoint starts from: by default
+        ``builder.init_state(config.seed)`` (the model's initializer)."""
+        return builder.init_state(run.config.seed)
+
     def batch_shapes(self, run) -> Any:
         """The global batch as ``jax.ShapeDtypeStruct`` (a pytree, as :meth:`data`'s iterator
         yields it, with the leading axis ``run.global_batch``)."""

@@ -1,0 +1,125 @@
+"""Hugging Face LLaMA checkpoints (sdp_jax.models.hf_llama): export --format hf, a run started
+from such a folder (config.init_from), and, where torch and transformers are installed (the
+optional extra [hf]), transformers' own LlamaForCausalLM on the exported folder."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdp_jax.models import hf_llama
+from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.tools import export, trained
+from sdp_jax.train import families, loop
+from sdp_jax.train import run as run_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+import llama_tiny  # noqa: E402
+
+HAVE_HF = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+def _tiny(**kw):
+    c = llama_tiny.get_config()
+    c.update(dict(steps=2, eval_every=0, checkpoint_every=0))
+    c.model.update(n_kv_heads=2)   # grouped-query attention
+    c.sdp.update(variant="b-sdp", coverage=0.5)
+    for k, v in kw.items():
+        node, *path = k.split(".")
+        (c[node] if path else c).update({path[0] if path else node: v})
+    return c
+
+
+@pytest.fixture(scope="module")
+def hf_export(tmp_path_factory):
+    """A trained tiny run (untied head) exported in Hugging Face's layout."""
+    base = tmp_path_factory.mktemp("hf")
+    wd, out = str(base / "run"), str(base / "hf")
+    loop.train(_tiny(), wd)
+    export.main(["--workdir", wd, "--format", "hf", "--out", out])
+    return wd, out
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_layout_round_trips_exactly(tie):
+    cfg = LlamaConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48,
+                      tie_embeddings=tie)
+    params = jax.tree.map(np.asarray, families.LanguageModel(cfg).init(3))
+    state = hf_llama.to_hf(params, cfg)
+    assert ("lm_head.weight" in state) != tie
+    assert state["model.layers.2.self_attn.k_proj.weight"].shape == (2 * 8, 32)
+    back = hf_llama.from_hf(state, cfg)
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    fields = hf_llama.model_fields(hf_llama.hf_config(cfg))
+    assert all(getattr(cfg, k) == v for k, v in fields.items()) and len(fields) == 10
+
+
+def test_export_hf_writes_the_runs_parameters(hf_export):
+    wd, out = hf_export
+    t = trained.load(wd)
+    cfg = trained.language_model(t.config, "test")
+    got = hf_llama.read(out, cfg)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), got,
+                 t.full_params())
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    assert json.load(open(os.path.join(out, "sdp_jax_config.json")))["sdp"]["variant"] == "b-sdp"
+    with pytest.raises(SystemExit):   # never overwritten
+        export.main(["--workdir", wd, "--format", "hf", "--out", out])
+
+
+@pytest.mark.parametrize("variant", ["b-sdp", "nb-sdp", "n-sdp"])
+def test_a_run_starts_from_a_hugging_face_folder(hf_export, variant):
+    _, out = hf_export
+    config = _tiny(init_from=out, **{"sdp.variant": variant})
+    run = run_lib.resolve(config, 4)
+    builder = run.family.step(run, loop.make_mesh(run))
+    lines = []
+    state = run.family.initial_state(run, builder, lines.append)
+    assert "initialized from the Hugging Face LLaMA" in lines[0]
+    want = hf_llama.read(out, run.model)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
+                 builder.full_params(state), want)
+
+
+def test_init_from_trains_and_refuses_another_shape(hf_export, tmp_path, capsys):
+    _, out = hf_export
+    summary = loop.train(_tiny(init_from=out, **{"sdp.variant": "ddp", "sdp.coverage": 1.0}),
+                         str(tmp_path / "cont"))
+    assert summary["completed"]
+    assert "initialized from the Hugging Face LLaMA" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"another shape.*--config.model.d_model=32"):
+        run_lib.resolve(_tiny(init_from=out, **{"model.d_model": 128}), 4)
+    with pytest.raises(ValueError, match="has no config.json"):
+        run_lib.resolve(_tiny(init_from=str(tmp_path)), 4)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        hf_llama.model_fields({"model_type": "llama", "rope_scaling": {"type": "linear"}})
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="needs torch and transformers (pip install -e '.[hf]')")
+def test_transformers_loads_the_export_and_its_logits_match(hf_export):
+    import torch
+    import transformers
+
+    wd, out = hf_export
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert isinstance(config, transformers.LlamaConfig)
+    model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    t = trained.load(wd)
+    cfg = trained.language_model(t.config, "test")
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, t.config.seq_len))
+    with torch.no_grad():
+        theirs = model(torch.tensor(tokens)).logits.numpy()
+    from flax import nnx
+    graphdef = families.LanguageModel(cfg).graphdef
+    ours = np.asarray(nnx.merge(graphdef, jax.tree.map(jnp.asarray, t.full_params()))(
+        jnp.asarray(tokens, jnp.int32)))
+    err = float(np.abs(ours - theirs).max())
+    print(f"max |logits - transformers' logits| = {err:.2e} (float32, {tokens.shape})")
+    assert err < 1e-4
