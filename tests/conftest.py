@@ -62,19 +62,24 @@ def compact_opt_state(builder, state):
     return jax.tree.map(compact, state["opt_state"], old, is_leaf=is_moment)
 
 
-def resume_from_old_layout(ck, path, old_state, abstract, refused, config, run_a, run_b):
-    """Replace the checkpoint at ``path`` (run ``run_b``, a copy of ``run_a`` stopped early)
-    by ``old_state`` in an earlier layout; the current layout alone must refuse it (raising
-    ``refused``); then both runs finish and ``run_b``, resumed through its migration, ends with
-    ``run_a``'s final validation loss."""
+def resume_from_old_layout(ck, path, old_state, abstract, config, run_a, run_b):
+    """Replace the checkpoint state at ``path`` (``CHECKPOINTS/STEP/state`` of run ``run_b``, a
+    copy of ``run_a`` stopped early) by ``old_state`` in an earlier layout; the current layout
+    alone must refuse it (from the checkpoint's metadata, before any array is read); then both
+    runs finish and ``run_b``, resumed through its migration, ends with ``run_a``'s final
+    validation loss."""
     import pytest
 
-    from sdp_jax.train import loop
+    from sdp_jax.train import checkpoint, loop
     shutil.rmtree(path)
     ck.save(path, old_state)
     ck.wait_until_finished()
-    with pytest.raises(refused):   # the current layout alone does not read it
-        ck.restore(path, abstract)
+    manager = checkpoint.CheckpointManager(os.path.dirname(os.path.dirname(path)))
+    try:   # the current layout alone does not read it
+        with pytest.raises(ValueError, match="holds another parameter layout"):
+            manager.restore(int(os.path.basename(os.path.dirname(path))), abstract)
+    finally:
+        manager.close()
     config.stop_at_step = 0
     want = loop.train(config, str(run_a))["final_val_loss"]
     assert loop.train(config, str(run_b))["final_val_loss"] == pytest.approx(want, abs=1e-6)

@@ -4,26 +4,38 @@ Each ``python train.py``, ``python -m sdp_jax.bench`` and ``python -m sdp_jax.st
 a bash block or an inline code span is parsed with the tool's own flags (the one loader,
 ``sdp_jax.train.cli``) and its config goes through the run's whole validation (the checks that run
 before any compute), so a renamed flag, a config field that does not exist or a setting the code
-refuses fails here. What the checks do not do is run them: the short ones run in the tests of
-their features (listed in RUN_ELSEWHERE), the long ones (hours, a 1B model, a pod slice) are
-measured by hand, as the README says next to each figure.
+refuses fails here. ``python -m sdp_jax.train.launch`` commands are checked by the launcher's own
+parser and their train command on processes x devices; ``python -m sdp_jax.tools.harness``
+commands by lm-eval's parser and the model's arguments (``--help`` runs). What the checks do not
+do is run them: the short ones run in the tests of their features (listed in RUN_ELSEWHERE and
+next to each kind below), the long ones (hours, a 1B model, a pod slice) are measured by hand,
+as the README says next to each figure.
+
+Beyond the commands: the steps the docs ask of the default run are ones it keeps, the runs a
+plot draws are trained before it, docs/configuration.md names every field of the config schema
+(read at run time), and every table of measured figures names the commit it was measured at.
 """
 
+import ast
 import functools
 import importlib.util
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 from absl import flags
 
 from sdp_jax.bench import device
 from sdp_jax.bench import measure as bench
+from sdp_jax.models.vision import MODELS as VISION_MODELS
 from sdp_jax.study import __main__ as study
-from sdp_jax.tools import plot, trained
-from sdp_jax.train import cli
-from sdp_jax.train.run import resolve
+from sdp_jax.tools import harness, plot, trained
+from sdp_jax.train import cli, launch
+from sdp_jax.train.config import vision_config
+from sdp_jax.train.run import resolve, total_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(
@@ -39,9 +51,6 @@ NOT_PARSED = {
     ("bash", ".device/run"): "the prepared device command (on a lent GPU); its Python part runs "
                              "as a dry run in tests/test_bench_device.py",
     ("bash", ".device/wheels.sh"): "pip download of the wheels a device machine lacks (network)",
-    ("python", "-m", "sdp_jax.tools.harness"): "lm-evaluation-harness's own command line (its flags); "
-                                         "tests/test_trained.py runs the adapter through the "
-                                         "harness on a local task",
 }
 RUN_ELSEWHERE = {"examples/custom_model.py": "tests/test_custom_model.py",
                  "examples/custom_loop.py": "tests/test_custom_loop.py"}
@@ -137,20 +146,56 @@ def _check_train(argv: list[str], processes: int = 1) -> None:
 
 
 def _check_launch(cmd: list[str]) -> None:
-    """``python -m sdp_jax.train.launch --processes N -- python train.py ...``: the launcher's flags
-    and the train command, on N x num_cpu_devices devices (it runs in
-    tests/test_multiprocess.py)."""
-    cut = cmd.index("--")
-    m = re.fullmatch(r"--processes[= ](\d+)", " ".join(cmd[3:cut]))
-    assert m, f"launcher flags {cmd[3:cut]}"
-    inner = cmd[cut + 1:]
+    """``python -m sdp_jax.train.launch [FLAGS] -- python train.py ...``: the launcher's flags
+    by its own parser and the train command on ``--processes`` x num_cpu_devices devices (the
+    README's command runs in tests/test_multiprocess.py); ``--help`` alone prints its help."""
+    own = cmd[3:cmd.index("--")] if "--" in cmd else cmd[3:]
+    if own == ["--help"]:
+        with pytest.raises(SystemExit) as e:
+            launch.parser().parse_args(own)
+        assert e.value.code == 0
+        return
+    args = launch.parser().parse_args(own)
+    inner = cmd[cmd.index("--") + 1:]
     assert inner[:2] == ["python", "train.py"], inner
-    _check_train(["train.py"] + inner[2:], processes=int(m.group(1)))
+    _check_train(["train.py"] + inner[2:], processes=args.processes)
+
+
+@functools.lru_cache(maxsize=None)
+def _harness_parser():
+    cli_lib = pytest.importorskip("lm_eval._cli.harness")
+    return cli_lib.HarnessCLI()
+
+
+def _check_harness(args: list[str], monkeypatch) -> None:
+    """``python -m sdp_jax.tools.harness ...``: ``--help`` prints this project's help; a run
+    names the model ``sdp_jax`` with arguments it takes (``workdir`` or ``export``), its flags
+    parse with lm-eval's own parser, and a local task's ``--include_path`` folder holds a YAML
+    of every task it names; tests/test_trained.py runs docs/using.md's local task and the
+    adapter through the harness."""
+    if args in ([], ["--help"], ["-h"]):   # this project's help
+        assert harness.main(args) is None
+        return
+    harness.check_model_args(args)
+    assert args[args.index("--model") + 1] == harness.MODEL_NAME, args
+    assert {"workdir", "export"} & set(harness.model_args(args)), args
+    monkeypatch.setattr(sys, "argv", ["lm_eval"] + args)
+    parsed = _harness_parser().parse_args()
+    if parsed.include_path:
+        folder = os.path.join(ROOT, parsed.include_path)
+        declared = set()
+        for name in os.listdir(folder):
+            if name.endswith((".yaml", ".yml")):
+                with open(os.path.join(folder, name)) as f:
+                    declared |= set(re.findall(r"^task: *(\S+)", f.read(), re.M))
+        assert set(parsed.tasks) <= declared, (parsed.tasks, declared)
+        with open(os.path.join(ROOT, "tests", "test_trained.py")) as f:
+            assert "documented_local_task_command" in f.read()
 
 
 @pytest.mark.parametrize("path,cmd", COMMANDS,
                          ids=[f"{p}:{' '.join(c)[:70]}" for p, c in COMMANDS])
-def test_documented_command_is_valid(sandbox, path, cmd):
+def test_documented_command_is_valid(sandbox, monkeypatch, path, cmd):
     """One documented command: its flags parse and its config passes the run's validation."""
     for head, why in NOT_PARSED.items():
         if tuple(cmd[:len(head)]) == head:
@@ -180,6 +225,8 @@ def test_documented_command_is_valid(sandbox, path, cmd):
                                                     if not a.startswith("--config.")])
         assert f"{cmd[2].rsplit('.', 1)[1]}.main" in open(
             os.path.join(ROOT, "tests", "test_trained.py")).read()
+    elif cmd[1:3] == ["-m", "sdp_jax.tools.harness"]:
+        _check_harness(cmd[3:], monkeypatch)
     elif cmd[1:3] == ["-m", "sdp_jax.tools.plot"]:   # drawn from real runs in its own test
         assert plot.main(cmd[3:], check_only=True) is None
         assert "plot.main" in open(os.path.join(ROOT, "tests", "test_train_cli.py")).read()
@@ -189,9 +236,10 @@ def test_documented_command_is_valid(sandbox, path, cmd):
         assert cmd[1].split("/")[-1] in open(os.path.join(ROOT, test)).read()
 
 
-def test_a_wrong_documented_command_would_fail(sandbox, capsys):
-    """The check has teeth: a renamed bench flag, an unknown config field and a refused
-    setting each fail it."""
+def test_a_wrong_documented_command_would_fail(sandbox, capsys, monkeypatch):
+    """The check has teeth: a renamed bench flag, an unknown config field, a refused
+    setting, a launcher flag that does not exist, an unknown model argument of the harness and
+    a local task its folder does not define each fail it."""
     with pytest.raises(SystemExit):
         bench.main(["--config", "configs/llama_tiny.py", "--coverage", "0.5"], check_only=True)
     assert "it is now --config.sdp.coverage" in capsys.readouterr().err
@@ -199,6 +247,17 @@ def test_a_wrong_documented_command_would_fail(sandbox, capsys):
         _check_train(["train.py", "--config.sdp.coverag=0.5"])
     with pytest.raises(ValueError, match="coverage"):
         _check_train(["train.py", "--config.sdp.coverage=0.3"])
+    with pytest.raises(SystemExit):
+        _check_launch(["python", "-m", "sdp_jax.train.launch", "--processes", "2", "--grace_s",
+                       "3", "--", "python", "train.py"])
+    harness_cmd = ["--model", "sdp_jax", "--model_args", "workdir=runs/default",
+                   "--include_path", "examples/lm_eval_task", "--tasks"]
+    _check_harness(harness_cmd + ["sdp_jax_python_choice"], monkeypatch)   # (as documented)
+    with pytest.raises(AssertionError):
+        _check_harness(harness_cmd + ["no_such_task"], monkeypatch)
+    harness_cmd[3] = "workdir=runs/default,stepp=500"
+    with pytest.raises(ValueError, match="unknown model argument.s. stepp"):
+        _check_harness(harness_cmd + ["sdp_jax_python_choice"], monkeypatch)
 
 
 def _named(text: str) -> set[str]:
@@ -239,3 +298,275 @@ def test_every_name_the_docs_cite_exists():
     assert missing == []
     assert not _resolves("sdp_jax.pipeline.make_mesh")   # (the check has teeth)
     assert not _resolves("from sdp_jax import train_step")
+
+
+# ------------------------------------------------------------------ the default run's checkpoints
+def _default_run():
+    """``python train.py``'s config and workdir (the default run), from train.py's flags."""
+    train = _train_module()
+    fv = train.define_flags(flags.FlagValues(), ["train.py"])
+    cli.parse(fv, ["train.py"], train.PROG, train.__doc__)
+    return fv.config, fv.workdir
+
+
+def kept_steps(config) -> list[int]:
+    """The checkpoints a finished run keeps: one every ``checkpoint_every`` steps and one at
+    the end (0: only the end), the last ``keep_checkpoints`` of them (at least one)."""
+    total, every = total_steps(config, config.sdp.coverage), config.checkpoint_every
+    saved = sorted({*range(every, total + 1, every), total} if every else {total})
+    return saved[-max(1, config.keep_checkpoints):]
+
+
+def flag_value(cmd: list[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag V`` or ``--flag=V``; the last one) in a command."""
+    found = None
+    for i, a in enumerate(cmd):
+        if a == flag and i + 1 < len(cmd):
+            found = cmd[i + 1]
+        elif a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+    return found
+
+
+def steps_shown(cmd: list[str], workdir: str) -> list[int]:
+    """The checkpoint steps a command asks of the run in ``workdir``: ``--step N`` of a tool
+    given ``--workdir`` that folder, or ``step=N`` beside ``workdir=`` in the harness's
+    ``--model_args``."""
+    args = harness.model_args(cmd)
+    if os.path.normpath(args.get("workdir", "-")) == os.path.normpath(workdir) and "step" in args:
+        return [int(args["step"])]
+    wd, step = flag_value(cmd, "--workdir"), flag_value(cmd, "--step")
+    if wd is not None and step is not None and os.path.normpath(wd) == os.path.normpath(workdir):
+        return [int(step)]
+    return []
+
+
+def test_documented_steps_of_the_default_run_are_ones_it_keeps():
+    """Every ``--step N`` (or ``step=N``) the docs ask of the default run's folder is a
+    checkpoint that run keeps, computed from its config (steps, checkpoint_every,
+    keep_checkpoints), so a changed default or a wrong step in the docs fails here."""
+    config, workdir = _default_run()
+    kept = kept_steps(config)
+    shown = [(path, n) for path, cmd in COMMANDS for n in steps_shown(cmd, workdir)]
+    assert shown, f"no documented command asks a step of {workdir}"
+    assert [(path, n) for path, n in shown if n not in kept] == [], \
+        f"the default run ({workdir}) keeps only steps {kept}"
+    # (the check has teeth: the step the README once showed is not kept)
+    assert steps_shown(shlex.split(f"python -m sdp_jax.tools.evaluate --workdir {workdir} "
+                                   "--step 400"), workdir) == [400] and 400 not in kept
+    assert steps_shown(["python", "-m", "sdp_jax.tools.harness", "--model_args",
+                        f"workdir={workdir},step=100"], workdir) == [100] and 100 not in kept
+
+
+# ------------------------------------------------------------------ plots of trained runs
+def _blocks(path: str) -> list[list[list[str]]]:
+    with open(os.path.join(ROOT, path)) as f:
+        text = f.read()
+    return [_commands(m.group(1)) for m in re.finditer(r"```(?:bash|sh)\n(.*?)```", text, re.S)]
+
+
+def untrained_plot_runs(block: list[list[str]], default_workdir: str) -> list[str]:
+    """The run folders a ``sdp_jax.tools.plot`` command of a bash block reads that no
+    ``python train.py`` command before it in the block trains (``python train.py`` without
+    ``--workdir`` trains ``default_workdir``, which the README's first command does)."""
+    trained_dirs, missing = {os.path.normpath(default_workdir)}, []
+    for cmd in block:
+        if cmd[:2] == ["python", "train.py"]:
+            trained_dirs.add(os.path.normpath(flag_value(cmd, "--workdir") or default_workdir))
+        elif cmd[1:3] == ["-m", "sdp_jax.tools.plot"]:
+            fv = flags.FlagValues()
+            flags.DEFINE_string("out", None, "", flag_values=fv)
+            runs = fv(["plot"] + cmd[3:])[1:]
+            missing += [r for r in runs if os.path.normpath(r) not in trained_dirs]
+    return missing
+
+
+def test_the_runs_a_documented_plot_reads_are_trained_before_it():
+    """A plot command in the docs comes after the commands that train the runs it draws (in
+    the same bash block), so a reader who runs the block in order has them: the README's
+    comparison with DDP trains runs/ddp first."""
+    _, default_workdir = _default_run()
+    plots = [(path, block) for path in DOCS for block in _blocks(path)
+             if any(c[1:3] == ["-m", "sdp_jax.tools.plot"] for c in block)]
+    assert plots
+    assert [(path, untrained_plot_runs(block, default_workdir)) for path, block in plots
+            if untrained_plot_runs(block, default_workdir)] == []
+    bare = _commands("python -m sdp_jax.tools.plot runs/default runs/ddp --out runs/compare")
+    assert untrained_plot_runs(bare, default_workdir) == ["runs/ddp"]   # (teeth)
+
+
+# ------------------------------------------------------------------ docs/configuration.md
+def _flat(config, prefix: str = "") -> dict:
+    """``{dotted field: value}`` of a config's leaves."""
+    out = {}
+    for key, value in config.items():
+        if hasattr(value, "items"):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_schemas() -> tuple[dict, dict]:
+    """The fields of the language-model config (``configs/llama_small.py``, the default run:
+    ``base_config`` with its settings) with their values, and those of every vision model's
+    config (``vision_config``), read at run time."""
+    spec = importlib.util.spec_from_file_location("_llama_small",
+                                                  os.path.join(ROOT, "configs", "llama_small.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    vision = {}
+    for name in VISION_MODELS:
+        vision.update(_flat(vision_config(name, "digits")))
+    return _flat(mod.get_config()), vision
+
+
+def _split_cell(cell: str) -> list[str]:
+    """A table cell's comma-separated values, commas inside backticks or parentheses kept."""
+    parts, depth, quoted, cur = [], 0, False, ""
+    for ch in cell:
+        quoted ^= ch == "`"
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and not quoted and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur.strip()]
+
+
+def _doc_value(text: str):
+    text = text.strip().strip("`")
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def config_doc_rows(text: str) -> dict[str, list[tuple[list[str], str]]]:
+    """``{section heading: [(fields of a row, its default cell)]}`` of the tables of
+    docs/configuration.md (a row's first cell names its fields in backticks)."""
+    rows, heading = {}, ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            heading = line[3:].strip()
+        elif line.startswith("|") and not re.match(r"\|\s*(field|-)", line):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.setdefault(heading, []).append((re.findall(r"`([^`]+)`", cells[0]), cells[1]))
+    return rows
+
+
+def config_doc_problems(text: str, lm: dict, vision: dict) -> list[str]:
+    """What docs/configuration.md gets wrong about the schema: a field of the language-model
+    config missing from its table, a field there that config lacks (or a wildcard), a default
+    that is not ``llama_small``'s; a vision model's own field (its ``model.*`` and ``data.*``,
+    and the fields language models lack) missing from the vision table, or one there that no
+    vision config has."""
+    rows = config_doc_rows(text)
+    lm_rows = next((r for h, r in rows.items() if h.lower().startswith("language")), [])
+    vision_rows = next((r for h, r in rows.items() if h.lower().startswith("vision")), [])
+    problems = [f"{f}: a wildcard hides fields; name each" for r in lm_rows + vision_rows
+                for f in r[0] if "*" in f]
+    named = [f for fields_, _ in lm_rows for f in fields_]
+    problems += [f"{f}: not in the language-model table" for f in sorted(set(lm) - set(named))]
+    problems += [f"{f}: in the language-model table, but no field of its config"
+                 for f in named if f not in lm and "*" not in f]
+    for fields_, cell in lm_rows:
+        values = _split_cell(cell)
+        if len(values) != len(fields_):
+            problems.append(f"{', '.join(fields_)}: {len(fields_)} fields, defaults {cell!r}")
+            continue
+        for f, v in zip(fields_, values):
+            want, got = lm.get(f), _doc_value(v)
+            if f in lm and (got != want or isinstance(got, bool) != isinstance(want, bool)):
+                problems.append(f"{f}: default {v} in the table, {want!r} in llama_small")
+    own = {f for f in vision if f.split(".")[0] in ("model", "data") or f not in lm}
+    vnamed = [f for fields_, _ in vision_rows for f in fields_]
+    problems += [f"{f}: not in the vision table" for f in sorted(own - set(vnamed))]
+    problems += [f"{f}: in the vision table, but no vision config has it"
+                 for f in vnamed if f not in vision and "*" not in f]
+    return problems
+
+
+def test_configuration_doc_names_every_field_of_the_schema():
+    """docs/configuration.md names every field of the language-model config (with
+    llama_small's default) and every vision model's own field, and no field that does not
+    exist: the schema is read from sdp_jax.train.config when the test runs, so a field added
+    to it, or renamed, fails here until the page has its row."""
+    lm, vision = config_schemas()
+    with open(os.path.join(ROOT, "docs", "configuration.md")) as f:
+        text = f.read()
+    assert len(lm) > 60 and {"sdp.stage_blocks", "eval_limit", "model.window"} <= set(vision)
+    assert config_doc_problems(text, lm, vision) == []
+    # (the check has teeth: the defects a user found in the page are each caught)
+    lm_section = text[:text.index("## Vision models")]
+    with_vision_field = text.replace(lm_section, lm_section + (
+        "| `model.subnet_rescale` | True | N-SDP rescaling |\n"))
+    assert "model.subnet_rescale: in the language-model table, but no field of its config" in \
+        config_doc_problems(with_vision_field, lm, vision)
+    wildcard = re.sub(r"\| `optim\.b1`, `optim\.b2`, `optim\.eps` \|[^\n]*\n",
+                      "| `optim.*` | - | AdamW |\n", text)
+    assert {"optim.*: a wildcard hides fields; name each",
+            "optim.b1: not in the language-model table"} <= set(
+                config_doc_problems(wildcard, lm, vision))
+    assert "data.new_field: not in the language-model table" in config_doc_problems(
+        text, {**lm, "data.new_field": ""}, vision)
+    assert "sdp.coverage: default 0.5 in the table, 0.25 in llama_small" in config_doc_problems(
+        text, {**lm, "sdp.coverage": 0.25}, vision)
+    assert "eval_bn_batches: not in the vision table" in config_doc_problems(
+        text.replace("| `eval_bn_batches` |", "| eval_bn_batches |"), lm, vision)
+
+
+# ------------------------------------------------------------------ measured at a commit
+MEASURED = ["README.md", "docs/benchmarks.md", "docs/study_sdp.md", "docs/pipelines.md",
+            "docs/vision.md"]
+MEASURED_AT = re.compile(r"[Mm]easured at commit `?([0-9a-f]{7,40})`? \((\d{4}-\d\d-\d\d)")
+
+
+FIGURE = re.compile(r"[*_]*[-+−]?\d[\d,]*(\.\d+|(\.\d+)? ?(MiB|GiB|GB|MB|ms|s)\b)")
+
+
+def measured_tables(text: str) -> list[tuple[int, str]]:
+    """``(line, text before the table since the previous heading or table)`` of every table
+    of measured figures: at least four cells that start with a number with a decimal point
+    or a unit (MiB, GiB, ms, s), as a loss, a ratio, a memory or a time does."""
+    lines, out, start, i = text.splitlines(), [], 0, 0
+    while i < len(lines):
+        if lines[i].startswith("#"):
+            start = i
+        if lines[i].startswith("|"):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            cells = [c.strip() for ln in lines[i + 2:j] for c in ln.strip().strip("|").split("|")]
+            if sum(bool(FIGURE.match(c)) for c in cells) >= 4:
+                out.append((i + 1, "\n".join(lines[start:i])))
+            start, i = j, j
+        else:
+            i += 1
+    return out
+
+
+def test_measured_tables_name_the_commit_they_were_measured_at():
+    """Every table of measured figures in the README and the pages of results says, between
+    its heading (or the table before it) and itself, the commit (and date) it was measured
+    at, and that commit is one of this repository's."""
+    missing, commits = [], set()
+    for path in MEASURED:
+        with open(os.path.join(ROOT, path)) as f:
+            for line, before in measured_tables(f.read()):
+                found = MEASURED_AT.findall(before)
+                commits |= {c for c, _ in found}
+                if not found:
+                    missing.append(f"{path}:{line}")
+    assert missing == []
+    assert len(commits) >= 5
+    table = "## h\n\n| a | b | c |\n|---|---|---|\n| x | 1.25 | 2 MiB |\n| y | 0.5 | 3 s |\n"
+    assert measured_tables(table) == [(3, "## h\n")]   # (teeth: found, with nothing above it)
+    assert measured_tables(table.replace("1.25", "`a`")) == []   # three figures: not measured
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "--git-dir"], capture_output=True,
+                      check=False).returncode == 0:   # a git checkout (not an sdist)
+        unknown = [c for c in sorted(commits) if subprocess.run(
+            ["git", "-C", ROOT, "cat-file", "-e", f"{c}^{{commit}}"],
+            capture_output=True, check=False).returncode != 0]
+        assert unknown == []

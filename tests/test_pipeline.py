@@ -474,8 +474,7 @@ def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     path = b / "checkpoints" / "4" / "state"
     ck = ocp.StandardCheckpointer()
     state = ck.restore(path, abstract)
-    resume_from_old_layout(ck, path, migrations.pipeline_kept(state, True), abstract, Exception, c, a,
-                           b)
+    resume_from_old_layout(ck, path, migrations.pipeline_kept(state, True), abstract, c, a, b)
 
 
 def test_study_table_and_plot(tmp_path):

@@ -1,5 +1,6 @@
 """End to end: the command line, resumption, refusal of foreign checkpoints, bad input."""
 
+import gc
 import json
 import os
 import subprocess
@@ -332,8 +333,15 @@ def test_checkpoint_of_another_layout_is_incompatible_not_damaged(tmp_path):
     m = ckpt_lib.CheckpointManager(str(tmp_path / "c"))
     abstract = {"w": jax.ShapeDtypeStruct((5,), jnp.float32),
                 "b": jax.ShapeDtypeStruct((2,), jnp.float32)}
+
+    def no_read(*_, **__):   # refused from the metadata: no array read starts (one that fails
+        raise AssertionError("a read started")   # part-way leaves orbax's others unfinished)
+    real_restore, m._mngr.restore = m._mngr.restore, no_read
     with pytest.raises(ValueError) as e:
         m.restore(1, abstract)
+    m._mngr.restore = real_restore
+    np.testing.assert_array_equal(m.restore(1, {**abstract, "w": jax.ShapeDtypeStruct(
+        (4,), jnp.float32)})["w"], np.zeros(4))   # the stored layout is read as before
     m.close()
     msg = str(e.value)
     assert "is incompatible with this run" in msg and "['w']: checkpoint (4,), this run (5,)" in msg
@@ -465,6 +473,22 @@ def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, step + 3))
 
 
+# Upstream (orbax-checkpoint 0.12.8), met only by a checkpoint damaged on purpose: a restore
+# runs its reads in a fresh event loop (orbax/checkpoint/_src/asyncio_utils.py,
+# _run_sync_via_new_loop: run_until_complete, then close) and gathers them with asyncio.gather
+# (serialization.py, _read_and_create_array), which does not cancel the other reads when one
+# fails. The loop is closed with those reads pending: their TensorStore callbacks then call
+# call_soon_threadsafe on the closed loop ("Event loop is closed"), and when collected each
+# turns its GeneratorExit into an Exception (`except BaseException` in
+# _read_array_index_and_device_put): "Exception ignored in: <coroutine object ...>". A truncated
+# file is found only by reading it; every other refusal of a checkpoint (another config, other
+# masks, another parameter layout) is decided from its metadata before any read starts
+# (sdp_jax.train.checkpoint.CheckpointManager.restore), and prints nothing of the kind.
+@pytest.mark.filterwarnings("ignore:(?s)Exception ignored in. None.*Event loop is closed"
+                            ":pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore:(?s)Exception ignored in. <coroutine object "
+                            "_read_array_index_and_device_put:"
+                            "pytest.PytestUnraisableExceptionWarning")
 def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     wd = tmp_path / "run"   # stopped at step 4 of 6 (a finished run is not restored again)
     loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0, stop_at_step=4), str(wd))
@@ -478,6 +502,7 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     assert "checkpoint at step 4" in msg and "is damaged" in msg and "delete" not in msg
     assert f"move {wd / 'checkpoints' / '4'} aside" in msg and "resume from step 2" in msg
     assert victim.stat().st_size == 100  # nothing rewritten
+    gc.collect()   # orbax's abandoned reads are finalized here, under this test's filters
 
 
 @pytest.mark.parametrize("variant,extra", [
@@ -593,8 +618,7 @@ def test_backward_masking_resumes_a_checkpoint_of_the_compact_optimizer_state(tm
     back = from_old({**state, "opt_state": old_opt})["opt_state"]
     for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(state["opt_state"]), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))   # two holders: exact
-    resume_from_old_layout(ck, path, {**state, "opt_state": old_opt}, abstract, ValueError, c,
-                           a, b)
+    resume_from_old_layout(ck, path, {**state, "opt_state": old_opt}, abstract, c, a, b)
 
 
 def _traces(wd):

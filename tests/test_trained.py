@@ -1,8 +1,12 @@
 """Using a trained run (issue 15 item 4): evaluate, generate and export from its folder, without
 the training iterator; an export loads back to the same validation loss."""
 
+import glob
+import inspect
 import json
 import os
+import re
+import shlex
 import sys
 
 import numpy as np
@@ -12,7 +16,7 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from sdp_jax.tools import evaluate, export, generate, trained
+from sdp_jax.tools import evaluate, export, generate, harness, trained
 from sdp_jax.train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,3 +285,80 @@ def test_lm_eval_adapter_scores_a_local_two_choice_task(run, tmp_path):
     stop = free[len(free) // 2]
     cut = model.generate_until([Req("def ", {"until": [stop], "max_gen_toks": 8})])[0]
     assert cut == free[:free.index(stop)]
+
+
+def test_harness_help_names_the_models_arguments(capsys):
+    """``python -m sdp_jax.tools.harness --help`` (or no arguments) prints this project's help,
+    not lm-eval's generic one: every argument of the model (``SDPJaxLM``'s parameters) and how
+    to run a task, a local one included; an unknown model argument is refused in one line."""
+    params = [p for p in inspect.signature(harness.SDPJaxLM.__init__).parameters
+              if p not in ("self", "_")]
+    assert list(harness.MODEL_ARGS) == params
+    for argv in (["--help"], ["-h"], [], ["--model", "sdp_jax", "--help"]):
+        harness.main(argv)
+        out = capsys.readouterr().out
+        assert out.startswith("usage: python -m sdp_jax.tools.harness --model sdp_jax")
+        for key in params:
+            assert re.search(rf"^  {key} +\S", out, re.M), key
+        assert "--include_path" in out and "--tasks" in out and "run --help" in out
+    pytest.importorskip("lm_eval")
+    with pytest.raises(SystemExit) as e:
+        harness.main(["--model", "sdp_jax", "--model_args", "workdir=runs/x,stepp=3",
+                      "--tasks", "boolq"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unknown model argument(s) stepp" in err
+    assert "takes workdir, export, step, batch_size" in err
+    assert harness.model_args(["--model_args", "workdir=a,step=2", "batch_size=4", "--tasks",
+                               "t", "--model_args=export=b"]) == {
+        "workdir": "a", "step": "2", "batch_size": "4", "export": "b"}
+
+
+def documented_local_task_command() -> list[str]:
+    """docs/using.md's command that runs the local task (``--include_path``), as tokens."""
+    with open(os.path.join(ROOT, "docs", "using.md")) as f:
+        text = f.read()
+    lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for ln in block.splitlines()
+             if ln.startswith("python -m sdp_jax.tools.harness") and "--include_path" in ln]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])
+
+
+def test_documented_local_task_runs_on_a_trained_run(run, tmp_path, monkeypatch, capsys):
+    """docs/using.md's local-task command, run by ``harness.main`` (lm-eval's command line) on
+    a 4-step run instead of runs/default: the harness reads the task YAML from
+    ``--include_path`` and its local data, and its accuracy is the share of documents whose
+    right choice the adapter scores likelier."""
+    pytest.importorskip("lm_eval")
+    import lm_eval.tasks
+    wd, _ = run
+    cmd = documented_local_task_command()
+    assert cmd[:3] == ["python", "-m", "sdp_jax.tools.harness"]
+    args = cmd[3:]
+    i = args.index("--model_args")
+    assert harness.model_args(args) == {"workdir": "runs/default"}, args[i + 1]
+    args[i + 1] = f"workdir={wd}"
+    include = args[args.index("--include_path") + 1]
+    task = args[args.index("--tasks") + 1]
+    out_dir = tmp_path / "results"
+    # Indexing lm-eval's ~15,000 built-in task YAMLs takes about 30 s of CPU; this command
+    # needs only the folder it includes.
+    class IncludedOnly(lm_eval.tasks.TaskManager):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **{**k, "include_defaults": False})
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", IncludedOnly)
+    monkeypatch.chdir(ROOT)   # the task YAML's data path is relative to the repository root
+    harness.main(args + ["--output_path", str(out_dir)])
+    assert task in capsys.readouterr().out   # the harness's results table
+    [path] = glob.glob(str(out_dir / "**" / "results_*.json"), recursive=True)
+    with open(path) as f:
+        acc = json.load(f)["results"][task]["acc,none"]
+    model = harness.SDPJaxLM(workdir=wd)
+    with open(os.path.join(ROOT, include, "python_choice.jsonl")) as f:
+        docs = [json.loads(ln) for ln in f]
+    right = 0
+    for d in docs:
+        scores = [ll for ll, _ in model.score([(model.encode(d["context"]), model.encode(c))
+                                              for c in d["choices"]])]
+        right += int(np.argmax(scores)) == d["label"]
+    assert len(docs) == 8 and acc == pytest.approx(right / len(docs))

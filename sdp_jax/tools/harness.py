@@ -10,10 +10,13 @@ the harness's own command line with that model registered:
         --tasks arc_easy,boolq,hellaswag,openbookqa,sciq --batch_size 16
 
 (the harness downloads the tasks' datasets, or reads them from its cache; any of its flags
-apply). From Python: ``lm_eval.simple_evaluate(model=SDPJaxLM(workdir=...), tasks=[...])``.
-Text is encoded by the run's tokenizer (:func:`sdp_jax.tools.trained.tokenizer`: UTF-8 bytes,
-or the Hugging Face tokenizer of ``data.tokenizer``); a run on llm.c token shards without
-``data.tokenizer`` has none and is refused.
+apply). ``--help`` prints this project's model arguments (:data:`MODEL_ARGS`) and how to run a
+task, a local one included (a task YAML in a folder given to ``--include_path``;
+``examples/lm_eval_task``); ``run --help`` prints the harness's own flags. From Python:
+``lm_eval.simple_evaluate(model=SDPJaxLM(workdir=...), tasks=[...])``. Text is encoded by the
+run's tokenizer (:func:`sdp_jax.tools.trained.tokenizer`: UTF-8 bytes, or the Hugging Face
+tokenizer of ``data.tokenizer``); a run on llm.c token shards without ``data.tokenizer`` has
+none and is refused.
 """
 
 from __future__ import annotations
@@ -36,6 +39,43 @@ except ImportError:   # the optional extra is missing: the class below says so w
         return lambda cls: cls
 
 MODEL_NAME = "sdp_jax"
+PROG = "python -m sdp_jax.tools.harness"
+# The model's arguments (``--model_args key=value,...``): SDPJaxLM's parameters.
+MODEL_ARGS = {
+    "workdir": "a training run's folder (train.py --workdir): its latest checkpoint",
+    "export": "instead of workdir, a folder python -m sdp_jax.tools.export wrote",
+    "step": "with workdir, the checkpoint of this step (one the run keeps; 0 = the latest)",
+    "batch_size": "sequences per forward pass (default 8; the harness's --batch_size sets it)",
+}
+_EXAMPLE = f"{PROG} --model {MODEL_NAME} --model_args workdir=runs/default"
+HELP = "\n".join([
+    (f"usage: {PROG} --model {MODEL_NAME} --model_args workdir=RUN[,step=N] "
+     "--tasks TASK[,TASK...] [lm-eval flags]"),
+    "",
+    "Runs lm-evaluation-harness (lm_eval; pip install -e '.[eval]') on a trained sdp_jax",
+    "language model (byte-level runs; the full model on one device), registered as the",
+    f"harness's model '{MODEL_NAME}'.",
+    "",
+    "model arguments (--model_args key=value,key=value):",
+    *(f"  {k:<12}{v}" for k, v in MODEL_ARGS.items()),
+    "",
+    "tasks:",
+    "  --tasks arc_easy,boolq        the harness's tasks (it downloads their datasets, or reads",
+    "                                its cache)",
+    "  --tasks NAME --include_path DIR",
+    "                                a local task: DIR holds a YAML with 'task: NAME' (its data",
+    "                                may be a local JSON file); examples/lm_eval_task/ is one",
+    "                                (docs/using.md)",
+    f"  {PROG} ls tasks",
+    "                                the tasks the harness knows",
+    "",
+    "examples:",
+    f"  {_EXAMPLE} --tasks arc_easy,boolq --batch_size 16",
+    f"  {_EXAMPLE},step=500 --include_path examples/lm_eval_task --tasks sdp_jax_python_choice",
+    "",
+    "The harness's own flags (--limit, --num_fewshot, --output_path, --log_samples, ...):",
+    f"  {PROG} run --help",
+])
 
 
 @register_model(MODEL_NAME)
@@ -155,14 +195,59 @@ class SDPJaxLM(LM):
         return out
 
 
+def model_args(argv: list[str]) -> dict[str, str]:
+    """The ``--model_args`` of a harness command line (``key=value,key=value`` or several
+    ``key=value`` words, as lm-eval takes them) as a dict."""
+    out, taking = {}, False
+    for arg in argv:
+        if arg.startswith("-"):
+            flag, eq, value = arg.partition("=")
+            taking = flag in ("--model_args", "-a")
+            if not (taking and eq):
+                continue
+            arg = value
+        elif not taking:
+            continue
+        for pair in filter(None, arg.split(",")):
+            key, _, value = pair.partition("=")
+            out[key.strip()] = value
+    return out
+
+
+def check_model_args(argv: list[str]) -> None:
+    """Refuse, before the harness loads anything, ``--model_args`` keys the model ``sdp_jax``
+    does not take (lm-eval would pass them on and the model ignore them).
+
+    Raises:
+      ValueError: one line naming the key and the arguments the model takes."""
+    if MODEL_NAME not in argv and f"--model={MODEL_NAME}" not in argv:
+        return   # another model's arguments are lm-eval's business
+    unknown = sorted(set(model_args(argv)) - set(MODEL_ARGS))
+    if unknown:
+        raise ValueError(f"unknown model argument(s) {', '.join(unknown)} in --model_args; the "
+                         f"model {MODEL_NAME} takes {', '.join(MODEL_ARGS)} (see {PROG} --help)")
+
+
 def main(argv=None) -> None:
-    """The harness's own command line (``lm_eval``), with the model ``sdp_jax`` registered."""
+    """The harness's own command line (``lm_eval``), with the model ``sdp_jax`` registered.
+    No arguments, ``-h`` or ``--help`` (without a subcommand) print :data:`HELP`: this
+    project's model arguments and how to run a task."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or (args[0] not in ("run", "ls", "validate")
+                    and any(a in ("-h", "--help") for a in args)):
+        print(HELP)
+        return
     if LM is object:
-        print("python -m sdp_jax.tools.harness: error: lm-evaluation-harness is not installed: "
+        print(f"{PROG}: error: lm-evaluation-harness is not installed: "
               "pip install -e '.[eval]'", file=sys.stderr)
         sys.exit(2)
+    try:
+        check_model_args(args)
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
-    sys.argv = ["lm_eval"] + (sys.argv[1:] if argv is None else list(argv))
+    sys.argv = ["lm_eval"] + args
     cli_evaluate()
 
 

@@ -45,6 +45,18 @@ def _with_defaults(saved: Any, defaults: Any) -> Any:
     return out
 
 
+def _leaf_shapes(tree: Any) -> dict[tuple, tuple[str, tuple]]:
+    """``{path: (printed path, shape)}`` of a state tree's leaves, the path as plain names
+    and indices: orbax's metadata stores a named tuple (optax's states) as a dict and a tuple
+    as a list, which ``jax.tree_util.keystr`` prints otherwise."""
+    import jax  # pylint: disable=g-import-not-at-top
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        plain = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+        out[plain] = (jax.tree_util.keystr(path), tuple(getattr(x, "shape", ()) or ()))
+    return out
+
+
 class CheckpointManager:
     """Thin wrapper over ``orbax.checkpoint.CheckpointManager`` for SDP runs.
 
@@ -141,43 +153,53 @@ class CheckpointManager:
 
     def _layout_mismatch(self, step: int, abstract_state: Any) -> list[str]:
         """Leaves whose stored shape differs from ``abstract_state``'s (or that only one of
-        them has): a readable checkpoint of another parameter layout."""
-        import jax  # pylint: disable=g-import-not-at-top
+        them has): a readable checkpoint of another parameter layout. Read from the
+        checkpoint's metadata (no array is read); [] when that is unreadable (a damaged
+        checkpoint, which the restore then reports)."""
         try:
             stored = self._mngr.item_metadata(step)["state"]
         except Exception:  # noqa: BLE001 (no readable metadata: not a layout question)
             return []
         if stored is None:
             return []
-        want = {jax.tree_util.keystr(p): tuple(x.shape)
-                for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
-        have = {jax.tree_util.keystr(p): tuple(getattr(x, "shape", ()) or ())
-                for p, x in jax.tree_util.tree_flatten_with_path(
-                    dict(stored) if hasattr(stored, "keys") else stored)[0]}
-        out = [f"{k}: checkpoint {have.get(k, '<absent>')}, this run {want.get(k, '<absent>')}"
-               for k in sorted(set(want) | set(have)) if have.get(k) != want.get(k)]
-        return out
+        want = _leaf_shapes(abstract_state)
+        have = _leaf_shapes(dict(stored) if hasattr(stored, "keys") else stored)
+        shown = {k: name for k, (name, _) in {**have, **want}.items()}
+        return [f"{shown[k]}: checkpoint {have.get(k, (0, '<absent>'))[1]}, "
+                f"this run {want.get(k, (0, '<absent>'))[1]}"
+                for k in sorted(set(want) | set(have), key=str)
+                if have.get(k, (0, None))[1] != want.get(k, (0, None))[1]]
+
+    def _incompatible(self, step: int, mismatch: list[str]) -> ValueError:
+        shown = "\n  ".join(mismatch[:10])
+        return ValueError(
+            f"the checkpoint at step {step} in {self.directory} is incompatible with "
+            f"this run: it holds another parameter layout:\n  {shown}\nUse a new "
+            "--workdir for this run, or the code and config that wrote it to resume it.")
 
     def restore(self, step: int, abstract_state: Any) -> Any:
         """Restore the state into ``abstract_state``'s shapes and shardings (any process
         layout). Returns the state.
 
+        The stored shapes are compared with ``abstract_state``'s first (from the checkpoint's
+        metadata, no array read), so that another layout (an earlier one that
+        :func:`sdp_jax.train.loop.restore_or_init` then tries) is refused before orbax starts
+        reading: a read that fails part-way leaves orbax's other reads of that restore
+        unfinished in an event loop it has closed (orbax 0.12: ``asyncio_utils.
+        _run_sync_via_new_loop``), and each of them prints "Exception ignored in: <coroutine
+        ...>" when it is collected.
+
         Raises:
           ValueError: the checkpoint holds another parameter layout (incompatible: names the
             leaves) or cannot be read (damaged: names the step and how to fall back).
         """
+        mismatch = self._layout_mismatch(step, abstract_state)
+        if mismatch:
+            raise self._incompatible(step, mismatch)
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
         except Exception as e:  # truncated tensors, missing items, another tree
-            mismatch = self._layout_mismatch(step, abstract_state)
-            if mismatch:
-                shown = "\n  ".join(mismatch[:10])
-                raise ValueError(
-                    f"the checkpoint at step {step} in {self.directory} is incompatible with "
-                    f"this run: it holds another parameter layout:\n  {shown}\nUse a new "
-                    "--workdir for this run, or the code and config that wrote it to resume "
-                    "it.") from e
             raise self._damaged(step, "state", e) from e
         return out["state"]
 

@@ -288,23 +288,32 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) 
     return True
 
 
+def parser() -> argparse.ArgumentParser:
+    """The launcher's own flags (those before ``--``): ``--processes``, ``--port``, ``--grace``,
+    ``--timeout``."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                usage=f"{PROG} --processes N [options] -- COMMAND ...")
+    p.add_argument("--processes", type=int, required=True, help="number of processes")
+    p.add_argument("--port", type=int, default=0,
+                   help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--grace", type=float, default=60.0,
+                   help="seconds the others get after a process ends (default 60)")
+    p.add_argument("--timeout", type=float, default=0.0,
+                   help="terminate every process after this many seconds (0: never)")
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sdp_jax.train.launch --processes N [options] -- COMMAND ...`` (the module
+    docstring); returns the exit status of :func:`run`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         cut = argv.index("--")
         own, command = argv[:cut], argv[cut + 1:]
     else:
         own, command = argv, []
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                     usage=f"{PROG} --processes N [options] -- COMMAND ...")
-    parser.add_argument("--processes", type=int, required=True, help="number of processes")
-    parser.add_argument("--port", type=int, default=0,
-                        help="coordinator port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--grace", type=float, default=60.0,
-                        help="seconds the others get after a process ends (default 60)")
-    parser.add_argument("--timeout", type=float, default=0.0,
-                        help="terminate every process after this many seconds (0: never)")
-    args = parser.parse_args(own)
+    own_flags = parser()
+    args = own_flags.parse_args(own)
     if command and command[0].endswith(".py"):
         command = [sys.executable, *command]
     elif command and command[0] in ("python", "python3"):
@@ -313,9 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(command, args.processes, port=args.port, grace=args.grace,
                    timeout=args.timeout)
     except ValueError as e:
-        parser.error(str(e))
+        own_flags.error(str(e))
     except OSError as e:   # the command cannot be started
-        parser.error(f"cannot start {command[0]!r}: {e}")
+        own_flags.error(f"cannot start {command[0]!r}: {e}")
     return 2
 
 
