@@ -6,8 +6,10 @@ a bash block or an inline code span is parsed with the tool's own flags (the one
 before any compute), so a renamed flag, a config field that does not exist or a setting the code
 refuses fails here. ``python -m sdp_jax.train.launch`` commands are checked by the launcher's own
 parser and their train command on processes x devices; ``python -m sdp_jax.tools.harness``
-commands by lm-eval's parser and the model's arguments (``--help`` runs). What the checks do not
-do is run them: the short ones run in the tests of their features (listed in RUN_ELSEWHERE and
+commands by lm-eval's parser and the model's arguments (``--help`` runs); ``python -m
+sdp_jax.tools.prepare`` commands run, on a small corpus of the paths they name (the corpus kit,
+which also holds the tokenizers and the Hugging Face folder that documented runs read). What the
+other checks do not do is run them: the short ones run in the tests of their features (listed in RUN_ELSEWHERE and
 next to each kind below), the long ones (hours, a 1B model, a pod slice) are measured by hand,
 as the README says next to each figure.
 
@@ -19,6 +21,7 @@ plot draws are trained before it, docs/configuration.md names every field of the
 import ast
 import functools
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -32,7 +35,9 @@ from sdp_jax.bench import device
 from sdp_jax.bench import measure as bench
 from sdp_jax.models.vision import MODELS as VISION_MODELS
 from sdp_jax.study import __main__ as study
-from sdp_jax.tools import harness, plot, trained
+from sdp_jax.models import hf_llama
+from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.tools import harness, plot, prepare, trained
 from sdp_jax.train import cli, launch
 from sdp_jax.train.config import vision_config
 from sdp_jax.train.run import resolve, total_steps
@@ -136,6 +141,60 @@ def sandbox(tmp_path, monkeypatch):
     return tmp_path
 
 
+KIT_DOCS = [f"def f{i}(x):\n    return x * {i}  # {'word ' * (i % 7)}\n" * 4 for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def corpus_kit(tmp_path_factory):
+    """What the documented data commands read, made small: ``corpus/`` (Parquet with a
+    ``text`` column, JSONL with a ``content`` field, a trained ``tokenizer.json``),
+    ``corpus_bpe4k/`` (``prepare``'s shards and tokenizer) and ``runs/default/hf`` (a Hugging
+    Face LLaMA folder of the default config's shape, as ``export --format hf`` writes)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sdp_jax.train import corpus
+    from sdp_jax.train.families import LanguageModel
+
+    kit = tmp_path_factory.mktemp("kit")
+    (kit / "corpus").mkdir()
+    for k in range(4):
+        part = KIT_DOCS[k::4]
+        pq.write_table(pa.table({"text": part}), kit / "corpus" / f"part_{k}.parquet")
+        (kit / "corpus" / f"part_{k}.jsonl").write_text(
+            "".join(json.dumps({"content": t}) + "\n" for t in part))
+    docs = corpus.Documents(corpus.file_pieces("parquet", sorted((kit / "corpus").glob("*.parquet"))))
+    corpus.train_bpe(docs, 1024, str(kit / "corpus" / "tokenizer.json"))
+    prepare.main(["--config.data.source=parquet", f"--config.data.train_files={kit}/corpus/*.parquet",
+                  "--train_tokenizer", "--vocab_size=1024", f"--out={kit}/corpus_bpe4k"])
+    cfg = LlamaConfig.from_config(cli_config("llama_small.py").model)
+    hf = kit / "runs" / "default" / "hf"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text(json.dumps(hf_llama.hf_config(cfg)))
+    from safetensors.numpy import save_file
+    save_file(hf_llama.to_hf(LanguageModel(cfg).init(0), cfg), str(hf / hf_llama.WEIGHTS))
+    return kit
+
+
+def _with_kit(cmd: list[str], kit) -> None:
+    """Link the kit's inputs that ``cmd`` names into the working folder (not the outputs a
+    ``prepare`` command writes itself)."""
+    text = " ".join(cmd)
+    outputs = {flag_value(cmd, "--out")} if cmd[1:3] == ["-m", "sdp_jax.tools.prepare"] else set()
+    for name in ("corpus", "corpus_bpe4k", "runs/default/hf"):
+        if name in text and name not in outputs and not os.path.exists(name):
+            os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+            os.symlink(kit / name, name)
+
+
+def cli_config(name: str):
+    """A config file of configs/ as the commands load it."""
+    spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(ROOT, "configs", name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 def _check_train(argv: list[str], processes: int = 1) -> None:
     train = _train_module()
     fv = train.define_flags(flags.FlagValues(), argv)
@@ -195,13 +254,14 @@ def _check_harness(args: list[str], monkeypatch) -> None:
 
 @pytest.mark.parametrize("path,cmd", COMMANDS,
                          ids=[f"{p}:{' '.join(c)[:70]}" for p, c in COMMANDS])
-def test_documented_command_is_valid(sandbox, monkeypatch, path, cmd):
+def test_documented_command_is_valid(sandbox, monkeypatch, corpus_kit, path, cmd):
     """One documented command: its flags parse and its config passes the run's validation."""
     for head, why in NOT_PARSED.items():
         if tuple(cmd[:len(head)]) == head:
             assert why
             return
     assert cmd[0] == "python", f"{path}: unknown command {' '.join(cmd)}"
+    _with_kit(cmd, corpus_kit)
     refusal = SHOWN_AS_REFUSED.get(" ".join(cmd))
     if refusal is not None:
         with pytest.raises(ValueError, match=refusal):
@@ -227,6 +287,13 @@ def test_documented_command_is_valid(sandbox, monkeypatch, path, cmd):
             os.path.join(ROOT, "tests", "test_trained.py")).read()
     elif cmd[1:3] == ["-m", "sdp_jax.tools.harness"]:
         _check_harness(cmd[3:], monkeypatch)
+    elif cmd[1:3] == ["-m", "sdp_jax.tools.prepare"] and not cmd[3:]:   # named in prose
+        with pytest.raises(SystemExit) as e:
+            prepare.main(["--help"])
+        assert e.value.code == 0
+    elif cmd[1:3] == ["-m", "sdp_jax.tools.prepare"]:   # runs, on the kit's small corpus
+        done = prepare.main(cmd[3:])
+        assert done["train_tokens"] > 0 and os.path.isfile(done["train"][0])
     elif cmd[1:3] == ["-m", "sdp_jax.tools.plot"]:   # drawn from real runs in its own test
         assert plot.main(cmd[3:], check_only=True) is None
         assert "plot.main" in open(os.path.join(ROOT, "tests", "test_train_cli.py")).read()
@@ -518,8 +585,8 @@ def test_configuration_doc_names_every_field_of_the_schema():
 
 
 # ------------------------------------------------------------------ measured at a commit
-MEASURED = ["README.md", "docs/benchmarks.md", "docs/study_sdp.md", "docs/pipelines.md",
-            "docs/vision.md"]
+# README.md and every page of docs/ but the field table (whose defaults are no measurements)
+MEASURED = [p for p in DOCS if p != os.path.join("docs", "configuration.md")]
 MEASURED_AT = re.compile(r"[Mm]easured at commit `?([0-9a-f]{7,40})`? \((\d{4}-\d\d-\d\d)")
 
 
