@@ -1,25 +1,28 @@
 """Gradient accumulation: a worker's slice of the batch in ``K`` microbatches, one after another.
 
-:func:`accumulate` wraps the ``grads`` of a parameter source (:mod:`sdp_jax.sources`:
-``(params, batch, stats, count_branch) -> (loss, aux, gradient, parameters, new model
-state)``) into one of the same signature that cuts the batch's leading axis ``b`` into ``K``
-microbatches of ``b / K`` rows, runs the source on each in turn (one ``lax.scan``) and
-returns the means of the losses, aux values and gradients. Only one microbatch's activations
-are alive at a time, so the activation memory of a step is about ``1 / K`` of the whole
-slice's, while the optimizer step, the averaging over holders and the clipping see the mean
-gradient of the whole slice: the same update as one step on the ``K``-times batch, to float
-rounding (every averaging a source does is linear, so the mean of the microbatches' averaged
-gradients is the average of the mean gradient).
+:func:`accumulate` gives a parameter source (:class:`sdp_jax.sources.Source`) a ``grads`` of
+the same signature (``(params, batch, stats, count_branch) -> (loss, aux, gradient,
+parameters, new model state)``) that cuts the batch's leading axis ``b`` into ``K``
+microbatches of ``b / K`` rows, sums the source's :meth:`~sdp_jax.sources.Source.worker_grads`
+over them in one ``lax.scan`` and divides by ``K``, then applies the source's
+:meth:`~sdp_jax.sources.Source.reduce` once. Only one microbatch's activations are alive at a
+time, so the activation memory of a step falls towards ``1 / K`` of the whole slice's, while
+the averaging over holders, the clipping and the optimizer step see the mean gradient of the
+whole slice: for a loss that is a mean over equal-sized examples (the language models' tokens)
+the same update as one step on the ``K``-times batch, to float rounding (every averaging is
+linear, so the averaged mean is the mean of the averaged). Model state (BatchNorm running
+statistics) is updated once per step, by the mean of the microbatches' updates (each starts
+from the step's statistics; the update is linear in the batch statistics); each microbatch
+normalises with its own batch statistics, as in any framework's accumulation, so a BatchNorm
+model's step is not the whole batch's.
 
-Costs: the step builds its sources without the block runner's in-loop averaging when it
-accumulates (:func:`sdp_jax.sources.in_loop_tables`), so the averaging over holders runs once
-per step, after the last microbatch, on the accumulated gradient (the same bytes as without
-accumulation, none of them overlapping the backward pass). What a source cannot move out of
-the loss runs once per microbatch: FSDP's gathers and reduce-scatters (the transpose of its
-gathers) and a pipeline's boundary sends, whose bytes grow ``K``-fold. Model state (BatchNorm statistics) is threaded from
-one microbatch to the next, so it sees ``K`` updates of ``b / K`` examples each (as in any
-framework's accumulation; the normalisation in the forward pass uses each microbatch's own
-statistics).
+Costs: the step builds its sources without the block runner's averaging inside the backward
+loop when it accumulates (:func:`sdp_jax.sources.in_loop_tables`), so the averaging over
+holders (and backward masking's scatter to the owners' shards) runs once per step, after the
+last microbatch, with the bytes of a step without accumulation. What cannot leave the loss runs
+per microbatch: FSDP's gathers and reduce-scatters (the transpose of its gathers: ``K`` times
+the bytes), and a pipeline's boundary sends (the same bytes in ``K`` times the sends, with a
+fill and drain per microbatch loop: ``K`` bubbles per step).
 """
 
 from __future__ import annotations
@@ -66,10 +69,9 @@ def _cast_like(x, aval):
 
 
 def accumulate(source, k: int, unroll: bool = False) -> Callable:
-    """The ``grads`` of a parameter source (``source.grads``, with ``source.local(params)`` its
-    parameters in the optimizer's layout), over ``k`` microbatches (see the module docstring);
-    ``source.grads`` itself when ``k == 1``. ``unroll``: the microbatch loop unrolled (XLA
-    counts a loop body's FLOPs once; the same results).
+    """The ``grads`` of ``source`` (:class:`sdp_jax.sources.Source`) over ``k`` microbatches
+    (see the module docstring); ``source.grads`` itself when ``k == 1``. ``unroll``: the
+    microbatch loop unrolled (XLA counts a loop body's FLOPs once; the same results).
 
     The microbatches run in one ``lax.scan`` of ``k`` trips whose carry starts at zeros typed as
     the source's results (their varying mesh axes read from a trace of one microbatch, which
@@ -84,24 +86,18 @@ def accumulate(source, k: int, unroll: bool = False) -> Callable:
     def accumulated(params, batch, stats=None, count_branch=None):
         micro = microbatches(batch, k)
 
-        def one(mb, state):
-            loss, aux, g, _, state = source.grads(params, mb, state, count_branch)
-            return loss, aux, g, state
+        def one(mb):
+            return source.worker_grads(params, mb, stats, count_branch)
 
         jaxpr, shapes = jax.make_jaxpr(one, return_shape=True)(
-            jax.tree.map(lambda x: x[0], micro), stats)
+            jax.tree.map(lambda x: x[0], micro))
         avals = jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.out_avals)
-        zeros = [jax.tree.map(lambda a: _cast_like(jnp.zeros(a.shape, a.dtype), a), t)
-                 for t in avals[:3]]
-        start = (*zeros, jax.tree.map(_cast_like, stats, avals[3]))
+        start = jax.tree.map(lambda a: _cast_like(jnp.zeros(a.shape, a.dtype), a), avals)
 
-        def body(carry, mb):
-            total, aux_sum, g_sum, state = carry
-            l_i, a_i, g_i, state = one(mb, state)
-            add = lambda a, b: jax.tree.map(lambda x, y: x + y, a, b)  # noqa: E731
-            return (total + l_i, add(aux_sum, a_i), add(g_sum, g_i), state), None
+        def body(total, mb):
+            return jax.tree.map(lambda x, y: x + y, total, one(mb)), None
 
-        (loss, aux, g, stats), _ = jax.lax.scan(body, start, micro, unroll=bool(unroll))
-        mean = lambda t: jax.tree.map(lambda x: x * scale, t)  # noqa: E731
-        return loss * scale, mean(aux), mean(g), source.local(params), stats
+        total, _ = jax.lax.scan(body, start, micro, unroll=bool(unroll))
+        loss, aux, g, new = jax.tree.map(lambda x: x * scale, total)
+        return loss, aux, source.reduce(g), source.local(params), new
     return accumulated

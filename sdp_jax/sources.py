@@ -12,9 +12,11 @@ when its model runs, and where their gradients go.
 * :class:`FsdpWhole`: FSDP without the block runner: the whole model gathered at the start of
   the step, the worker's subnetwork pruned from it.
 
-Each runs inside ``jax.shard_map`` over ``data``; :meth:`grads` returns ``(loss, aux,
-gradient, parameters, new model state)``, the gradient and parameters (also :meth:`local`)
-flat in the optimizer's layout (compact, or ``S`` with the mean over holders already taken under FSDP and backward
+Each runs inside ``jax.shard_map`` over ``data`` and has the interface of :class:`Source`:
+:meth:`~Source.worker_grads` (the worker's loss and gradient, with what the source averages
+inside the backward pass), :meth:`~Source.reduce` (what it averages after it) and
+:meth:`~Source.local`; :meth:`~Source.grads` returns ``(loss, aux, gradient, parameters, new
+model state)``, the gradient and parameters flat in the optimizer's layout (compact, or ``S`` with the mean over holders already taken under FSDP and backward
 masking). Pipeline stages are not a source of their own: the state layout drops the stage axis
 (:meth:`sdp_jax.state.StateLayout.unstage`) and every source runs per stage.
 """
@@ -82,7 +84,34 @@ def in_loop_tables(state: StateLayout, call: ModelCall, method: str,
     return out
 
 
-class Compact:
+class Source:
+    """The interface of a parameter source (one per regime, below). Gradient accumulation
+    (:mod:`sdp_jax.accumulation`) sums :meth:`worker_grads` over microbatches and calls
+    :meth:`reduce` once."""
+
+    def worker_grads(self, params, batch, stats=None, count_branch=None):
+        """``(loss, aux, gradient, new model state)`` of the worker's ``batch``: the gradient
+        as the backward pass leaves it (a pytree :meth:`reduce` takes; sums of two are
+        meaningful), with the averaging the source does inside the backward pass done."""
+        raise NotImplementedError
+
+    def reduce(self, g):
+        """:meth:`worker_grads`'s gradient -> the gradient in the optimizer's layout (flat),
+        with the averaging the source does after the backward pass (linear in ``g``)."""
+        return g
+
+    def local(self, params) -> dict:
+        """The worker's parameters as the optimizer takes them (flat)."""
+        raise NotImplementedError
+
+    def grads(self, params, batch, stats=None, count_branch=None):
+        """``(loss, aux, gradient, parameters, new model state)``: :meth:`worker_grads`
+        reduced, and :meth:`local`."""
+        loss, aux, g, new = self.worker_grads(params, batch, stats, count_branch)
+        return loss, aux, self.reduce(g), self.local(params), new
+
+
+class Compact(Source):
     """Forward masking: the worker's compact subnetwork (flat local leaves) alone runs."""
 
     def __init__(self, state: StateLayout, call: ModelCall, tables: dict):
@@ -131,8 +160,8 @@ class Compact:
         st = self.state
         return st.to_local(st.strip(params))
 
-    def grads(self, params, batch, stats=None, count_branch=None):
-        """(loss, aux, local gradient, local parameters, new model state), flat, compact."""
+    def worker_grads(self, params, batch, stats=None, count_branch=None):
+        """(loss, aux, local gradient (flat, compact), new model state)."""
         st, call = self.state, self.call
         local = self.local(params)
         state_local = st.state_local(stats)
@@ -140,8 +169,7 @@ class Compact:
         diff = self.differentiable(local)
         owners = {p: t for p, t in self.tables.items() if t is not None and not t.grouped}
         if not owners:
-            loss, aux, g, new = call.value_and_grad(self.loss, diff, batch, *extra)
-            return loss, aux, g, local, new
+            return call.value_and_grad(self.loss, diff, batch, *extra)
         # B-SDP: block gradients reach their owners inside the backward loop, as gradients of
         # zero accumulators (sinks), and come back averaged after it.
         sinks, orders = sync.owner_sinks({p: local[p] for p in owners}, owners, DATA), {}
@@ -149,10 +177,10 @@ class Compact:
             lambda both, *a: self.loss(both[0], *a, sinks=both[1], orders=orders),
             (diff, sinks), batch, *extra)
         g.update(sync.sinks_to_mean(sums, {p: g[p] for p in owners}, owners, DATA, orders))
-        return loss, aux, g, local, new
+        return loss, aux, g, new
 
 
-class BackwardHeld:
+class BackwardHeld(Source):
     """Backward masking without FSDP: every worker holds the full model (replicated); the full
     forward pass runs, and gradients flow only into the components the worker holds."""
 
@@ -265,9 +293,9 @@ class BackwardHeld:
                                           tiled=True)
         return out
 
-    def grads(self, params, batch, stats=None, count_branch=None):
-        """(loss, aux, the masked-mean gradient and the parameters in layout ``S`` (``R`` for
-        always-kept leaves outside the blocks), new model state)."""
+    def worker_grads(self, params, batch, stats=None, count_branch=None):
+        """(loss, aux, ``(the worker's gradient, the means already sent to the owners' shards
+        inside the backward loop)``, new model state)."""
         st, call, tables = self.state, self.call, self.tables
         state_local = st.state_local(stats)
         extra = () if state_local is None else (state_local,)
@@ -276,7 +304,7 @@ class BackwardHeld:
         if call.block_fn is None:   # the full gradient, masked to this worker's part
             loss, aux, g, new = call.value_and_grad(call.loss, sync.to_varying(full), batch,
                                                     *extra)
-            return loss, aux, self.mean_shards(g), self.local(params), new
+            return loss, aux, (g, {}), new
         local = st.layout.prune(full, my)
         diff = {p: sync.to_varying(x) if st.layout.leaves[p].form == layout_lib.KEPT else x
                 for p, x in local.items() if p not in tables}   # (kept: local gradients)
@@ -285,7 +313,11 @@ class BackwardHeld:
             lambda both, *a: self.loss(both[0], *a, sinks=both[1], count_branch=count_branch),
             (diff, sinks), full, batch, *extra)
         done = sync.sinks_to_shards(sums, {p: local[p] for p in tables}, tables)
-        return loss, aux, self.mean_shards(g, done), self.local(params), new
+        return loss, aux, (g, done), new
+
+    def reduce(self, g):
+        """The masked mean in layout ``S`` (:meth:`mean_shards`)."""
+        return self.mean_shards(*g)
 
     def local(self, params) -> dict:
         """The worker's part of the parameters as the sharded update takes them: layout ``S``
@@ -293,7 +325,7 @@ class BackwardHeld:
         return self.state.my_shards(_flatten(params))
 
 
-class FsdpGather:
+class FsdpGather(Source):
     """FSDP with the block runner: every leaf stored once in shards (``S``), each block
     gathered, in the compute dtype, when it runs."""
 
@@ -358,12 +390,16 @@ class FsdpGather:
         """The device's shards (layout ``S``), flat."""
         return _flatten(params)
 
-    def grads(self, params, batch, stats=None, count_branch=None):
+    def worker_grads(self, params, batch, stats=None, count_branch=None):
+        """(loss, aux, the masked sums in layout ``S`` (the gathers' transpose), None)."""
         loss, aux, g, _ = self.call.value_and_grad(self.loss, params, batch)
-        return loss, aux, self.divide_counts(_flatten(g)), self.local(params), None
+        return loss, aux, g, None
+
+    def reduce(self, g):
+        return self.divide_counts(_flatten(g))
 
 
-class FsdpWhole:
+class FsdpWhole(Source):
     """FSDP without the block runner (list-form blocks, model state): the whole model gathered
     at the start of the step in the compute dtype; forward variants prune the worker's
     subnetwork from it locally, backward variants run it whole with gradients only into the
@@ -398,11 +434,15 @@ class FsdpWhole:
                 local = lay.to_stored(local)
         return self.call.loss_fn(_unflatten(local), batch, *map(_unflatten, stats))
 
-    def grads(self, params, batch, stats=None, count_branch=None):
+    def worker_grads(self, params, batch, stats=None, count_branch=None):
+        """(loss, aux, the masked means in layout ``S`` (the gathers' transpose), new model
+        state)."""
         state_local = self.state.state_local(stats)
         extra = () if state_local is None else (state_local,)
-        loss, aux, g, new = self.call.value_and_grad(self.loss, params, batch, *extra)
-        return loss, aux, _flatten(g), self.local(params), new
+        return self.call.value_and_grad(self.loss, params, batch, *extra)
+
+    def reduce(self, g):
+        return _flatten(g)
 
     def local(self, params) -> dict:
         """The device's shards (layout ``S``), flat."""

@@ -184,6 +184,44 @@ def test_bad_jsonl_names_the_file(tmp_path, what, message):
     assert str(f) in str(e.value)
 
 
+def test_prepare_that_fails_leaves_its_folder_as_it_found_it(tmp_path, capsys):
+    """A bad line met while the shards are written: one line, exit 2, the files it had
+    written removed (the folder holds what it held), and the fixed corpus then prepares."""
+    folder = _write(tmp_path, "jsonl", files=2, docs=[d * 40 for d in DOCS])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    bad = folder / "part_1.jsonl"
+    good_text = bad.read_text()
+    bad.write_text(good_text + "{oops\n")
+    argv = ["--config.data.source=jsonl", f"--config.data.train_files={folder}/*",
+            f"--config.data.val_files={folder}/part_0.jsonl", "--train_tokenizer",
+            "--vocab_size=300", "--shard_tokens=1024", f"--out={out}"]
+    with pytest.raises(SystemExit) as e:
+        prepare.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "not JSON" in err and "removed" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    bad.write_text(good_text)
+    assert prepare.main(argv)["train_tokens"] > 0
+
+
+def test_parquet_nulls_and_vocabularies_with_gaps(tmp_path):
+    """A null in the text column is a one-line error naming the row; a tokenizer whose ids
+    have gaps needs (and stores) its largest id + 1."""
+    f = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"text": ["a", None, "b"]}), f)
+    with pytest.raises(ValueError, match=r"n.parquet: column 'text' holds NoneType in row 1"):
+        data.load_tokens(_cfg(source="parquet", train_files=str(f)), "train", 256)
+    vocab = {"w0": 0, "w1": 1, "<|endoftext|>": 70_000}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "gaps.json"))
+    t = corpus.load_tokenizer(str(tmp_path / "gaps.json"))
+    assert t.vocab_size == 70_001 and t.dtype == np.uint32
+    np.testing.assert_array_equal(t.tokenize(["w1 w0"]), [1, 0, 70_000])
+
+
 def test_bad_parquet_and_tokenizers_are_refused_in_one_line(tmp_path):
     good = tmp_path / "a.parquet"
     pq.write_table(pa.table({"body": ["x", "y"]}), good)
@@ -241,6 +279,10 @@ def test_a_run_on_parquet_with_a_bpe_trains_and_its_tools_speak_text(tmp_path, c
     model = harness.SDPJaxLM(workdir=wd, batch_size=2)
     assert model.encode("def f1") == corpus.load_tokenizer(str(tmp_path / "bpe")).encode("def f1")
     assert model.tok.decode([model.tok.eot_id]) == "<|endoftext|>"   # documents' separator
+    for ctx, cont in (("def f", "1(x)"), ("return x *", " 12")):   # as training tokenized it
+        c_ids, k_ids = model.encode_pair(ctx, cont)
+        assert c_ids + k_ids == model.encode(ctx + cont) and k_ids
+    assert model.encode_pair("return x * ", "12") == model.encode_pair("return x *", " 12")
     from sdp_jax.tools import export   # the Hugging Face export carries the tokenizer
     export.main(["--workdir", wd, "--format", "hf", "--out", str(tmp_path / "hf")])
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == \

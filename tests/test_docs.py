@@ -147,7 +147,8 @@ KIT_DOCS = [f"def f{i}(x):\n    return x * {i}  # {'word ' * (i % 7)}\n" * 4 for
 @pytest.fixture(scope="module")
 def corpus_kit(tmp_path_factory):
     """What the documented data commands read, made small: ``corpus/`` (Parquet with a
-    ``text`` column, JSONL with a ``content`` field, a trained ``tokenizer.json``),
+    ``text`` column, also split into ``train/`` and ``val/``, JSONL with a ``content`` field, a
+    trained ``tokenizer.json``),
     ``corpus_bpe4k/`` (``prepare``'s shards and tokenizer) and ``runs/default/hf`` (a Hugging
     Face LLaMA folder of the default config's shape, as ``export --format hf`` writes)."""
     import pyarrow as pa
@@ -157,10 +158,13 @@ def corpus_kit(tmp_path_factory):
     from sdp_jax.train.families import LanguageModel
 
     kit = tmp_path_factory.mktemp("kit")
-    (kit / "corpus").mkdir()
+    for sub in ("corpus/train", "corpus/val"):
+        (kit / sub).mkdir(parents=True)
     for k in range(4):
         part = KIT_DOCS[k::4]
         pq.write_table(pa.table({"text": part}), kit / "corpus" / f"part_{k}.parquet")
+        pq.write_table(pa.table({"text": part}),
+                       kit / "corpus" / ("val" if k == 3 else "train") / f"part_{k}.parquet")
         (kit / "corpus" / f"part_{k}.jsonl").write_text(
             "".join(json.dumps({"content": t}) + "\n" for t in part))
     docs = corpus.Documents(corpus.file_pieces("parquet", sorted((kit / "corpus").glob("*.parquet"))))

@@ -63,29 +63,29 @@ def _assert_equal_runs(one, acc, rtol=1e-4, atol=1e-6):
     return f1, f2
 
 
-@pytest.mark.parametrize("variant", spec_lib.VARIANTS)
-def test_accumulated_step_equals_the_step_on_the_whole_batch(variant):
-    f1, _ = _assert_equal_runs(_step(variant, 1), _step(variant, K))
-    f0 = _step(variant, 1).full_params(_step(variant, 1).init_state(seed=0)["params"])
+CASES = [("ddp", {}), ("b-sdp", {}), ("b-sdp", dict(fsdp=True, remat="full")),
+         ("n-sdp", dict(remat="dots", method="reference")), ("bb-sdp", dict(remat="full")),
+         ("nb-sdp", dict(fsdp=True))]
+
+
+@pytest.mark.parametrize("variant, kw", CASES)
+def test_accumulated_step_equals_the_step_on_the_whole_batch(variant, kw):
+    """Every variant (with FSDP, activation checkpointing or the reference averaging for
+    some): 2 microbatches per step take the step on the whole batch."""
+    assert {v for v, _ in CASES} == set(spec_lib.VARIANTS)
+    one = _step(variant, 1, **kw)
+    f0 = one.full_params(one.init_state(seed=0)["params"])
+    f1, _ = _assert_equal_runs(one, _step(variant, K, **kw))
     moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                 for a, b in zip(jax.tree.leaves(f0), jax.tree.leaves(f1)))
     assert moved > 1e-3   # the runs trained
 
 
-@pytest.mark.parametrize("variant, kw", [
-    ("b-sdp", dict(fsdp=True, remat="full")),
-    ("nb-sdp", dict(fsdp=True)),
-    ("bb-sdp", dict(remat="full")),
-    ("n-sdp", dict(remat="dots", method="reference")),
-])
-def test_accumulation_composes_with_fsdp_remat_and_the_reference_averaging(variant, kw):
-    _assert_equal_runs(_step(variant, 1, **kw), _step(variant, K, **kw))
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_accumulation_with_a_pipeline(schedule):
+def test_accumulation_with_a_pipeline():
+    """A 1F1B pipeline of 2 stages, 2 pipeline microbatches in each of 2 accumulation
+    microbatches."""
     from sdp_jax import pipeline as pl
-    pipe = pl.PipelineConfig(stages=2, microbatches=2, schedule=schedule)
+    pipe = pl.PipelineConfig(stages=2, microbatches=2, schedule="1f1b")
     cfg = dataclasses.replace(CFG, n_layers=8)   # 4 blocks per stage, 2 held by each worker
     _assert_equal_runs(_step("b-sdp", 1, pipe=pipe, cfg=cfg),
                        _step("b-sdp", K, pipe=pipe, cfg=cfg))
@@ -117,8 +117,9 @@ def test_bad_grad_accum_is_refused_in_one_line():
                                          "config.batch_per_worker=8"):
         run_lib.resolve(config, 8)
     config.update(dict(grad_accum=4, pipeline=dict(config.pipeline, stages=2, microbatches=4)))
-    with pytest.raises(ValueError, match="pipeline.microbatches=4 does not divide "
-                                         "batch_per_worker=2"):
+    with pytest.raises(ValueError, match=r"pipeline.microbatches=4 does not divide the rows of a "
+                                         r"gradient-accumulation microbatch, batch_per_worker / "
+                                         r"grad_accum = 8 / 4"):
         run_lib.resolve(config, 8)
     config.update(dict(grad_accum=True))
     with pytest.raises(ValueError, match="grad_accum"):
@@ -150,3 +151,46 @@ def test_a_run_resumes_under_another_grad_accum(tmp_path):
     def losses(wd):
         return [json.loads(line)["train_loss"] for line in open(wd / "metrics.jsonl")]
     np.testing.assert_allclose(losses(tmp_path / "res"), losses(tmp_path / "full"), rtol=1e-4)
+
+
+def test_vision_models_accumulate_and_batchnorm_takes_the_mean_update():
+    """Swin (LayerNorm, no model state): 2 microbatches take the whole batch's step. ResNet
+    (BatchNorm): each microbatch normalises by its own statistics, and the running statistics
+    take the mean of the microbatches' updates, so the step differs from the whole batch's
+    (documented), and trains."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sdp_jax.models import vision as vm
+    mesh = mesh_lib.make_mesh(W)
+    rng = np.random.default_rng(0)
+
+    def run(cfg, variant, k):
+        plan = families.vision_spec(cfg, variant, W, COVERAGE[variant])
+        step = families.vision_step(cfg, plan, SGD, mesh, 10, grad_accum=k)
+        state, out = step.init_state(seed=0), []
+        for x, y in batches:
+            state, m = step.train_step_fn()(state, (x, y))
+            out.append(float(m["train_loss"]))
+        return step, state, out
+
+    swin = vm.VisionConfig(name="swin_t", embed_dim=8, depths=(2, 2), num_heads=(2, 2),
+                           image_size=16, num_classes=5)
+    resnet = vm.VisionConfig(name="resnet18", width=4, depths=(2, 2), image_size=16,
+                             num_classes=5)
+    sh = NamedSharding(mesh, P("data"))
+    batches = [(jax.device_put(jnp.asarray(rng.normal(size=(2 * W, 16, 16, 3)), jnp.float32),
+                               sh),
+                jax.device_put(jnp.asarray(rng.integers(0, 5, 2 * W), jnp.int32), sh))
+               for _ in range(3)]
+    (s1, st1, l1), (s2, st2, l2) = run(swin, "b-sdp", 1), run(swin, "b-sdp", 2)
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(st1["params"]), jax.tree.leaves(st2["params"])):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)
+    _, r2, losses = run(resnet, "b-sdp", 2)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] and "stats" in r2
+    plan = families.vision_spec(resnet, "b-sdp", W, COVERAGE["b-sdp"])
+    start = families.vision_step(resnet, plan, SGD, mesh, 10).init_state(seed=0)["stats"]
+    moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+             for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(r2["stats"]))]
+    assert min(moved) > 0   # every running statistic took the microbatches' mean update

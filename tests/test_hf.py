@@ -89,15 +89,29 @@ def test_a_run_starts_from_a_hugging_face_folder(hf_export, variant):
 
 
 def test_init_from_trains_and_refuses_another_shape(hf_export, tmp_path, capsys):
+    """A run starts from a copy of the folder, trains, and its tools and resume do not need the
+    folder afterwards (it is read only when the run has no checkpoint); a checkpoint of another
+    shape, or no checkpoint, is refused before any compile, with nothing written."""
+    import shutil
     _, out = hf_export
-    summary = loop.train(_tiny(init_from=out, **{"sdp.variant": "ddp", "sdp.coverage": 1.0}),
-                         str(tmp_path / "cont"))
-    assert summary["completed"]
+    copy = str(tmp_path / "hf_copy")
+    shutil.copytree(out, copy)
+    cont = str(tmp_path / "cont")
+    summary = loop.train(_tiny(init_from=copy, stop_at_step=1,
+                               **{"sdp.variant": "ddp", "sdp.coverage": 1.0}), cont)
+    assert summary["steps"] == 1
     assert "initialized from the Hugging Face LLaMA" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"another shape.*--config.model.d_model=32"):
-        run_lib.resolve(_tiny(init_from=out, **{"model.d_model": 128}), 4)
-    with pytest.raises(ValueError, match="has no config.json"):
-        run_lib.resolve(_tiny(init_from=str(tmp_path)), 4)
+    shutil.rmtree(copy)   # moved away: the resume and the tools need it no more
+    assert loop.train(_tiny(init_from=copy, **{"sdp.variant": "ddp", "sdp.coverage": 1.0}),
+                      cont)["completed"]
+    assert np.isfinite(trained.evaluation(trained.load(cont))["val_loss"])
+    for bad, match in ((dict(init_from=out, **{"model.d_model": 128}),
+                        r"another shape.*--config.model.d_model=32"),
+                       (dict(init_from=str(tmp_path)), "has no config.json")):
+        wd = tmp_path / "refused"
+        with pytest.raises(ValueError, match=match):
+            loop.train(_tiny(**bad), str(wd))
+        assert not os.path.exists(wd / "checkpoints") or not os.listdir(wd / "checkpoints")
     with pytest.raises(ValueError, match="rope_scaling"):
         hf_llama.model_fields({"model_type": "llama", "rope_scaling": {"type": "linear"}})
 

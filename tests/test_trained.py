@@ -358,7 +358,7 @@ def test_documented_local_task_runs_on_a_trained_run(run, tmp_path, monkeypatch,
         docs = [json.loads(ln) for ln in f]
     right = 0
     for d in docs:
-        scores = [ll for ll, _ in model.score([(model.encode(d["context"]), model.encode(c))
+        scores = [ll for ll, _ in model.score([model.encode_pair(d["context"], c)
                                               for c in d["choices"]])]
         right += int(np.argmax(scores)) == d["label"]
     assert len(docs) == 8 and acc == pytest.approx(right / len(docs))

@@ -44,6 +44,11 @@ FIELDS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num
           "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings",
           "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta",
           "norm_eps": "rms_norm_eps"}
+# transformers' LlamaConfig defaults: what a config.json that leaves a key out means
+HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+               "num_hidden_layers": 32, "num_attention_heads": 32,
+               "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "tie_word_embeddings": False}
 # What a run must match of a checkpoint it starts from (max_seq_len may differ).
 MATCHED = tuple(f for f in FIELDS if f != "max_seq_len")
 
@@ -65,7 +70,8 @@ def hf_config(cfg: LlamaConfig, eos_token_id: int | None = None) -> dict[str, An
 
 def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
     """The :class:`~sdp_jax.models.llama.LlamaConfig` fields of a ``transformers`` LLaMA
-    ``config.json`` (as a dict).
+    ``config.json`` (as a dict); a key it leaves out has ``transformers``' default
+    (:data:`HF_DEFAULTS`, e.g. ``rms_norm_eps`` 1e-6), as ``transformers`` would read it.
 
     Raises:
       ValueError: not a LLaMA (``model_type``), or a feature this package's LLaMA lacks:
@@ -90,9 +96,10 @@ def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
         k, v = unsupported[0]
         raise ValueError(f"{where}: {k}={v!r} is a LLaMA variant this package does not build "
                          "(no biases, no rope scaling, SiLU, head_dim = hidden_size / heads)")
-    out = {ours: hf[key] for ours, key in FIELDS.items() if key in hf}
-    out.setdefault("n_kv_heads", out.get("n_heads"))
-    out["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    hf = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
+    out = {ours: hf[key] for ours, key in FIELDS.items()}
+    out["tie_embeddings"] = bool(out["tie_embeddings"])
     return out
 
 
@@ -196,7 +203,7 @@ def read(folder: str, cfg: LlamaConfig) -> dict:
     Raises:
       ValueError: the errors of :func:`check_matches` and :func:`from_hf`; no safetensors
         weights in ``folder``."""
-    from safetensors.flax import load_file  # pylint: disable=g-import-not-at-top (bf16 too)
+    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 
     check_matches(folder, cfg)
     if os.path.isfile(os.path.join(folder, INDEX)):
@@ -208,7 +215,8 @@ def read(folder: str, cfg: LlamaConfig) -> dict:
         raise ValueError(f"{folder!r} has neither {WEIGHTS} nor {INDEX} (PyTorch .bin weights "
                          "are not read: save the model with safe_serialization=True)")
     state = {}
-    for name in files:
-        state.update({k: np.asarray(v.astype("float32"))
-                      for k, v in load_file(os.path.join(folder, name)).items()})
+    for name in files:   # a tensor at a time (the flax reader knows bf16; numpy does not)
+        with safe_open(os.path.join(folder, name), framework="flax") as f:
+            for key in f.keys():
+                state[key] = np.asarray(f.get_tensor(key).astype("float32"))
     return from_hf(state, cfg, folder)

@@ -393,13 +393,18 @@ class Llama(nnx.Module):
           ``(logits float32 [B, T, V], the cache with positions start .. start + T - 1
           written)``.
         Raises:
-          ValueError: ``tokens`` not ``[B, T]`` with the cache's ``B`` and ``T <= S``.
+          ValueError: ``tokens`` not ``[B, T]`` with the cache's ``B`` and ``T <= S``, or a
+            Python-int ``start`` with ``start + T > S`` (a traced ``start`` cannot be checked:
+            past the cache, the writes would be clamped to its last rows).
         """
         B, T = tokens.shape
-        if cache.k.shape[1] != B or T > cache.k.shape[2]:
-            raise ValueError(f"decode: tokens {tokens.shape} need a cache of batch {B} and at "
-                             f"least {T} positions, got k {cache.k.shape} [L, B, S, K, h]; "
-                             "build it with init_cache(cfg, B, S).")
+        S = cache.k.shape[2]
+        if cache.k.shape[1] != B or T > S or (isinstance(start, int) and not
+                                               0 <= start <= S - T):
+            raise ValueError(f"decode: tokens {tokens.shape} at start={start} need a cache of "
+                             f"batch {B} and at least start + {T} positions, got k "
+                             f"{cache.k.shape} [L, B, S, K, h]; build it with "
+                             "init_cache(cfg, B, S).")
         h, cache = self._scan_blocks(self.embed_tokens(tokens), start, cache)
         return self.logits(h), cache
 

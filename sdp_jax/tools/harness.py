@@ -53,7 +53,8 @@ HELP = "\n".join([
      "--tasks TASK[,TASK...] [lm-eval flags]"),
     "",
     "Runs lm-evaluation-harness (lm_eval; pip install -e '.[eval]') on a trained sdp_jax",
-    "language model (byte-level runs; the full model on one device), registered as the",
+    "language model (its text encoded by the run's tokenizer: bytes, or data.tokenizer's;",
+    "the full model on one device), registered as the",
     f"harness's model '{MODEL_NAME}'.",
     "",
     "model arguments (--model_args key=value,key=value):",
@@ -136,6 +137,20 @@ class SDPJaxLM(LM):
         or the run's Hugging Face tokenizer)."""
         return self.tok.encode(text)
 
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """``(context ids, continuation ids)`` as training tokenized ``context + continuation``:
+        the whole string is encoded and cut after the context's ids, with the context's
+        trailing spaces moved to the continuation (as lm-eval's own models do), so a
+        subword tokenizer's merges across the boundary are the text's. An empty context is the
+        end-of-text token (the document separator of training). For bytes the plain
+        concatenation."""
+        n = len(context) - len(context.rstrip(" "))
+        if n:
+            context, continuation = context[:-n], context[-n:] + continuation
+        ctx = self.encode(context)
+        whole = self.encode(context + continuation)
+        return (ctx or [self.tok.eot_id]), whole[len(ctx):]
+
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """``(sum of log p(continuation | context) in nats, whether every continuation token
         is the most likely one)`` per ``(context ids, continuation ids)``; the input is cut
@@ -162,8 +177,7 @@ class SDPJaxLM(LM):
         """lm-eval: ``(context, continuation)`` requests -> ``(log-likelihood, is greedy)``.
         An empty context conditions on the end-of-text token (the document separator of
         training: a newline for byte-level runs)."""
-        pairs = [(self.encode(ctx) or [self.tok.eot_id], self.encode(cont))
-                 for ctx, cont in (r.args for r in requests)]
+        pairs = [self.encode_pair(ctx, cont) for ctx, cont in (r.args for r in requests)]
         return self.score(pairs)
 
     def loglikelihood_rolling(self, requests) -> list[float]:

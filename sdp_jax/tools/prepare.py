@@ -29,13 +29,13 @@ import json
 import os
 import shutil
 import sys
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import tqdm
 from absl import flags
 
-from sdp_jax.train import cli, corpus
+from sdp_jax.train import cli, corpus, loop
 from sdp_jax.train import data as data_lib
 
 PROG = "python -m sdp_jax.tools.prepare"
@@ -71,11 +71,25 @@ def _check(fv) -> None:
     if fv.vocab_size < 0 or fv.tokenizer_documents < 0:
         cli.error(PROG, "--vocab_size and --tokenizer_documents must be >= 0")
     if os.path.isdir(fv.out):
-        taken = sorted(n for n in os.listdir(fv.out) if n == "tokenizer.json" or (
-            n.endswith(".bin") and n.split("_")[0] in ("train", "val")))
+        taken = sorted(n for n in os.listdir(fv.out) if _ours(n))
         if taken:
             cli.error(PROG, f"--out={fv.out!r} already holds {', '.join(taken[:3])}"
                       f"{' ...' if len(taken) > 3 else ''}; choose another --out")
+
+
+def _ours(name: str) -> bool:
+    """Whether a file name is one this command writes (shards, their temporary files, the
+    tokenizer, prepare.json)."""
+    return name in ("tokenizer.json", "prepare.json") or name.endswith(".tmp") or (
+        name.endswith(".bin") and name.split("_")[0] in ("train", "val"))
+
+
+def _remove_written(out: str, before: set) -> None:
+    """Remove the files of ours in ``out`` that were not there at the start (a run that
+    fails leaves the folder as it found it; :func:`_check` refused a folder holding any)."""
+    for name in set(os.listdir(out)) - before:
+        if _ours(name):
+            os.remove(os.path.join(out, name))
 
 
 class ShardWriter:
@@ -109,19 +123,11 @@ class ShardWriter:
     def _write(self, tokens: np.ndarray) -> None:
         path = os.path.join(self.out, SHARD_PATTERN.format(split=self.split,
                                                            index=len(self.paths)))
-        data_lib.write_llmc_shard(path + ".tmp", tokens, version=self.version)
-        os.replace(path + ".tmp", path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        data_lib.write_llmc_shard(tmp, tokens, version=self.version)
+        os.replace(tmp, path)
         self.paths.append(path)
         self.tokens += tokens.size
-
-
-def _stream(pieces, c: data_lib.Corpus, bar, counted: list) -> Iterable[np.ndarray]:
-    """The tokens of ``pieces``, piece by piece, counted on the progress bar."""
-    for part in corpus.token_stream(corpus.Documents(pieces, c.field), c.tokenizer):
-        counted[0] += part.size
-        bar.update(1)
-        bar.set_postfix_str(f"{counted[0]:,} tokens", refresh=False)
-        yield part
 
 
 def write_shards(c: data_lib.Corpus, out: str, shard_tokens: int,
@@ -136,20 +142,40 @@ def write_shards(c: data_lib.Corpus, out: str, shard_tokens: int,
       "version": 1 | 7}``."""
     version = 1 if c.tokenizer.vocab_size <= 65536 else 7
     writers = {s: ShardWriter(out, s, shard_tokens, version) for s in ("train", "val")}
-    total, counted = len(c.train) + len(c.val or []), [0]
+    total = len(c.train) + len(c.val or [])
     with tqdm.tqdm(total=total, desc="tokenizing", unit="piece") as bar:
         if c.val is None:
             whole = np.concatenate([np.zeros(0, c.tokenizer.dtype)]
-                                   + list(_stream(c.train, c, bar, counted)))
+                                   + list(data_lib.token_parts(c.train, c, bar)))
             for split, tokens in zip(("train", "val"), data_lib.split_tokens(whole, val_fraction)):
                 writers[split].add(tokens)
         else:
             for split in ("train", "val"):
-                for part in _stream(getattr(c, split), c, bar, counted):
+                for part in data_lib.token_parts(getattr(c, split), c, bar):
                     writers[split].add(part)
     paths = {s: w.close() for s, w in writers.items()}
     return {**paths, "train_tokens": writers["train"].tokens,
             "val_tokens": writers["val"].tokens, "version": version}
+
+
+def _with_tokenizer(fv, c: data_lib.Corpus) -> data_lib.Corpus:
+    """``c`` with the tokenizer the shards are written with: a BPE trained now
+    (``--train_tokenizer``) or the config's, written (copied) to ``OUT/tokenizer.json``.
+
+    Raises:
+      ValueError: the tokenizer's training refused (:func:`sdp_jax.train.corpus.train_bpe`)."""
+    out = os.path.join(fv.out, "tokenizer.json")
+    if fv.train_tokenizer:
+        vocab = fv.vocab_size or int(fv.config.model.vocab_size)
+        print(f"training a byte-level BPE of {vocab:,} tokens on {len(c.train)} train pieces",
+              flush=True)
+        return c._replace(tokenizer=corpus.train_bpe(
+            corpus.Documents(c.train, c.field), vocab, out, max_documents=fv.tokenizer_documents))
+    if c.tokenizer.name != "bytes":
+        tmp = f"{out}.{os.getpid()}.tmp"
+        shutil.copyfile(c.tokenizer.path, tmp)
+        os.replace(tmp, out)
+    return c
 
 
 def main(argv=None) -> dict:
@@ -163,25 +189,20 @@ def main(argv=None) -> dict:
     except (ValueError, ImportError) as e:
         cli.error(PROG, str(e))
     os.makedirs(fv.out, exist_ok=True)
-    tokenizer_out = os.path.join(fv.out, "tokenizer.json")
-    if fv.train_tokenizer:
-        vocab = fv.vocab_size or int(config.model.vocab_size)
-        print(f"training a byte-level BPE of {vocab:,} tokens on {len(c.train)} train pieces",
-              flush=True)
-        try:
-            tok = corpus.train_bpe(corpus.Documents(c.train, c.field), vocab, tokenizer_out,
-                                   max_documents=fv.tokenizer_documents)
-        except ValueError as e:
-            cli.error(PROG, str(e))
-        c = c._replace(tokenizer=tok)
-    elif c.tokenizer.name != "bytes":
-        shutil.copyfile(c.tokenizer.path, tokenizer_out)
-    done = write_shards(c, fv.out, fv.shard_tokens, float(config.data.val_fraction))
+    before = set(os.listdir(fv.out))
+    try:
+        c = _with_tokenizer(fv, c)
+        done = write_shards(c, fv.out, fv.shard_tokens, float(config.data.val_fraction))
+    except (ValueError, KeyboardInterrupt) as e:
+        _remove_written(fv.out, before)
+        if isinstance(e, KeyboardInterrupt):
+            cli.exit_on_signal(2, f"stopped; the files it had written in {fv.out} are removed")
+        cli.error(PROG, f"{e} (the files it had written in {fv.out} are removed)")
     done.update(tokenizer=c.tokenizer.name, vocab_size=c.tokenizer.vocab_size,
                 eot_token=getattr(c.tokenizer, "eot_token", "\n"),
                 source=str(config.data.source))
-    with open(os.path.join(fv.out, "prepare.json"), "w") as f:
-        json.dump(done, f, indent=1)
+    loop.write_atomically(os.path.join(fv.out, "prepare.json"), json.dumps(done, indent=1))
+    tokenizer_out = os.path.join(fv.out, "tokenizer.json")
     print(f"wrote {len(done['train'])} train and {len(done['val'])} val shards "
           f"(llm.c version {done['version']}): {done['train_tokens']:,} train and "
           f"{done['val_tokens']:,} val tokens in {fv.out}")

@@ -46,7 +46,7 @@ import os
 import pathlib
 import sysconfig
 import zlib
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -210,7 +210,9 @@ def file_pieces(kind: str, files: Sequence[os.PathLike | str]) -> list[Piece]:
         elif kind == "jsonl":
             out += _jsonl_pieces(f)
         elif kind == "parquet":
-            out += [Piece("parquet", f, g) for g in range(_parquet_file(f).num_row_groups)]
+            pf = _parquet_file(f)
+            out += [Piece("parquet", f, g) for g in range(pf.num_row_groups)]
+            pf.close()
         else:
             raise ValueError(f"no file pieces for source {kind!r}")
     return out
@@ -284,16 +286,21 @@ def _jsonl_documents(piece: Piece, field: str) -> list[str]:
 
 def _parquet_documents(piece: Piece, field: str) -> list[str]:
     pf = _parquet_file(piece.path)
-    if field not in pf.schema_arrow.names:
-        raise ValueError(f"parquet file {piece.path} has no column {field!r} (it has "
-                         f"{pf.schema_arrow.names}); set --config.data.text_field=NAME")
-    column = pf.read_row_group(piece.start, columns=[field]).column(0)
+    try:
+        if field not in pf.schema_arrow.names:
+            raise ValueError(f"parquet file {piece.path} has no column {field!r} (it has "
+                             f"{pf.schema_arrow.names}); set --config.data.text_field=NAME")
+        column = pf.read_row_group(piece.start, columns=[field]).column(0)
+    finally:
+        pf.close()
     docs = column.to_pylist()
-    bad = next((d for d in docs if not isinstance(d, (str, bytes))), None) if docs else None
-    if bad is not None:
+    bad = [i for i, d in enumerate(docs) if not isinstance(d, (str, bytes))]
+    if bad:
         raise ValueError(f"parquet file {piece.path}: column {field!r} holds "
-                         f"{type(bad).__name__} values, not text (type {column.type}); set "
-                         "--config.data.text_field to a string column")
+                         f"{type(docs[bad[0]]).__name__} in row {bad[0]} of row group "
+                         f"{piece.start} (type {column.type}, {column.null_count} nulls); give "
+                         "--config.data.text_field a string column without nulls (filter them "
+                         "out first)")
     return docs
 
 
@@ -400,6 +407,9 @@ class HFTokenizer:
     :data:`EOT_CANDIDATES` the vocabulary holds. Tokens are stored as uint16 when every id fits
     (vocabularies up to 65,536), else uint32.
 
+    ``vocab_size`` is the largest id + 1 (the rows an embedding needs), not the number of
+    tokens, where a vocabulary's ids have gaps.
+
     Raises:
       ValueError: no tokenizer.json at ``path``, a file the library cannot read, or no
         end-of-text token (naming ``--config.data.eot_token``).
@@ -414,7 +424,8 @@ class HFTokenizer:
         except Exception as e:  # noqa: BLE001 (the library raises its own Exception type)
             raise ValueError(f"data.tokenizer={path!r}: {self.path} is not a tokenizer.json the "
                              f"tokenizers library reads ({str(e).splitlines()[0]})") from None
-        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
+        # ids may have gaps: the vocabulary a model needs is the largest id + 1
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
         names = [eot_token] if eot_token else list(EOT_CANDIDATES)
         found = [(n, self.tok.token_to_id(n)) for n in names]
         found = [(n, i) for n, i in found if i is not None]
@@ -468,20 +479,6 @@ def token_stream(documents: Documents, tokenizer, threads: int = 8) -> Iterator[
                                                      prefetch_buffer_size=2 * max(1, threads))))
 
 
-def tokenize_all(documents: Documents, tokenizer,
-                 progress: Callable[[int], Any] | None = None) -> np.ndarray:
-    """Every token of ``documents`` as one read-only 1-D array of ``tokenizer.dtype``;
-    ``progress(n)`` is called after each piece with its token count."""
-    parts = []
-    for part in token_stream(documents, tokenizer):
-        parts.append(part)
-        if progress is not None:
-            progress(len(part))
-    out = np.concatenate(parts) if parts else np.zeros((0,), tokenizer.dtype)
-    out.flags.writeable = False
-    return out
-
-
 def train_bpe(documents: Documents, vocab_size: int, out: str,
               eot_token: str = EOT_CANDIDATES[0], max_documents: int = 0) -> HFTokenizer:
     """Trains a byte-level BPE tokenizer (GPT-2 style: the 256 byte symbols, merges learned from
@@ -525,5 +522,7 @@ def train_bpe(documents: Documents, vocab_size: int, out: str,
     if not seen:
         raise ValueError("train_bpe: the corpus has no documents")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tok.save(out)
+    tmp = f"{out}.{os.getpid()}.tmp"   # written whole, then renamed
+    tok.save(tmp)
+    os.replace(tmp, out)
     return HFTokenizer(out, eot_token)

@@ -50,7 +50,7 @@ import bisect
 import functools
 import math
 import os
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import grain
 import ml_collections
@@ -366,14 +366,30 @@ def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
     return tokens[: tokens.size - n_val], tokens[tokens.size - n_val:]
 
 
+def token_parts(pieces: list, c: Corpus, bar=None) -> Iterator[np.ndarray]:
+    """The tokens of ``pieces`` (of the corpus ``c``), a 1-D array per piece, in order
+    (:func:`sdp_jax.train.corpus.token_stream`), each counted on the ``tqdm`` progress bar
+    ``bar`` (pieces, and the tokens so far). Raises what reading a piece raises."""
+    tokens = 0
+    for part in corpus.token_stream(corpus.Documents(pieces, c.field), c.tokenizer):
+        tokens += part.size
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
+        yield part
+
+
 def tokenize_pieces(pieces: list, c: Corpus, what: str) -> np.ndarray:
-    """Every token of ``pieces`` (of the corpus ``c``) in one array, with a progress bar for a
-    Hugging Face tokenizer over many pieces (``what`` names the split on it)."""
+    """Every token of ``pieces`` (of the corpus ``c``) in one read-only array of the
+    tokenizer's dtype, with a progress bar for a Hugging Face tokenizer over many pieces
+    (``what`` names the split on it)."""
     bar = tqdm.tqdm(total=len(pieces), desc=f"tokenizing {what}", unit="piece", leave=False,
                     disable=c.tokenizer.name == "bytes" or len(pieces) < 16)
     with bar:
-        return corpus.tokenize_all(corpus.Documents(pieces, c.field), c.tokenizer,
-                                   lambda n: bar.update(1))
+        out = np.concatenate([np.zeros((0,), c.tokenizer.dtype)]
+                             + list(token_parts(pieces, c, bar)))
+    out.flags.writeable = False
+    return out
 
 
 def _document_splits(key: _Key) -> dict:
@@ -468,16 +484,16 @@ def load_tokens(data_cfg: Any, split: str, vocab_size: int) -> np.ndarray:
       vocab_size: the model's vocabulary size.
 
     Returns:
-      1-D read-only array: uint8 for byte sources (cached, shared between calls),
-      uint16 or uint32 for ``llmc`` (the shards' token type; a memmap when the split is
-      one shard; several shards
-      are concatenated into memory here, which :func:`make_train_iterator` avoids
-      by windowing the memmaps directly).
+      1-D read-only array: the tokenizer's dtype for document sources (uint8 for bytes,
+      uint16 or uint32 for a Hugging Face tokenizer; cached, shared between calls), the
+      shards' token type for ``llmc`` (a memmap when the split is one shard; several shards
+      are concatenated into memory here, which :func:`make_train_iterator` avoids by
+      windowing the memmaps directly).
 
     Raises:
-      ValueError: unknown source or split, bad files or patterns, bad llm.c shard,
-        or byte tokens >= ``vocab_size`` (llm.c tokens are checked per window
-        when batches are read, see the module docstring).
+      ValueError: unknown source or split, bad files or patterns, bad llm.c shard, or a
+        token id >= ``vocab_size`` (every split is checked at load, see the module
+        docstring).
       ImportError: ``source='tfds'`` without tensorflow-datasets installed.
     """
     arrays = _split_shards(data_cfg, split, vocab_size)

@@ -489,12 +489,11 @@ class LanguageModelFamily(Family):
             raise ValueError(f"config.seq_len={config.seq_len} exceeds model.max_seq_len="
                              f"{model.max_seq_len}; lower seq_len or raise model.max_seq_len.")
         data_lib.check(config.data, model.vocab_size)
-        if config.get("init_from"):
-            if config.pipeline.stages > 1 and config.pipeline.method != "none":
-                raise ValueError(f"config.init_from={config.init_from!r} with pipeline.method="
-                                 f"{config.pipeline.method!r}: a Hugging Face LLaMA has no "
-                                 "boundary projectors; use pipeline.method=none, or no init_from.")
-            hf_llama.check_matches(config.init_from, model)
+        if config.get("init_from") and config.pipeline.stages > 1 \
+                and config.pipeline.method != "none":   # (the folder: initial_state reads it)
+            raise ValueError(f"config.init_from={config.init_from!r} with pipeline.method="
+                             f"{config.pipeline.method!r}: a Hugging Face LLaMA has no "
+                             "boundary projectors; use pipeline.method=none, or no init_from.")
         if model.attention == "cudnn" and config.dtype not in ("bfloat16", "bf16"):
             raise ValueError(f"model.attention='cudnn' computes in bf16 only (cuDNN refuses "
                              f"float32), but dtype={config.dtype!r}; add --config.dtype=bfloat16 "
@@ -535,7 +534,13 @@ class LanguageModelFamily(Family):
     def initial_state(self, run, builder, log):
         """The model's initializer, or the Hugging Face LLaMA of ``config.init_from``
         (:func:`sdp_jax.models.hf_llama.read`) laid out under the run's masks: every holder of
-        a component starts from its values (continued pre-training under any variant)."""
+        a component starts from its values (continued pre-training under any variant). The
+        folder is read, and its shape checked, only here: a run that resumes from its own
+        checkpoint, and the tools, never need it.
+
+        Raises:
+          ValueError: no LLaMA checkpoint in the folder, or one of another shape (naming the
+            ``--config.model.FIELD=VALUE`` flags to set); before any compile."""
         folder = run.config.get("init_from")
         if not folder:
             return builder.init_state(run.config.seed)

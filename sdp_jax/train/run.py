@@ -161,10 +161,7 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
     optim = optim_lib.OptimConfig.from_config(config.optim)
     _check_step_fields(config, family.remat)
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
-    if config.batch_per_worker % config.grad_accum:   # (both checked positive integers above)
-        raise ValueError(f"config.grad_accum={config.grad_accum} does not divide "
-                         f"config.batch_per_worker={config.batch_per_worker}; the per-worker "
-                         "batch is cut into grad_accum equal microbatches: choose a divisor.")
+    _check_microbatches(config, pipe)
     if pipe.stages > 1:
         pipe.check(model, config.batch_per_worker // config.grad_accum, config.fsdp,
                    config.sdp.average)
@@ -186,6 +183,24 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
                    task_lib.StepSettings.from_config(config), config)
 
 
+def _check_microbatches(config, pipe) -> None:
+    """``config.grad_accum`` (a positive integer, :func:`_check_step_fields`) divides
+    ``batch_per_worker``, and a pipeline's microbatches divide the rows of an accumulation
+    microbatch.
+
+    Raises:
+      ValueError: naming both values and the fix."""
+    b, k = config.batch_per_worker, config.grad_accum
+    if b % k:
+        raise ValueError(f"config.grad_accum={k} does not divide config.batch_per_worker={b}; "
+                         "the per-worker batch is cut into grad_accum equal microbatches: "
+                         "choose a divisor.")
+    if k > 1 and pipe.stages > 1 and (b // k) % pipe.microbatches:
+        raise ValueError(f"pipeline.microbatches={pipe.microbatches} does not divide the rows "
+                         f"of a gradient-accumulation microbatch, batch_per_worker / grad_accum "
+                         f"= {b} / {k}; choose a divisor of it, or a smaller config.grad_accum.")
+
+
 def _check_run_control(config, family) -> None:
     """The integer fields (every run's and ``family``'s own), ``peak_flops``, ``seed`` and
     ``sdp.coverage``.
@@ -193,7 +208,7 @@ def _check_run_control(config, family) -> None:
     Raises:
       ValueError: naming the field, its value and what it must be."""
     for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
-                 "num_cpu_devices", "grad_accum") + family.positive_fields:
+                 "num_cpu_devices") + family.positive_fields:
         _integer(_value(config, name), name, 1, HINTS.get(name, ""))
     for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed", "align_every",
                  "profile_start", "profile_stop") + family.non_negative_fields:
