@@ -183,7 +183,7 @@ def test_vision_models_accumulate_and_batchnorm_takes_the_mean_update():
                                sh),
                 jax.device_put(jnp.asarray(rng.integers(0, 5, 2 * W), jnp.int32), sh))
                for _ in range(3)]
-    (s1, st1, l1), (s2, st2, l2) = run(swin, "b-sdp", 1), run(swin, "b-sdp", 2)
+    (_, st1, l1), (_, st2, l2) = run(swin, "b-sdp", 1), run(swin, "b-sdp", 2)
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
     for x, y in zip(jax.tree.leaves(st1["params"]), jax.tree.leaves(st2["params"])):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)
