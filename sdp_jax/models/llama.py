@@ -399,10 +399,10 @@ class Llama(nnx.Module):
         """
         B, T = tokens.shape
         S = cache.k.shape[2]
-        if cache.k.shape[1] != B or T > S or (isinstance(start, int) and not
-                                               0 <= start <= S - T):
+        need = T + (start if isinstance(start, int) else 0)   # (a traced start: unknown)
+        if cache.k.shape[1] != B or need > S or (isinstance(start, int) and start < 0):
             raise ValueError(f"decode: tokens {tokens.shape} at start={start} need a cache of "
-                             f"batch {B} and at least start + {T} positions, got k "
+                             f"batch {B} and at least {need} positions, got k "
                              f"{cache.k.shape} [L, B, S, K, h]; build it with "
                              "init_cache(cfg, B, S).")
         h, cache = self._scan_blocks(self.embed_tokens(tokens), start, cache)
