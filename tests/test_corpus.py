@@ -168,6 +168,11 @@ def test_prepare_trains_a_tokenizer_and_writes_the_tokens_a_run_reads(tmp_path, 
     assert e.value.code == 2
     assert "already holds" in capsys.readouterr().err
     assert not list(out.glob("*.tmp"))
+    with pytest.raises(SystemExit):   # no vocabulary: refused before anything is written
+        prepare.main([a for a in argv if not a.startswith(("--vocab_size", "--out"))]
+                     + [f"--out={tmp_path / 'none'}"])
+    assert "--train_tokenizer needs --vocab_size=N" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.parametrize("what, message", [

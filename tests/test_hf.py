@@ -114,6 +114,24 @@ def test_init_from_trains_and_refuses_another_shape(hf_export, tmp_path, capsys)
         assert not os.path.exists(wd / "checkpoints") or not os.listdir(wd / "checkpoints")
     with pytest.raises(ValueError, match="rope_scaling"):
         hf_llama.model_fields({"model_type": "llama", "rope_scaling": {"type": "linear"}})
+    with pytest.raises(ValueError, match="is a training run's folder.*--format hf"):
+        loop.train(_tiny(init_from=cont), str(tmp_path / "from_a_run"))
+    assert hf_llama.model_fields({"model_type": "llama"})["norm_eps"] == 1e-6   # transformers'
+
+
+def test_the_tools_read_a_hugging_face_export(hf_export, capsys):
+    """evaluate and generate take an --format hf folder (the run config it keeps beside
+    transformers' config.json); the harness refuses a folder that holds no export in one line."""
+    from sdp_jax.tools import evaluate, generate, harness
+    wd, out = hf_export
+    got = evaluate.main(["--export", out])
+    np.testing.assert_allclose(got["val_loss"], trained.evaluation(trained.load(wd))["val_loss"],
+                               rtol=1e-5)
+    args = ["--prompt", "def ", "--length", "5"]
+    assert generate.main(["--export", out] + args) == generate.main(["--workdir", wd] + args)
+    with pytest.raises(ValueError, match="workdir=nowhere: no config.json there"):
+        harness.check_model_folders(["--model", "sdp_jax", "--model_args", "workdir=nowhere"])
+    harness.check_model_folders(["--model", "sdp_jax", "--model_args", f"export={out}"])
 
 
 @pytest.mark.skipif(not HAVE_HF, reason="needs torch and transformers (pip install -e '.[hf]')")

@@ -175,6 +175,10 @@ def read_config(folder: str) -> dict:
     Raises:
       ValueError: no folder or no readable ``config.json`` there."""
     path = os.path.join(folder, "config.json")
+    if os.path.isdir(os.path.join(folder, "checkpoints")):
+        raise ValueError(f"{folder!r} is a training run's folder, not a Hugging Face LLaMA; "
+                         f"export it first (python -m sdp_jax.tools.export --workdir {folder} "
+                         "--format hf --out DIR) and give DIR")
     if not os.path.isfile(path):
         raise ValueError(f"{folder!r} has no config.json: give a Hugging Face LLaMA folder "
                          "(save_pretrained's, or python -m sdp_jax.tools.export --format hf)")

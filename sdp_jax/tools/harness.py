@@ -21,6 +21,7 @@ none and is refused.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -66,7 +67,8 @@ HELP = "\n".join([
     "  --tasks NAME --include_path DIR",
     "                                a local task: DIR holds a YAML with 'task: NAME' (its data",
     "                                may be a local JSON file); examples/lm_eval_task/ is one",
-    "                                (docs/using.md)",
+    "                                (its data path is relative: run it from the repository's",
+    "                                root; docs/using.md)",
     f"  {PROG} ls tasks",
     "                                the tasks the harness knows",
     "",
@@ -242,6 +244,21 @@ def check_model_args(argv: list[str]) -> None:
                          f"model {MODEL_NAME} takes {', '.join(MODEL_ARGS)} (see {PROG} --help)")
 
 
+def check_model_folders(argv: list[str]) -> None:
+    """Refuse, before the harness loads anything, a ``workdir`` that holds no run's config.json
+    or an ``export`` that holds no export (the model would fail inside lm-eval, with a
+    traceback).
+
+    Raises:
+      ValueError: one line naming the argument and what it must name."""
+    given = model_args(argv) if MODEL_NAME in argv or f"--model={MODEL_NAME}" in argv else {}
+    for key, name in (("workdir", "config.json"), ("export", trained.EXPORT_FILE)):
+        if key in given and not os.path.isfile(os.path.join(given[key], name)):
+            raise ValueError(f"--model_args {key}={given[key]}: no {name} there; give "
+                             + ("a training run's folder (train.py --workdir)" if key == "workdir"
+                                else "a folder python -m sdp_jax.tools.export wrote"))
+
+
 def main(argv=None) -> None:
     """The harness's own command line (``lm_eval``), with the model ``sdp_jax`` registered.
     No arguments, ``-h`` or ``--help`` (without a subcommand) print :data:`HELP`: this
@@ -257,6 +274,7 @@ def main(argv=None) -> None:
         sys.exit(2)
     try:
         check_model_args(args)
+        check_model_folders(args)
     except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)

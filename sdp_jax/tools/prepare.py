@@ -50,8 +50,8 @@ def _define(argv) -> flags.FlagValues:
                          flag_values=fv)
     flags.DEFINE_bool("train_tokenizer", False, "train a byte-level BPE of --vocab_size tokens "
                       "on the training split first, and tokenize with it", flag_values=fv)
-    flags.DEFINE_integer("vocab_size", 0, "the trained tokenizer's vocabulary (0 = the "
-                         "config's model.vocab_size)", flag_values=fv)
+    flags.DEFINE_integer("vocab_size", 0, "the trained tokenizer's vocabulary (at most; a small "
+                         "corpus may give fewer), with --train_tokenizer", flag_values=fv)
     flags.DEFINE_integer("tokenizer_documents", 0, "train the tokenizer on the first this many "
                          "documents (0 = all)", flag_values=fv)
     return fv
@@ -68,8 +68,12 @@ def _check(fv) -> None:
                   f"{fv.config.data.tokenizer!r} names one; give one of the two")
     if not fv.train_tokenizer and (fv["vocab_size"].present or fv.tokenizer_documents):
         cli.error(PROG, "--vocab_size and --tokenizer_documents are for --train_tokenizer")
-    if fv.vocab_size < 0 or fv.tokenizer_documents < 0:
-        cli.error(PROG, "--vocab_size and --tokenizer_documents must be >= 0")
+    if fv.train_tokenizer and fv.vocab_size < corpus.VOCAB_BYTES + 1:
+        cli.error(PROG, f"--train_tokenizer needs --vocab_size=N, the tokens of the BPE, at "
+                  f"least {corpus.VOCAB_BYTES + 1} (the 256 bytes and <|endoftext|>), e.g. "
+                  f"--vocab_size=8192; got {fv.vocab_size}")
+    if fv.tokenizer_documents < 0:
+        cli.error(PROG, "--tokenizer_documents must be >= 0")
     if os.path.isdir(fv.out):
         taken = sorted(n for n in os.listdir(fv.out) if _ours(n))
         if taken:
@@ -166,11 +170,14 @@ def _with_tokenizer(fv, c: data_lib.Corpus) -> data_lib.Corpus:
       ValueError: the tokenizer's training refused (:func:`sdp_jax.train.corpus.train_bpe`)."""
     out = os.path.join(fv.out, "tokenizer.json")
     if fv.train_tokenizer:
-        vocab = fv.vocab_size or int(fv.config.model.vocab_size)
-        print(f"training a byte-level BPE of {vocab:,} tokens on {len(c.train)} train pieces",
-              flush=True)
-        return c._replace(tokenizer=corpus.train_bpe(
-            corpus.Documents(c.train, c.field), vocab, out, max_documents=fv.tokenizer_documents))
+        print(f"training a byte-level BPE of {fv.vocab_size:,} tokens on {len(c.train)} train "
+              "pieces", flush=True)
+        tok = corpus.train_bpe(corpus.Documents(c.train, c.field), fv.vocab_size, out,
+                               max_documents=fv.tokenizer_documents)
+        if tok.vocab_size < fv.vocab_size:
+            print(f"the corpus gave {tok.vocab_size:,} tokens: no pair of tokens was left to "
+                  f"merge before {fv.vocab_size:,}", flush=True)
+        return c._replace(tokenizer=tok)
     if c.tokenizer.name != "bytes":
         tmp = f"{out}.{os.getpid()}.tmp"
         shutil.copyfile(c.tokenizer.path, tmp)
@@ -188,6 +195,7 @@ def main(argv=None) -> dict:
         c = data_lib.document_corpus(config.data)
     except (ValueError, ImportError) as e:
         cli.error(PROG, str(e))
+    made = not os.path.isdir(fv.out)
     os.makedirs(fv.out, exist_ok=True)
     before = set(os.listdir(fv.out))
     try:
@@ -195,6 +203,8 @@ def main(argv=None) -> dict:
         done = write_shards(c, fv.out, fv.shard_tokens, float(config.data.val_fraction))
     except (ValueError, KeyboardInterrupt) as e:
         _remove_written(fv.out, before)
+        if made and not os.listdir(fv.out):
+            os.rmdir(fv.out)
         if isinstance(e, KeyboardInterrupt):
             cli.exit_on_signal(2, f"stopped; the files it had written in {fv.out} are removed")
         cli.error(PROG, f"{e} (the files it had written in {fv.out} are removed)")

@@ -63,14 +63,20 @@ class Trained:
         return self.builder.full_params(self.state["params"])
 
 
+HF_RUN_CONFIG = "sdp_jax_config.json"   # the run's config beside a Hugging Face export's
+
+
 def read_config(workdir: str, task=None):
-    """``workdir/config.json`` as a locked ``ml_collections.ConfigDict`` (``task``: the
-    :class:`sdp_jax.train.task.Family` of the run when it is not a built-in one).
+    """``workdir/config.json`` (in a Hugging Face export, ``sdp_jax_config.json``: its
+    ``config.json`` is ``transformers``') as a locked ``ml_collections.ConfigDict`` (``task``:
+    the :class:`sdp_jax.train.task.Family` of the run when it is not a built-in one).
 
     Raises:
       ValueError: no config.json (a run from before it was written, or not a run folder)."""
     import ml_collections  # pylint: disable=g-import-not-at-top
     path = os.path.join(workdir, "config.json")
+    if os.path.isfile(os.path.join(workdir, HF_RUN_CONFIG)):
+        path = os.path.join(workdir, HF_RUN_CONFIG)
     if not os.path.isfile(path):
         raise ValueError(f"{path!r} does not exist: give a run's --workdir (runs write "
                          "config.json when they start; rerun an older run's training command "
@@ -207,14 +213,16 @@ def export_hf(trained: Trained, out: str) -> str:
     path = export_target(out)
     tok = tokenizer(trained.config)
     hf_tok = tok is not None and tok.name != "bytes"
+    if os.path.exists(os.path.join(out, HF_RUN_CONFIG)):
+        raise ValueError(f"{os.path.join(out, HF_RUN_CONFIG)!r} exists; choose another --out "
+                         "(an export is never overwritten).")
     os.makedirs(out, exist_ok=True)
     if hf_tok:
         shutil.copyfile(tok.path, os.path.join(out, "tokenizer.json"))
         loop.write_atomically(os.path.join(out, "tokenizer_config.json"), json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
             "model_max_length": context(trained.config)}, indent=2))
-    loop.write_atomically(os.path.join(out, "sdp_jax_config.json"),
-                          trained.config.to_json(indent=2))
+    loop.write_atomically(os.path.join(out, HF_RUN_CONFIG), trained.config.to_json(indent=2))
     loop.write_atomically(os.path.join(out, "config.json"), json.dumps(
         hf_llama.hf_config(cfg, tok.eot_id if hf_tok else None), indent=2))
     save_file(hf_llama.to_hf(trained.full_params(), cfg), path + ".tmp",
@@ -252,7 +260,8 @@ def export_target(out: str) -> str:
 
 
 def read_export(out: str) -> tuple[Any, dict]:
-    """``(config, full parameters)`` of an :func:`export` folder (nested dict of numpy).
+    """``(config, full parameters)`` of an :func:`export` folder (nested dict of numpy), in
+    either format (:func:`export_hf`'s is read by :func:`sdp_jax.models.hf_llama.read`).
 
     Raises:
       ValueError: no export in ``out``."""
@@ -262,6 +271,9 @@ def read_export(out: str) -> tuple[Any, dict]:
     if not os.path.isfile(path):
         raise ValueError(f"{out!r} has no {EXPORT_FILE}: give a folder python -m "
                          "sdp_jax.tools.export wrote.")
+    if os.path.isfile(os.path.join(out, HF_RUN_CONFIG)):   # --format hf
+        config = read_config(out)
+        return config, hf_llama.read(out, language_model(config, "an export"))
     try:
         flat = load_file(path)
     except Exception as e:  # noqa: BLE001 (safetensors' errors of a damaged file)

@@ -369,13 +369,13 @@ def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
 def token_parts(pieces: list, c: Corpus, bar=None) -> Iterator[np.ndarray]:
     """The tokens of ``pieces`` (of the corpus ``c``), a 1-D array per piece, in order
     (:func:`sdp_jax.train.corpus.token_stream`), each counted on the ``tqdm`` progress bar
-    ``bar`` (pieces, and the tokens so far). Raises what reading a piece raises."""
-    tokens = 0
+    ``bar`` (pieces, and the tokens so far on that bar, over every call that shares it).
+    Raises what reading a piece raises."""
     for part in corpus.token_stream(corpus.Documents(pieces, c.field), c.tokenizer):
-        tokens += part.size
         if bar is not None:
+            bar.tokens = getattr(bar, "tokens", 0) + part.size
             bar.update(1)
-            bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
+            bar.set_postfix_str(f"{bar.tokens:,} tokens", refresh=False)
         yield part
 
 

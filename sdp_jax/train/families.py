@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from sdp_jax.models import hf_llama, llama
 from sdp_jax.models import vision as vm
 from sdp_jax.models.llama import BLOCK_KEY, Llama, LlamaConfig, block_apply_fn, next_token_loss
 from sdp_jax.train import config as config_lib
+from sdp_jax.train import corpus
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import migrations
 from sdp_jax.train import optimizer as optim_lib
@@ -549,6 +551,12 @@ class LanguageModelFamily(Family):
             params["boundary"] = pl.init_boundary(jax.random.key(0), run.model, run.pipe)
         log(f"initialized from the Hugging Face LLaMA in {folder} "
             f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters)")
+        theirs, ours = os.path.join(folder, "tokenizer.json"), run.config.data.tokenizer
+        if os.path.isfile(theirs) and not (ours and os.path.samefile(
+                corpus.tokenizer_file(ours), theirs)):
+            log(f"note: {folder} holds the tokenizer.json it was trained with, but this run "
+                f"tokenizes with {ours or 'bytes'}; add --config.data.tokenizer={folder} to "
+                "train on the tokens the model knows")
         return builder.init(params)
 
     def batch_shapes(self, run):

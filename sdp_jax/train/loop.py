@@ -559,7 +559,9 @@ def _log_run(run: run_lib.RunSpec, builder, mesh) -> None:
            if s.averaging == "parameters" else "")
         + (f"; FSDP (ZeRO-3) over the {run.workers} workers" if s.fsdp else "")
         + (f"; activation checkpointing: {s.remat}" if s.remat != "none" else "")
-        + (f"; compute dtype {s.dtype}" if s.dtype != "float32" else ""))
+        + (f"; compute dtype {s.dtype}" if s.dtype != "float32" else "")
+        + (f"; gradient accumulation over {s.grad_accum} microbatches of "
+           f"{run.config.batch_per_worker // s.grad_accum}" if s.grad_accum > 1 else ""))
     if builder.placement.emulated:
         log(builder.placement.describe())
     for extra in run.family.describe(run):
