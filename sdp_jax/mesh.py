@@ -7,6 +7,8 @@ several devices (docs/design.md, "One step in flight on a CPU").
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -33,6 +35,23 @@ def simulate_cpu_devices(count) -> None:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:   # the backend already started: keep its devices
         pass
+
+
+def check_devices_per_process(devices=None) -> None:
+    """Refuse processes that hold unequal numbers of devices (``devices``: default
+    ``jax.devices()``, every process's, each with its ``process_index``): the global batch's
+    rows and the checkpoints' shards are laid out evenly over the processes, so e.g. 3 + 1
+    devices would end in a reshape error inside the checkpoint manager on one process.
+
+    Raises:
+      ValueError: one line naming each process's device count and the fix."""
+    devices = jax.devices() if devices is None else devices
+    counts = collections.Counter(int(d.process_index) for d in devices)
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+        raise ValueError(f"the processes hold unequal numbers of devices ({shown}); give every "
+                         "process the same number (the same CUDA_VISIBLE_DEVICES count, or "
+                         "--config.num_cpu_devices on a CPU)")
 
 
 def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = False) -> Mesh:

@@ -234,3 +234,29 @@ def test_launcher_reports_the_first_failure_and_ends_the_others(tmp_path):
     assert status == 3 and time.monotonic() - t0 < 30
     with pytest.raises(ValueError, match="at least 1"):
         launch.run([sys.executable, "-c", "pass"], 0)
+
+
+def test_unequal_devices_per_process_are_refused_in_one_line(monkeypatch):
+    """Processes holding 3 and 1 devices (issue 39) are refused when the run is resolved,
+    before any checkpoint code, naming each process's count; equal counts pass."""
+    import types
+
+    import jax
+
+    from sdp_jax import mesh as mesh_lib
+    from sdp_jax.train import config as config_lib
+    from sdp_jax.train.run import resolve
+
+    def devices(*counts):
+        return [types.SimpleNamespace(process_index=p, platform="cpu")
+                for p, n in enumerate(counts) for _ in range(n)]
+    with pytest.raises(ValueError, match=r"unequal numbers of devices \(process 0: 3, "
+                                         r"process 1: 1\); give every process the same"):
+        mesh_lib.check_devices_per_process(devices(3, 1))
+    mesh_lib.check_devices_per_process(devices(2, 2))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "devices", lambda *a: devices(3, 1))
+    config = config_lib.base_config()
+    config.update(dict(num_cpu_devices=4))
+    with pytest.raises(ValueError, match="process 0: 3, process 1: 1"):
+        resolve(config, 4)

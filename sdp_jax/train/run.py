@@ -14,6 +14,7 @@ import jax
 import ml_collections
 
 from sdp_jax import alignment
+from sdp_jax import mesh as mesh_lib
 from sdp_jax import pipeline as pl
 from sdp_jax import placement
 from sdp_jax import runner
@@ -253,8 +254,11 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
 
     Raises:
       ValueError: not a positive integer, ``W * stages`` more than the devices, or not every
-        device with several processes; emulation refused (a pipeline, several processes,
-        ``workers=0``)."""
+        device with several processes, or processes holding unequal numbers of devices
+        (:func:`sdp_jax.mesh.check_devices_per_process`); emulation refused (a pipeline,
+        several processes, ``workers=0``)."""
+    if jax.process_count() > 1:
+        mesh_lib.check_devices_per_process()
     zero = "0 = every device" + (" / pipeline.stages" if stages > 1 else "")
     workers = config.workers or max(device_count // stages, 1)
     _integer(workers, "workers", 1, zero)
