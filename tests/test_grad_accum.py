@@ -63,7 +63,8 @@ def _assert_equal_runs(one, acc, rtol=1e-4, atol=1e-6):
     return f1, f2
 
 
-CASES = [("ddp", {}), ("b-sdp", {}), ("b-sdp", dict(fsdp=True, remat="full")),
+# (b-sdp without FSDP: test_accumulation_with_emulated_workers, against the devices' step)
+CASES = [("ddp", {}), ("b-sdp", dict(fsdp=True, remat="full")),
          ("n-sdp", dict(remat="dots", method="reference")), ("bb-sdp", dict(remat="full")),
          ("nb-sdp", dict(fsdp=True))]
 
