@@ -181,17 +181,12 @@ def export(trained: Trained, out: str) -> str:
     Raises:
       ValueError: a run :func:`language_model` does not serve; ``out`` holds an export
         already (never overwritten: choose another folder)."""
-    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-
     language_model(trained.config, "export")
     path = export_target(out)
     os.makedirs(out, exist_ok=True)
     flat = flatten_export(trained.full_params())
     text = trained.config.to_json(indent=2)
-    save_file(flat, path + ".tmp", metadata={"sdp_jax_config": text,
-                                             "step": str(trained.step)})
-    os.chmod(path + ".tmp", 0o644)
-    os.replace(path + ".tmp", path)
+    _save_weights(path, flat, {"sdp_jax_config": text, "step": str(trained.step)})
     loop.write_atomically(os.path.join(out, "config.json"), text)
     return path
 
@@ -207,8 +202,6 @@ def export_hf(trained: Trained, out: str) -> str:
 
     Raises:
       ValueError: as :func:`export`."""
-    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-
     cfg = language_model(trained.config, "export")
     path = export_target(out)
     tok = tokenizer(trained.config)
@@ -225,11 +218,19 @@ def export_hf(trained: Trained, out: str) -> str:
     loop.write_atomically(os.path.join(out, HF_RUN_CONFIG), trained.config.to_json(indent=2))
     loop.write_atomically(os.path.join(out, "config.json"), json.dumps(
         hf_llama.hf_config(cfg, tok.eot_id if hf_tok else None), indent=2))
-    save_file(hf_llama.to_hf(trained.full_params(), cfg), path + ".tmp",
-              metadata={"format": "pt", "step": str(trained.step)})
+    _save_weights(path, hf_llama.to_hf(trained.full_params(), cfg),
+                  {"format": "pt", "step": str(trained.step)})
+    return path
+
+
+def _save_weights(path: str, tensors: dict, metadata: dict) -> None:
+    """``tensors`` (``{name: numpy array}``) written to the safetensors file ``path`` whole or
+    not at all (a temporary file, readable by all, renamed)."""
+    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
+    save_file(tensors, path + ".tmp", metadata=metadata)
     os.chmod(path + ".tmp", 0o644)
     os.replace(path + ".tmp", path)
-    return path
 
 
 def flatten_export(params: dict) -> dict:
