@@ -4,6 +4,8 @@
     python train.py --config configs/resnet18_digits.py --workdir runs/digits   # vision default
     python train.py --config configs/llama_tiny.py --workdir /tmp/run --config.steps=20
     python train.py --config.sdp.variant=b-sdp --config.sdp.coverage=0.5
+    python train.py --config.sdp.variant=b-sdp --config.sdp.coverage=auto \
+        --config.sdp.memory_budget_gib=40   # the largest C whose compiled step fits
     python train.py --config configs/llama_tiny.py --print_config   # the config, not a run
 
 Rerunning the same command with the same --workdir resumes from the latest checkpoint.
@@ -26,7 +28,7 @@ cli.exit_on_signals()   # a signal from here on: one line and 128 + signal, neve
 import jax  # noqa: E402  (the heavy imports after the signal handlers)
 
 from sdp_jax import mesh as mesh_lib  # noqa: E402
-from sdp_jax.train import launch, loop  # noqa: E402
+from sdp_jax.train import fit, launch, loop  # noqa: E402
 from sdp_jax.train.run import resolve  # noqa: E402
 
 PROG = "python train.py"
@@ -75,8 +77,10 @@ def main(argv):
     if flags.FLAGS.print_config:   # one process, no peers: checked against W devices
         mesh_lib.simulate_cpu_devices(n_cpu)
         try:
-            resolve(config, max(jax.device_count(), config.workers
-                                * config.get("pipeline", {}).get("stages", 1)))
+            # (coverage=auto: checked, not picked; a run picks it by compiling)
+            (fit.check if fit.is_auto(config) else resolve)(
+                config, max(jax.device_count(), config.workers
+                            * config.get("pipeline", {}).get("stages", 1)))
         except (ValueError, ImportError) as e:
             cli.error(PROG, str(e))
         print(config.to_json(indent=2))

@@ -38,7 +38,7 @@ from sdp_jax.study import __main__ as study
 from sdp_jax.models import hf_llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.tools import harness, plot, prepare, trained
-from sdp_jax.train import cli, launch
+from sdp_jax.train import cli, fit, launch
 from sdp_jax.train.config import vision_config
 from sdp_jax.train.run import resolve, total_steps
 
@@ -205,7 +205,8 @@ def _check_train(argv: list[str], processes: int = 1) -> None:
     cli.parse(fv, argv, train.PROG, train.__doc__)
     config = fv.config
     devices = max(config.num_cpu_devices * processes, config.get("workers", 0) or 0)
-    resolve(config, devices)
+    # (coverage=auto: checked as --print_config checks it; the run compiles its candidates)
+    (fit.check if fit.is_auto(config) else resolve)(config, devices)
 
 
 def _check_launch(cmd: list[str]) -> None:

@@ -32,6 +32,14 @@ devices when no accelerator is present) and compiled:
   to the ``k`` blocks a B-SDP worker runs (what B-SDP's step cannot beat: the embedding, head
   and loss are not pruned), and B-SDP's step time against it.
 
+``--fit --budget_gib=40,24``: for each variant x ``--fit_remat`` x ``--fit_fsdp`` (default: the
+config's remat and FSDP), the train step compiled at every realizable coverage, largest first
+(:func:`sdp_jax.train.fit.scan`, the measurement ``--config.sdp.coverage=auto`` picks by), as a
+table of peaks per device, and the largest ``C`` that fits each budget (GiB per device)::
+
+    python -m sdp_jax.bench --fit --budget_gib=40,24 --config configs/llama_1b.py \
+        --variants b-sdp,n-sdp --fit_remat none,full --fit_fsdp false,true
+
 ``--paper`` reproduces the memory and communication comparison of Singh et al. (arXiv
 2507.09029, Sec. 5, 1B model on 8 GPUs): DDP, FSDP + AC, B-SDP C = 0.6875 and B-SDP + FSDP + AC
 at ``llama_1b``, bf16, 8 workers; it writes ``paper_table.md``, ``paper_chart.png`` and
@@ -55,7 +63,7 @@ from sdp_jax.bench import jit_reference as reference
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.spec import BLOCK
-from sdp_jax.train import cli, families
+from sdp_jax.train import cli, families, fit
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import run as run_lib
 from sdp_jax.train.run import resolve
@@ -137,14 +145,12 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
         unroll=True)[0])
     plan = builder.spec
     tokens = config.batch_per_worker * config.seq_len
-    held = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}
     return {"variant": variant, "setting": setting_name(variant, fsdp, remat), "fsdp": fsdp,
             "remat": remat, "dtype": dtype, "attention": config.model.attention,
             "grad_accum": config.get("grad_accum", 1),
             "regime": plan.regime, "coverage": plan.coverage,
             "workers": workers,
-            "held_per_worker": ", ".join(f"{t.k}/{t.masks.shape[-1]} {held[k]}"
-                                         for k, t in plan.kinds.items()),
+            "held_per_worker": fit.held(plan),
             "uniform": uniform, **figures,
             "model_flops_per_device": (
                 llama.model_flops_per_token(LlamaConfig.from_config(config.model), config.seq_len,
@@ -634,6 +640,15 @@ def flag_values(argv: list[str] | None = None):
                          "B-SDP+FSDP+AC)", flag_values=fv)
     flags.DEFINE_string("out", os.path.join("runs", "paper"), "output folder of --paper",
                         flag_values=fv)
+    flags.DEFINE_boolean("fit", False, "compile each variant at every realizable coverage and "
+                         "print the peaks per device and the largest C that fits --budget_gib",
+                         flag_values=fv)
+    flags.DEFINE_list("budget_gib", [], "--fit: budgets in GiB per device, e.g. 40,24",
+                      flag_values=fv)
+    flags.DEFINE_list("fit_remat", [], "--fit: remat modes, e.g. none,full (default: "
+                      "config.remat)", flag_values=fv)
+    flags.DEFINE_list("fit_fsdp", [], "--fit: FSDP settings, e.g. false,true (default: "
+                      "config.fsdp)", flag_values=fv)
     flags.DEFINE_string("json", None, "write the rows to this JSON file", flag_values=fv)
     flags.DEFINE_boolean("overwrite", False, "replace the files --out or --json name if they "
                          "exist (refused otherwise)", flag_values=fv)
@@ -657,10 +672,13 @@ def main(argv=None, check_only: bool = False) -> list[dict]:
     _check_outputs(fv)
     if fv.paper:
         return _main_paper(fv, argv, check_only)
+    settings, budgets = _check_fit(fv, config)
     variants = _check_variants(fv, config, config_path)
-    workers, mesh = _validate(config, variants, check_only)
+    workers, mesh = _validate(config, variants, check_only, settings)
     if check_only:
         return []
+    if fv.fit:
+        return _main_fit(fv, config, config_path, variants, workers, settings, budgets)
     if _is_vision(config):
         return _main_vision(fv, config, config_path, variants, workers, mesh)
     return _main_lm(fv, config, config_path, variants, workers, mesh)
@@ -742,9 +760,10 @@ def _check_variants(fv, config, config_path: str) -> list[str]:
     return variants
 
 
-def _validate(config, variants: list[str], check_only: bool):
+def _validate(config, variants: list[str], check_only: bool, settings: list | None = None):
     """Set the config's ``workers`` (0: 8) and ``model.max_seq_len`` (at least ``seq_len``),
-    validate every variant as training would and return ``(workers, mesh)`` (mesh None with
+    validate every variant (with ``settings``, ``--fit``'s ``(remat, fsdp)`` pairs: each, at
+    C = 1) as training would and return ``(workers, mesh)`` (mesh None with
     ``check_only``, which leaves the caller's JAX devices as they are); exits with status 2 on
     a ValueError."""
     workers = config.get("workers", 0) or 8
@@ -762,7 +781,10 @@ def _validate(config, variants: list[str], check_only: bool):
     try:
         run_lib.canonical_dtype(config)
         for v in variants:   # one validation place for every field, before any compile
-            _resolve(config, v, max(workers, 1))
+            if settings is None:
+                _resolve(config, v, max(workers, 1))
+            for remat, fsdp in settings or ():
+                run_lib.resolve(_fit_config(config, v, remat, fsdp), max(workers, 1))
         return workers, None if check_only else _mesh(workers)
     except ValueError as e:
         _err(str(e))
@@ -835,7 +857,8 @@ def _variant_config(config, variant: str, coverage: float, workers: int,
     and ``sdp.allow_nonuniform`` set; ``sdp.stage_blocks`` kept for block variants only."""
     c = config.copy_and_resolve_references()
     with c.unlocked():
-        c.sdp.variant, c.sdp.coverage, c.workers = variant, coverage, workers
+        c.sdp.variant, c.workers = variant, workers
+        fit.set_coverage(c, coverage)   # (the field may hold 'auto')
         if allow_nonuniform:
             c.sdp.allow_nonuniform = True
         if variant not in ("b-sdp", "bb-sdp") and "stage_blocks" in c.sdp:
@@ -877,3 +900,95 @@ def _main_vision(fv, config, config_path, variants, workers, mesh):
     _write_rows(fv.json, rows)
     return rows
 
+
+
+# ---------------------------------------------------------------------------- --fit
+def _check_fit(fv, config) -> tuple[list | None, list[float]]:
+    """``--fit``'s ``(remat, fsdp)`` settings (``--fit_remat`` x ``--fit_fsdp``, default the
+    config's) and budgets (bytes per device); ``(None, [])`` without ``--fit``. Exits with
+    status 2 on a bad value, or a ``--fit`` flag without ``--fit``, or ``--fit`` with
+    ``--measure_time`` or ``--reference``."""
+    own = [f"--{k}" for k in ("budget_gib", "fit_remat", "fit_fsdp") if fv[k].present]
+    if not fv.fit:
+        if own:
+            _err(f"{', '.join(own)} applies with --fit only; add --fit (or, for one setting, "
+                 "use --config.remat / --config.fsdp)")
+        return None, []
+    other = [f"--{k}" for k in ("measure_time", "reference") if fv[k].value]
+    if other:
+        _err(f"--fit compiles candidates only; drop {', '.join(other)}")
+    try:
+        budgets = [float(b) for b in fv.budget_gib]
+    except ValueError:
+        _err(f"--budget_gib={','.join(fv.budget_gib)}: give numbers of GiB per device, "
+             "e.g. --budget_gib=40,24")
+    if not budgets or min(budgets) <= 0:
+        _err("--fit needs budgets of GiB per device > 0, e.g. --budget_gib=40,24")
+    bools = {"true": True, "false": False}
+    bad = [f for f in fv.fit_fsdp if f.lower() not in bools]
+    if bad:
+        _err(f"--fit_fsdp={','.join(fv.fit_fsdp)}: give true and/or false, e.g. "
+             "--fit_fsdp=false,true")
+    remats = fv.fit_remat or [config.remat]
+    fsdps = [bools[f.lower()] for f in fv.fit_fsdp] or [bool(config.fsdp)]
+    return [(r, f) for r in remats for f in fsdps], [b * fit.GIB for b in budgets]
+
+
+def _fit_config(config, variant: str, remat: str, fsdp: bool, coverage=1.0):
+    """A copy of ``config`` for one ``--fit`` setting (``variant``, ``remat``, ``fsdp``) at
+    ``coverage``."""
+    c = _variant_config(config, variant, 1.0, config.workers)
+    fit.set_coverage(c, coverage)
+    with c.unlocked():
+        c.remat, c.fsdp = remat, fsdp
+    return c
+
+
+def _main_fit(fv, config, config_path, variants, workers, settings, budgets) -> list[dict]:
+    """``main`` with ``--fit``: each variant x setting compiled at every realizable coverage
+    (:func:`sdp_jax.train.fit.scan`, logged as compiled), then :func:`fit_table`; the rows
+    (``variant``, ``remat``, ``fsdp``, ``coverage``, ``held_per_worker``,
+    ``peak_bytes_per_device``, ``compile_s``) to ``--json``."""
+    import jax
+
+    print(f"{config_path}: batch {config.batch_per_worker} per worker, {workers} x "
+          f"{jax.devices()[0].platform}, {config.dtype}; budgets "
+          f"{', '.join(f'{b / fit.GIB:g}' for b in budgets)} GiB per device", flush=True)
+    rows = []
+    for v in variants:
+        for remat, fsdp in settings:
+            print(f"{setting_name(v, fsdp, remat)}:", flush=True)
+            for cand in fit.scan(_fit_config(config, v, remat, fsdp), workers, tuple(budgets)):
+                rows.append({"variant": v, "remat": remat, "fsdp": fsdp,
+                             "coverage": cand.coverage, "held_per_worker": cand.held,
+                             "peak_bytes_per_device": cand.peak_bytes,
+                             "compile_s": cand.compile_s})
+    print(fit_table(rows, budgets))
+    _write_rows(fv.json, rows)
+    return rows
+
+
+def fit_table(rows: list[dict], budgets: list[float]) -> str:
+    """``--fit``'s two markdown tables: every compiled row (variant, remat, FSDP, C, held per
+    worker, peak per device in GiB, whether it fits each budget), and per (variant, remat,
+    FSDP) the largest C that fits each budget (``budgets``: bytes per device)."""
+    gib = [f"{b / fit.GIB:g} GiB" for b in budgets]
+    lines = ["| variant | remat | FSDP | C | held per worker | peak / device | "
+             + " | ".join(f"fits {g}" for g in gib) + " |",
+             "|---" * (6 + len(budgets)) + "|"]
+    best: dict[tuple, list] = {}
+    for r in rows:
+        key = (r["variant"], r["remat"], "yes" if r["fsdp"] else "no")
+        fits = [r["peak_bytes_per_device"] <= b for b in budgets]
+        lines.append(f"| {' | '.join(key)} | {r['coverage']:g} | {r['held_per_worker']} | "
+                     f"{_bytes(r['peak_bytes_per_device'])} | "
+                     + " | ".join("yes" if f else "no" for f in fits) + " |")
+        got = best.setdefault(key, [None] * len(budgets))
+        best[key] = [g if g is not None or not f else r["coverage"] for g, f in zip(got, fits)]
+    lines += ["", "largest C that fits:", "",
+              "| variant | remat | FSDP | " + " | ".join(gib) + " |",
+              "|---" * (3 + len(budgets)) + "|"]
+    lines += [f"| {' | '.join(key)} | " + " | ".join("none" if c is None else f"{c:g}"
+                                                   for c in cs) + " |"
+              for key, cs in best.items()]
+    return "\n".join(lines)

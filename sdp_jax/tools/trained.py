@@ -87,6 +87,10 @@ def read_config(workdir: str, task=None):
     for key in run_lib.RUN_CONTROL:   # newer than the run, not part of its trajectory
         if key not in config and key in template:
             config[key] = template[key]
+    for name in run_lib.SECTION_CONTROL:
+        section, key = name.split(".")
+        if section in config and key not in config[section] and key in template.get(section, {}):
+            config[section][key] = template[section][key]
     config.lock()
     return config
 

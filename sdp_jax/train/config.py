@@ -36,7 +36,10 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The fields of every run config (set on ``c``; families change some defaults)."""
     c.sdp = ml_collections.ConfigDict(dict(
         variant="ddp",            # ddp | b-sdp | n-sdp | bb-sdp | nb-sdp
-        coverage=1.0,             # C: fraction of blocks / neurons / heads each worker holds
+        # C: fraction of blocks / neurons / heads each worker holds, or "auto": the largest
+        # realizable C whose compiled step fits memory_budget_gib (sdp_jax.train.fit)
+        coverage=ml_collections.FieldReference(1.0, field_type=object),
+        memory_budget_gib=0.0,    # GiB per device for coverage=auto; 0 = the accelerator's x 0.9
         scheme="cyclic",          # cyclic | random | grouped (disconnected: allow_disconnected)
         mask_seed=0,              # seed of the random scheme
         allow_nonuniform=False,   # accept W*C not whole (near-uniform multiplicities)

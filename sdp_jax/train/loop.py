@@ -39,15 +39,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from sdp_jax import costs
-from sdp_jax import mesh as mesh_lib
 from sdp_jax import step as step_lib
 from sdp_jax.costs import fmt_bytes, memory_stats
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import cli, curves, migrations
 from sdp_jax.train import data as data_lib
+from sdp_jax.train import fit
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import profiling
 from sdp_jax.train import run as run_lib
+from sdp_jax.train.fit import make_mesh  # (the run's mesh; also loop.make_mesh)
 from sdp_jax.train.task import Family
 
 FINITE_KEYS = ("train_loss", "grad_norm", "val_loss", "test_loss")
@@ -354,14 +355,6 @@ def restore_or_init(manager, latest, builder, seed: int, announce: bool = True,
 
 
 
-def make_mesh(run: run_lib.RunSpec):
-    """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices, or
-    ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order; one device
-    with ``config.emulate_workers``."""
-    return mesh_lib.make_mesh(run.workers, run.pipe.stages,
-                              emulated=run.settings.emulate_workers)
-
-
 def process_rows(mesh, run: run_lib.RunSpec) -> tuple[int, int]:
     """``(first, count)``: the rows of every global batch this process loads
     (:func:`sdp_jax.train.data.sharding_rows` of the batch's sharding on ``mesh``)."""
@@ -498,8 +491,9 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     t_start = time.time()
     import matplotlib  # noqa: F401  (the writers of the end: a broken install fails now)
     import tensorboardX  # noqa: F401
-    run = run_lib.resolve(config, jax.device_count(), task)
     check_workdir_is_dir(workdir)
+    # coverage=auto: the checkpoint's, or the largest whose compiled step fits the budget
+    run = fit.resolve(config, jax.device_count(), task, workdir, log)
     mesh = make_mesh(run)
     # bad data fails here, before any compile
     train_at, eval_data = run.family.data(run, process_rows(mesh, run), log)

@@ -31,6 +31,8 @@ RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "l
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
                "remat", "peak_flops", "align_every", "emulate_workers", "grad_accum",
                "profile_start", "profile_stop", "init_from")
+# The same, inside a section (coverage=auto's budget: the chosen coverage is what is recorded).
+SECTION_CONTROL = ("data.worker_count", "sdp.memory_budget_gib")
 # Model fields that choose how the same function is computed (not what is computed): a
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
@@ -220,10 +222,27 @@ def _check_run_control(config, family) -> None:
                          "FLOP/s, e.g. 989e12 for an H100's bf16; 0 = known devices only).")
     if config.seed >= 2**31:   # the data pipelines and initializers derive seeds from it
         raise ValueError(f"config.seed={config.seed} must be below 2**31; pick a smaller seed.")
-    cov = config.sdp.coverage
+    _check_coverage(config.sdp.coverage, config.sdp.memory_budget_gib)
+
+
+def _check_coverage(cov, gib) -> None:
+    """``sdp.coverage`` a number in (0, 1] (``'auto'`` is replaced by a number before
+    :func:`resolve`: :func:`sdp_jax.train.fit.resolve`) and ``sdp.memory_budget_gib`` a finite
+    number >= 0 (GiB per device).
+
+    Raises:
+      ValueError: naming the value and the fix."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < math.inf:
+        raise ValueError(f"config.sdp.memory_budget_gib={gib!r} must be a number >= 0 (GiB per "
+                         "device for --config.sdp.coverage=auto; 0 = the accelerator's memory).")
+    if cov == "auto":
+        raise ValueError("config.sdp.coverage='auto' is picked by compiling the run (python "
+                         "train.py, or python -m sdp_jax.bench --fit for the table); this "
+                         "command needs a number: give --config.sdp.coverage=C.")
     if isinstance(cov, bool) or not isinstance(cov, (int, float)) or not 0 < cov <= 1:
         raise ValueError(f"config.sdp.coverage={cov!r} must be a number in (0, 1] (the fraction "
-                         "of components each worker holds; 1 for ddp).")
+                         "of components each worker holds; 1 for ddp), or auto (the largest "
+                         "that fits --config.sdp.memory_budget_gib).")
 
 
 def _check_profile(first: int, last: int, total: int) -> None:
@@ -352,7 +371,9 @@ def trajectory_config(config) -> dict[str, Any]:
     d = json.loads(config.to_json())
     for k in RUN_CONTROL:
         d.pop(k, None)
-    d.get("data", {}).pop("worker_count", None)
+    for name in SECTION_CONTROL:
+        section, key = name.split(".")
+        d.get(section, {}).pop(key, None)
     for k in MODEL_EXECUTION:
         d.get("model", {}).pop(k, None)
     return d

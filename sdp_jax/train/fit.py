@@ -1,0 +1,232 @@
+"""A coverage that fits: ``config.sdp.coverage='auto'`` picks the largest realizable coverage
+``C`` whose compiled train step fits a per-device memory budget, on the backend the run is on.
+
+Each candidate is the run itself at one coverage (its variant, remat, FSDP, dtype, batch and
+model), resolved by :func:`sdp_jax.train.run.resolve` and its train step lowered and compiled
+for abstract inputs (``jax.ShapeDtypeStruct``: nothing is allocated); its peak per device is
+``compiled.memory_analysis()``'s argument + temp + output - alias bytes
+(:func:`sdp_jax.costs.memory_stats`). :func:`compiled_peak` is that one measurement, read by
+``train.py`` (:func:`resolve`) and by ``python -m sdp_jax.bench --fit`` (:func:`scan`).
+
+The candidates are the coverages ``k / G`` (``G``: the variant's blocks, or its smallest
+neuron kind) for which the family's masks can be built (``family.plan``: the one rule that
+decides what is realizable, e.g. ``W * C`` whole unless ``sdp.allow_nonuniform``).
+
+The budget is ``config.sdp.memory_budget_gib`` GiB per device; 0 takes an accelerator's
+memory (``memory_stats()['bytes_limit']``) times :data:`SAFETY`, and is refused on a CPU.
+
+A resumed ``auto`` run does not pick again: it takes the coverage its latest checkpoint
+recorded (the config a checkpoint records holds the chosen number, never ``auto``), so the
+budget or another compiler cannot change ``C`` in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable
+
+import jax
+
+from sdp_jax import costs
+from sdp_jax import masks as masks_lib
+from sdp_jax import mesh as mesh_lib
+from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import run as run_lib
+
+AUTO = "auto"
+GIB = 2**30
+SAFETY = 0.9   # the part of an accelerator's memory a budget of 0 takes (the rest: the runtime's)
+BUDGET_FLAG = "--config.sdp.memory_budget_gib"
+KIND_NAMES = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}   # (in the tables)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One compiled coverage: ``coverage`` C, ``held`` (e.g. ``12/16 blocks``),
+    ``peak_bytes`` (compiled peak per device, bytes), ``compile_s`` (seconds)."""
+
+    coverage: float
+    held: str
+    peak_bytes: int
+    compile_s: float
+
+    def fits(self, budget_bytes: float) -> bool:
+        """Whether the peak is at most ``budget_bytes`` (bytes per device)."""
+        return self.peak_bytes <= budget_bytes
+
+
+def is_auto(config) -> bool:
+    """Whether ``config.sdp.coverage`` is ``'auto'``."""
+    return config.sdp.coverage == AUTO
+
+
+def set_coverage(config, coverage) -> None:
+    """Set ``config.sdp.coverage`` (in place) to a number or ``'auto'``, whatever the field
+    holds now."""
+    with config.ignore_type():
+        config.sdp.coverage = coverage
+
+
+def with_coverage(config, coverage):
+    """A copy of ``config`` at ``coverage``."""
+    c = config.copy_and_resolve_references()
+    set_coverage(c, coverage)
+    return c
+
+
+def make_mesh(run: run_lib.RunSpec):
+    """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices, or
+    ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order; one device
+    with ``config.emulate_workers``."""
+    return mesh_lib.make_mesh(run.workers, run.pipe.stages,
+                              emulated=run.settings.emulate_workers)
+
+
+def compiled_peak(run: run_lib.RunSpec, mesh) -> dict:
+    """The per-device bytes of ``run``'s train step compiled for abstract inputs (no array is
+    allocated): :func:`sdp_jax.costs.memory_stats` (``peak_bytes_per_device`` and its parts)."""
+    builder = run.family.step(run, mesh)
+    return costs.memory_stats(builder.compiled_train_step(run.family.batch_shapes(run)))
+
+
+def budget_bytes(config) -> int:
+    """The per-device budget of ``coverage='auto'`` in bytes: ``sdp.memory_budget_gib`` GiB, or
+    (0) the first device's ``bytes_limit`` times :data:`SAFETY`.
+
+    Raises:
+      ValueError: a budget of 0 on a CPU, or on a device that reports no memory limit."""
+    gib = config.sdp.memory_budget_gib
+    if gib:
+        return int(gib * GIB)
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        raise ValueError(f"config.sdp.coverage='auto' on a CPU needs a per-device budget: add "
+                         f"{BUDGET_FLAG}=GIB (e.g. {BUDGET_FLAG}=40).")
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        raise ValueError(f"config.sdp.coverage='auto': the {device.device_kind} reports no "
+                         f"memory limit; add {BUDGET_FLAG}=GIB.")
+    return int(limit * SAFETY)
+
+
+def coverages(config, device_count: int, task=None) -> tuple[run_lib.RunSpec, list[float]]:
+    """``(the run resolved at C = 1, its variant's realizable coverages, largest first)``:
+    every field but the coverage is validated here, before any compile (ddp: ``[1.0]``).
+
+    Raises:
+      ValueError: any invalid field (:func:`sdp_jax.train.run.resolve`)."""
+    run = run_lib.resolve(with_coverage(config, 1.0), device_count, task)
+    plan = run.plan
+    if plan.variant == "ddp":
+        return run, [1.0]
+    blocks = [st.n for kind, st in plan.stacks.items() if kind in plan.kinds]
+    g = sum(blocks) if blocks else min(t.masks.shape[-1] for t in plan.kinds.values())
+    out = []
+    for c in masks_lib.valid_coverages(run.workers, g, allow_nonuniform=True):
+        try:
+            run.family.plan(with_coverage(config, c), run.model, run.workers, run.pipe)
+        except ValueError:   # not realizable for this variant (the masks' own rule)
+            continue
+        out.append(c)
+    return run, sorted(out, reverse=True)
+
+
+def held(plan) -> str:
+    """What a worker holds under ``plan``, per kind: ``11/16 blocks``, ``4096/8192 neurons,
+    8/16 kv-groups``."""
+    return ", ".join(f"{t.k}/{t.masks.shape[-1]} {KIND_NAMES.get(kind, kind)}"
+                     for kind, t in plan.kinds.items())
+
+
+def describe(cand: Candidate, budgets: tuple = ()) -> str:
+    """One progress line: ``C=0.75 (12/16 blocks): peak 3.1 GiB per device (compiled in
+    2.0s), fits 4 GiB`` (one verdict per budget, bytes)."""
+    verdicts = "".join(f", {'fits' if cand.fits(b) else 'over'} {b / GIB:g} GiB"
+                       for b in budgets)
+    return (f"  C={cand.coverage:g} ({cand.held}): peak {costs.fmt_bytes(cand.peak_bytes)} per "
+            f"device (compiled in {cand.compile_s}s){verdicts}")
+
+
+def scan(config, device_count: int, budgets: tuple = (), task=None,
+         log: Callable[[str], None] = print, first_fit: bool = False) -> list[Candidate]:
+    """Compile ``config``'s run at each realizable coverage, largest first
+    (:func:`coverages`, :func:`compiled_peak`), logging each as it is compiled
+    (:func:`describe`); ``first_fit``: stop at the first that fits ``budgets[0]`` (bytes per
+    device), the largest that fits.
+
+    Raises:
+      ValueError: an invalid field, before any compile."""
+    run, cands = coverages(config, device_count, task)
+    mesh, out = make_mesh(run), []
+    for c in cands:
+        r = run_lib.resolve(with_coverage(config, c), device_count, task)
+        t0 = time.time()
+        peak = compiled_peak(r, mesh)["peak_bytes_per_device"]
+        out.append(Candidate(c, held(r.plan), peak, round(time.time() - t0, 1)))
+        log(describe(out[-1], budgets))
+        if first_fit and out[-1].fits(budgets[0]):
+            break
+    return out
+
+
+def recorded_coverage(workdir: str | None) -> tuple[int, float] | None:
+    """``(step, C)`` of the latest checkpoint in ``workdir/checkpoints``, or None (none)."""
+    path = os.path.join(workdir or "", "checkpoints")
+    if not workdir or not os.path.isdir(path):
+        return None
+    manager = ckpt_lib.CheckpointManager(path)
+    try:
+        step = manager.latest_step()
+        if step is None:
+            return None
+        return step, manager.read_meta(step)["config"]["sdp"]["coverage"]
+    finally:
+        manager.close()
+
+
+def check(config, device_count: int, task=None) -> tuple[list[float], int]:
+    """``coverage='auto'`` checked without compiling: ``(the realizable coverages, largest
+    first, the budget in bytes per device)``.
+
+    Raises:
+      ValueError: an invalid field, or no budget on a CPU (:func:`budget_bytes`)."""
+    _, cands = coverages(config, device_count, task)
+    return cands, budget_bytes(config)
+
+
+def resolve(config, device_count: int, task=None, workdir: str | None = None,
+            log: Callable[[str], None] = print) -> run_lib.RunSpec:
+    """:func:`sdp_jax.train.run.resolve`, with ``coverage='auto'`` first replaced in
+    ``config`` (in place, so ``config.json`` and the checkpoints record the number) by the
+    coverage the latest checkpoint of ``workdir`` recorded, or else by the largest that fits
+    the budget (:func:`scan`, largest first, stopping at the first that fits).
+
+    Raises:
+      ValueError: an invalid field or no budget on a CPU (before any compile), or, in one
+        line, no coverage fits (naming the smallest candidate's peak and the fixes)."""
+    if not is_auto(config):
+        return run_lib.resolve(config, device_count, task)
+    recorded = recorded_coverage(workdir)
+    if recorded is not None:
+        log(f"coverage auto: C={recorded[1]:g}, as the checkpoint of step {recorded[0]} in "
+            f"{workdir} recorded (picked when the run started; not picked again)")
+        set_coverage(config, recorded[1])
+        return run_lib.resolve(config, device_count, task)
+    cands, budget = check(config, device_count, task)
+    log(f"coverage auto: compiling {config.sdp.variant} at its {len(cands)} realizable "
+        f"coverages, largest first, until one fits {budget / GIB:g} GiB per device")
+    compiled = scan(config, device_count, (budget,), task, log, first_fit=True)
+    if not compiled[-1].fits(budget):
+        last = compiled[-1]
+        raise ValueError(
+            f"config.sdp.coverage='auto': no coverage of {config.sdp.variant} fits "
+            f"{budget / GIB:g} GiB per device (the smallest, C={last.coverage:g}, peaks at "
+            f"{last.peak_bytes / GIB:.2f} GiB); raise {BUDGET_FLAG}, or add "
+            "--config.remat=full or --config.fsdp=True.")
+    set_coverage(config, compiled[-1].coverage)
+    log(f"coverage auto: C={compiled[-1].coverage:g} ({compiled[-1].held}), the largest that "
+        f"fits {budget / GIB:g} GiB per device")
+    return run_lib.resolve(config, device_count, task)
+

@@ -1,0 +1,135 @@
+"""coverage=auto picks the largest realizable C whose compiled step fits a per-device budget;
+python -m sdp_jax.bench --fit prints the same measurement as a table (sdp_jax/train/fit.py)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from sdp_jax.bench import measure as bench
+from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import fit, loop
+from sdp_jax.train import run as run_lib
+from sdp_jax.train.cli import config_file
+
+TINY = config_file("llama_tiny.py")
+
+
+def tiny(variant="b-sdp", workers=4, **sdp):
+    """configs/llama_tiny.py with ``coverage='auto'`` (W = ``workers``)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("llama_tiny", TINY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.workers, c.sdp.variant = workers, variant
+    c.sdp.update(sdp)
+    fit.set_coverage(c, "auto")
+    return c
+
+
+def fake_peaks(monkeypatch, calls):
+    """compiled_peak -> C * 1000 bytes (no compile), recording each C asked."""
+    def peak(run, mesh):
+        calls.append(run.plan.coverage)
+        return {"peak_bytes_per_device": int(run.plan.coverage * 1000)}
+    monkeypatch.setattr(fit, "compiled_peak", peak)
+
+
+def test_candidates_are_the_realizable_coverages():
+    # W = 2, L = 4: C = 1/2 splits the workers (spectral gap 0), 3/4 makes W*C = 1.5
+    assert fit.coverages(tiny(workers=2), 8)[1] == [1.0]
+    assert fit.coverages(tiny(workers=2, allow_nonuniform=True), 8)[1] == [1.0, 0.75]
+    assert fit.coverages(tiny(workers=2, allow_nonuniform=True, allow_disconnected=True),
+                         8)[1] == [1.0, 0.75, 0.5]
+    assert fit.coverages(tiny(), 8)[1] == [1.0, 0.75, 0.5]
+    assert fit.coverages(tiny("n-sdp"), 8)[1] == [1.0, 0.5]   # 2 kv-groups per block
+    assert fit.coverages(tiny("ddp"), 8)[1] == [1.0]
+
+
+def test_auto_picks_the_largest_that_fits_or_refuses_in_one_line(monkeypatch, capsys):
+    calls = []
+    fake_peaks(monkeypatch, calls)
+    c = tiny(memory_budget_gib=800 / fit.GIB)
+    run = fit.resolve(c, 8)
+    assert run.plan.coverage == 0.75 and c.sdp.coverage == 0.75   # recorded as a number
+    assert calls == [1.0, 0.75]   # largest first, stopping at the first that fits
+    out = capsys.readouterr().out
+    assert "C=1 (4/4 blocks): peak 1000.0 B per device" in out and ", over " in out
+    assert "coverage auto: C=0.75 (3/4 blocks), the largest that fits" in out
+    with pytest.raises(ValueError) as e:
+        fit.resolve(tiny(memory_budget_gib=100 / fit.GIB), 8)
+    msg = str(e.value)
+    assert "\n" not in msg and "the smallest, C=0.5" in msg and fit.BUDGET_FLAG in msg
+    calls.clear()
+    with pytest.raises(ValueError, match="on a CPU needs a per-device budget: add "
+                       "--config.sdp.memory_budget_gib=GIB"):
+        fit.resolve(tiny(), 8)
+    assert calls == []   # refused before any compile
+    with pytest.raises(ValueError, match="memory_budget_gib=-1.0 must be a number >= 0"):
+        fit.resolve(tiny(memory_budget_gib=-1.0), 8)
+    with pytest.raises(ValueError, match="this command needs a number: give "
+                       "--config.sdp.coverage=C"):
+        run_lib.resolve(tiny(memory_budget_gib=1.0), 8)
+
+
+def test_a_resumed_auto_run_keeps_its_checkpoints_coverage(tmp_path, monkeypatch, capsys):
+    calls = []
+    fake_peaks(monkeypatch, calls)
+    c = tiny(memory_budget_gib=10.0)   # (every candidate would fit: C = 1 if picked again)
+    meta = {"config": run_lib.trajectory_config(fit.with_coverage(c, 0.5))}
+    manager = ckpt_lib.CheckpointManager(str(tmp_path / "checkpoints"))
+    manager.save(3, {"x": np.zeros(2, np.float32)}, meta)
+    manager.close()
+    run = fit.resolve(c, 8, workdir=str(tmp_path))
+    assert run.plan.coverage == 0.5 and c.sdp.coverage == 0.5 and calls == []
+    assert "C=0.5, as the checkpoint of step 3" in capsys.readouterr().out
+    assert "memory_budget_gib" not in meta["config"]["sdp"]   # no part of the trajectory
+
+
+def test_train_picks_the_coverage_before_training(tmp_path, monkeypatch, capsys):
+    calls = []
+    fake_peaks(monkeypatch, calls)
+
+    def stop(run):
+        raise RuntimeError(f"stopped at the mesh, C={run.plan.coverage}")
+    monkeypatch.setattr(loop, "make_mesh", stop)
+    c = tiny(memory_budget_gib=600 / fit.GIB)
+    with pytest.raises(RuntimeError, match="C=0.5"):
+        loop.train(c, str(tmp_path / "run"))
+    assert c.sdp.coverage == 0.5 and calls == [1.0, 0.75, 0.5]
+    assert "coverage auto: compiling b-sdp at its 3 realizable coverages" in \
+        capsys.readouterr().out
+
+
+def test_bench_fit_table_reads_the_compiled_peaks(capsys):
+    rows = bench.main(["--fit", "--budget_gib=100,1e-6", "--config", TINY, "--variants",
+                       "b-sdp", "--config.workers=4"])
+    assert [r["coverage"] for r in rows] == [1.0, 0.75, 0.5]
+    peaks = [r["peak_bytes_per_device"] for r in rows]
+    assert peaks[0] > peaks[1] > peaks[2] > 0   # forward masking prunes
+    out = capsys.readouterr().out
+    assert "| b-sdp | none | no | 0.75 | 3/4 blocks |" in out
+    assert "| b-sdp | none | no | 1 | none |" in out   # largest C fitting 100 GiB; 1e-6: none
+    c = tiny()
+    fit.set_coverage(c, 1.0)
+    row = bench.measure(c, "b-sdp", 4, 1.0, bench._mesh(4), flops=False)
+    assert row["peak_bytes_per_device"] == peaks[0]   # the one measurement of the bench
+
+
+def test_bench_fit_flags_are_checked(capsys):
+    for argv, msg in (
+            (["--budget_gib=40"], "--budget_gib applies with --fit only"),
+            (["--fit"], "--fit needs budgets of GiB per device > 0"),
+            (["--fit", "--budget_gib=forty"], "--budget_gib=forty: give numbers"),
+            (["--fit", "--budget_gib=40", "--fit_fsdp=maybe"], "--fit_fsdp=maybe"),
+            (["--fit", "--budget_gib=40", "--measure_time"], "drop --measure_time"),
+            (["--fit", "--budget_gib=40", "--fit_remat=everything"], "remat='everything'")):
+        with pytest.raises(SystemExit):
+            bench.main(["--config", TINY, *argv], check_only=True)
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, (argv, err)
+    assert bench.main(["--config", TINY, "--fit", "--budget_gib=1", "--fit_remat=none,full",
+                       "--fit_fsdp=false,true", "--config.sdp.coverage=auto"],
+                      check_only=True) == []
+    assert os.path.isfile(TINY)
