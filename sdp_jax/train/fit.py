@@ -140,10 +140,15 @@ def held(plan) -> str:
                      for kind, t in plan.kinds.items())
 
 
+def _gib(n: float) -> str:
+    """Bytes as GiB, to 6 significant digits (a budget given in GiB, as given)."""
+    return f"{n / GIB:.6g}"
+
+
 def describe(cand: Candidate, budgets: tuple = ()) -> str:
     """One progress line: ``C=0.75 (12/16 blocks): peak 3.1 GiB per device (compiled in
     2.0s), fits 4 GiB`` (one verdict per budget, bytes)."""
-    verdicts = "".join(f", {'fits' if cand.fits(b) else 'over'} {b / GIB:g} GiB"
+    verdicts = "".join(f", {'fits' if cand.fits(b) else 'over'} {_gib(b)} GiB"
                        for b in budgets)
     return (f"  C={cand.coverage:g} ({cand.held}): peak {costs.fmt_bytes(cand.peak_bytes)} per "
             f"device (compiled in {cand.compile_s}s){verdicts}")
@@ -216,17 +221,17 @@ def resolve(config, device_count: int, task=None, workdir: str | None = None,
         return run_lib.resolve(config, device_count, task)
     cands, budget = check(config, device_count, task)
     log(f"coverage auto: compiling {config.sdp.variant} at its {len(cands)} realizable "
-        f"coverages, largest first, until one fits {budget / GIB:g} GiB per device")
+        f"coverages, largest first, until one fits {_gib(budget)} GiB per device")
     compiled = scan(config, device_count, (budget,), task, log, first_fit=True)
     if not compiled[-1].fits(budget):
         last = compiled[-1]
         raise ValueError(
             f"config.sdp.coverage='auto': no coverage of {config.sdp.variant} fits "
-            f"{budget / GIB:g} GiB per device (the smallest, C={last.coverage:g}, peaks at "
-            f"{last.peak_bytes / GIB:.2f} GiB); raise {BUDGET_FLAG}, or add "
+            f"{_gib(budget)} GiB per device (the smallest, C={last.coverage:g}, peaks at "
+            f"{costs.fmt_bytes(last.peak_bytes)}); raise {BUDGET_FLAG}, or add "
             "--config.remat=full or --config.fsdp=True.")
     set_coverage(config, compiled[-1].coverage)
     log(f"coverage auto: C={compiled[-1].coverage:g} ({compiled[-1].held}), the largest that "
-        f"fits {budget / GIB:g} GiB per device")
+        f"fits {_gib(budget)} GiB per device")
     return run_lib.resolve(config, device_count, task)
 
