@@ -265,40 +265,65 @@ class Layout:
                 flat[self.block_full(lf0, g)] = self.unpad(lf0, g, stack[g])
         return flat
 
-    def unprune(self, stored: Any) -> dict:
+    def unprune(self, stored: Any, average: bool = False) -> dict:
         """Stored layout -> full parameters (host numpy), every component taken from its first
-        holder (holders agree after averaging). Nested dict like the spec's parameters."""
+        holder (holders agree after gradient averaging), or with ``average`` the mean of its
+        holders' values (periodic parameter averaging, between averaging steps; computed in
+        float64 and cast back). Nested dict like the spec's parameters."""
         flat = {sp: np.asarray(jax.device_get(x)) for sp, x in _flatten(stored).items()}
-        flat = {lp: (flat[self.slots_path(lf)][:, lf.slot] if lf.form == SLOT else flat[lp])
-                for lp, lf in self.leaves.items()}
         spec, out = self.spec, {}
         for lp, lf in self.leaves.items():
-            x = flat[lp]
             if lf.form == KEPT:
-                out[lf.full] = x
+                out[lf.full] = flat[lp]
                 continue
             t = spec.kinds[lf.rule.kind]
-            if lf.form in (STACK, SLOT):
-                first = np.argmax(t.masks[0], axis=0)                     # [L]
-                slot = t.slot[first, np.arange(len(first))]
+            if lf.form == STACK or (lf.form == SLOT and lf.slot == 0):
+                x = flat[self.slots_path(lf) if lf.form == SLOT else lp]    # [W, k, ...]
+                per_block = self._blocks_of(x, t, average)                  # L arrays
                 if lf.form == STACK:
-                    out[lf.full] = x[first, slot]
+                    out[lf.full] = np.stack(per_block)
                 else:
-                    for g in np.flatnonzero(slot == lf.slot):
-                        out[self.block_full(lf, int(g))] = self.unpad(lf, int(g), x[first[g]])
-                continue
-            full = np.zeros(spec.shapes[lf.full], x.dtype)
-            a = lf.rule.axis
-            for w in range(self.W - 1, -1, -1):   # lower workers win: the first holder
-                idx = spec.indices(lf.rule, w)
-                if lf.rule.layer is None:
-                    fm, xm = np.moveaxis(full, a, 1), np.moveaxis(x[w], a, 1)
-                    for layer in range(full.shape[0]):
-                        fm[layer, idx[layer]] = xm[layer]
-                else:
-                    np.moveaxis(full, a, 0)[idx] = np.moveaxis(x[w], a, 0)
-            out[lf.full] = full
+                    for g, v in enumerate(per_block):
+                        out[self.block_full(lf, g)] = self.unpad(lf, g, v)
+            elif lf.form == NEURON:
+                out[lf.full] = self._neurons_of(flat[lp], lf, average)
         return unflatten({p: out[p] for p in spec.shapes})
+
+    @staticmethod
+    def _blocks_of(x: np.ndarray, t, average: bool) -> list:
+        """Block ``g``'s value from a stored stack ``x`` ``[W, k, ...]`` (worker ``w`` holds
+        ``g`` in slot ``t.slot[w, g]``): its first holder's, or its holders' mean."""
+        held = t.masks[0]                                                   # [W, L]
+        out = []
+        for g in range(held.shape[1]):
+            ws = np.flatnonzero(held[:, g])
+            vals = x[ws, t.slot[ws, g]]
+            out.append(vals.astype(np.float64).mean(0).astype(x.dtype) if average else vals[0])
+        return out
+
+    def _neurons_of(self, x: np.ndarray, lf: Local, average: bool) -> np.ndarray:
+        """A neuron leaf's full value from its stored ``[W, ...]`` compact form: each
+        component from its first holder, or its holders' mean."""
+        full = np.zeros(self.spec.shapes[lf.full], np.float64 if average else x.dtype)
+        count = np.zeros(full.shape, np.int64)
+        a = lf.rule.axis
+        workers = range(self.W) if average else range(self.W - 1, -1, -1)  # first holder wins
+        for w in workers:
+            idx = self.spec.indices(lf.rule, w)
+            if lf.rule.layer is None:
+                fm, cm, xm = (np.moveaxis(y, a, 1) for y in (full, count, x[w]))
+                for layer in range(full.shape[0]):
+                    if average:
+                        fm[layer, idx[layer]] += xm[layer]
+                        cm[layer, idx[layer]] += 1
+                    else:
+                        fm[layer, idx[layer]] = xm[layer]
+            elif average:
+                np.moveaxis(full, a, 0)[idx] += np.moveaxis(x[w], a, 0)
+                np.moveaxis(count, a, 0)[idx] += 1
+            else:
+                np.moveaxis(full, a, 0)[idx] = np.moveaxis(x[w], a, 0)
+        return (full / np.maximum(count, 1)).astype(x.dtype) if average else full
 
     # ------------------------------------------------------------------ tables
     def holder_tables(self, lp: tuple):

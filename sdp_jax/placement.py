@@ -216,7 +216,8 @@ def placement_of(mesh, workers: int, emulate: bool) -> Placement:
     if not emulate:
         return OnDevices(mesh, workers)
     shape = dict(mesh.shape)
-    check_emulation(shape.get("stage", 1), jax.process_count(), shape.get(DATA, 1))
+    spans = len({d.process_index for d in mesh.devices.flat})   # one device: one process
+    check_emulation(shape.get("stage", 1), spans, shape.get(DATA, 1))
     others = [a for a in mesh.axis_names if a != DATA]
     if others:
         raise ValueError(f"emulated workers run on one device, but the mesh has the axes "

@@ -432,37 +432,51 @@ class StateLayout:
                                 if self.staged else "."))
 
     def _opt_init(self, params):
-        compact = params
-        if self.spec.backward and not self.fsdp:   # full copies -> shards (layout S)
-            compact = self.per_stage(
-                lambda t: _unflatten({p: self.to_shards(p, x)
-                                      if self.compact_layout[p] == Kind.SHARDED else x
-                                      for p, x in _flatten(t).items()}),
-                params, self.param_specs, self.compact_specs)
-        return self.optimizer.init(compact)
+        return self.optimizer.init(self._optimizer_form(params))
 
-    def full_params(self, params, optimizer_layout: bool = False) -> dict:
+    def _optimizer_form(self, params):
+        """Stored parameters -> the optimizer's layout (the same but under backward
+        masking, whose full copies the optimizer updates as shards, layout ``S``)."""
+        if not self.spec.backward or self.fsdp:
+            return params
+        return self.per_stage(
+            lambda t: _unflatten({p: self.to_shards(p, x)
+                                  if self.compact_layout[p] == Kind.SHARDED else x
+                                  for p, x in _flatten(t).items()}),
+            params, self.param_specs, self.compact_specs)
+
+    def full_params(self, params, optimizer_layout: bool = False,
+                    average: bool = False) -> dict:
         """The full model's parameters (host numpy, nested dict), each component from its
-        first holder (always-kept per-worker copies: worker 0's); see
-        :meth:`sdp_jax.step.SDPStep.full_params`."""
+        first holder (always-kept per-worker copies: worker 0's), or with ``average`` the
+        mean of its holders' copies (periodic parameter averaging between averaging steps);
+        see :meth:`sdp_jax.step.SDPStep.full_params`. ``optimizer_layout``: ``params`` is a
+        tree in the optimizer's layout (a moment of the optimizer state)."""
         if isinstance(params, dict) and "opt_state" in params:
             params = params["params"]
         codes = self.compact_layout if optimizer_layout else self.param_layout
         specs = self.compact_specs if optimizer_layout else self.param_specs
         params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
         if not self.staged:
-            return self._full_stage(params, codes)
-        parts = [_flatten(self._full_stage(self.take(params, s, specs), codes))
+            return self._full_stage(params, codes, average)
+        parts = [_flatten(self._full_stage(self.take(params, s, specs), codes, average))
                  for s in range(self.stages)]
         return _unflatten({p: np.concatenate([q[p] for q in parts]) if self.is_staged(p)
                            else parts[0][p] for p in parts[0]})
 
-    def _full_stage(self, params, codes: dict) -> dict:
+    def _full_stage(self, params, codes: dict, average: bool = False) -> dict:
         """:meth:`full_params` of one stage's stored tree in the layout ``codes`` (the whole
         model without a pipeline)."""
         flat = _flatten(params)
         if self.sharded_update:   # shards joined; replicated leaves as they are
             return _unflatten({p: np.asarray(self.from_shards(p, x))
                                if codes[p] == Kind.SHARDED else x for p, x in flat.items()})
-        flat = {p: x[0] if codes[p] == Kind.PER_WORKER else x for p, x in flat.items()}
-        return self.layout.unprune(_unflatten(flat))
+        flat = {p: (x.astype(np.float64).mean(0).astype(x.dtype) if average else x[0])
+                if codes[p] == Kind.PER_WORKER else x for p, x in flat.items()}
+        return self.layout.unprune(_unflatten(flat), average=average)
+
+    def store_optimizer(self, full) -> dict:
+        """Full parameter-shaped values (a moment, nested) -> the optimizer's layout on the
+        mesh: the inverse of :meth:`full_params` with ``optimizer_layout=True``."""
+        return jax.jit(lambda t: self._optimizer_form(self.store(t)),
+                       out_shardings=self.shardings(self.compact_specs))(full)

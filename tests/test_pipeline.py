@@ -535,7 +535,7 @@ def test_checkpoints_before_the_pipeline_section_still_resume():
     saved = {"steps": 10, "pipeline": {"stages": 2, "method": "mapl"}}      # no rvq_* fields
     now = {"steps": 10, "pipeline": {"stages": 2, "method": "mapl", "rvq_levels": 0}}
     defaults = {"fsdp": False, "pipeline": {"rvq_levels": 0, "stages": 1}}
-    merged = ckpt_lib._with_defaults(saved, defaults)
+    merged = ckpt_lib.with_defaults(saved, defaults)
     assert merged["pipeline"] == {"stages": 2, "method": "mapl", "rvq_levels": 0}
     assert ckpt_lib._diff(merged, {**now, "fsdp": False}) == []
     now["pipeline"]["rvq_levels"] = 2

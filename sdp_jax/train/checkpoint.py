@@ -35,13 +35,18 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix[:-1]}: checkpoint has {a!r}, this run has {b!r}"]
 
 
-def _with_defaults(saved: Any, defaults: Any) -> Any:
+def _within(path: str, fields: tuple[str, ...]) -> bool:
+    """Whether the dotted ``path`` is one of ``fields`` or under a prefix ``"x."`` of them."""
+    return any(path == f or (f.endswith(".") and path.startswith(f)) for f in fields)
+
+
+def with_defaults(saved: Any, defaults: Any) -> Any:
     """``saved`` with the keys it lacks taken from ``defaults``, section by section."""
     if not isinstance(saved, dict) or not isinstance(defaults, dict):
         return saved
     out = dict(defaults)
     for k, v in saved.items():
-        out[k] = _with_defaults(v, defaults.get(k))
+        out[k] = with_defaults(v, defaults.get(k))
     return out
 
 
@@ -100,7 +105,9 @@ class CheckpointManager:
             raise self._damaged(step, "meta", e) from e
 
     def check_compatible(self, step: int, meta: dict, defaults: dict | None = None,
-                         may_grow: tuple[str, ...] = (), hints: dict | None = None) -> None:
+                         may_grow: tuple[str, ...] = (), hints: dict | None = None,
+                         elastic: tuple[str, ...] = (), allow_elastic: bool = False,
+                         elastic_hint: str = "") -> list[str]:
         """Refuse a checkpoint written by a different run config.
 
         Args:
@@ -110,6 +117,12 @@ class CheckpointManager:
           may_grow: top-level numeric config fields that may be larger in this run than in the
             checkpoint (e.g. ``steps`` of a run whose schedule allows extension).
           hints: {top-level field: text} appended to that field's line when it differs.
+          elastic: the fields an elastic resume may change (dotted, or prefixes ending in
+            ``.``; ``masks.``: the mask recipes; :mod:`sdp_jax.train.elastic`); allow_elastic:
+            accept changes of those alone; elastic_hint: ends a refusal of those alone.
+
+        Returns:
+          the lines of the accepted elastic changes ([] when none).
 
         Raises:
           ValueError: listing every differing field, with the fix (another ``--workdir``, or
@@ -117,7 +130,7 @@ class CheckpointManager:
         """
         saved = self.read_meta(step)
         diffs = _diff(saved.get("masks", {}), meta["masks"], "masks.")
-        saved_config = _with_defaults(saved.get("config", {}), defaults or {})
+        saved_config = with_defaults(saved.get("config", {}), defaults or {})
         config = meta["config"]
         if "workers" in meta and ("workers" in saved or (
                 config.get("workers") == 0 and saved_config.get("workers"))):
@@ -138,12 +151,18 @@ class CheckpointManager:
         diffs = [d + (f" ({hints[d.split(':', 1)[0]]})"
                       if d.split(":", 1)[0] in (hints or {}) else "")
                  for d in _diff(saved_config, config)] + diffs
+        only_elastic = all(_within(d.split(":", 1)[0], elastic) for d in diffs)
+        if allow_elastic and only_elastic:
+            return diffs
         if diffs:
             shown = "\n  ".join(diffs[:20])
+            hint = f" {elastic_hint}" if elastic_hint and only_elastic else ""
             raise ValueError(
                 f"the checkpoint at step {step} in {self.directory} is incompatible with this "
-                f"run (written by a different run config), so it is not loaded:\n  {shown}\nUse a new --workdir for this "
-                "config, or rerun with the checkpoint's values to resume it.")
+                f"run (written by a different run config), so it is not loaded:\n  {shown}\n"
+                "Use a new --workdir for this config, or rerun with the checkpoint's values to "
+                f"resume it.{hint}")
+        return []
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Save ``state`` (pytree of sharded arrays) and ``meta`` at ``step`` (asynchronously;

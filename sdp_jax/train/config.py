@@ -64,6 +64,7 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.checkpoint_every = 100    # steps between checkpoints (and at the end); 0 = only at the end
     c.keep_checkpoints = 2
     c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
+    c.elastic = False           # resume a checkpoint of another W / coverage / variant (re-laid out)
     c.peak_flops = 0.0          # FLOP/s per device for MFU; 0 = the device's known bf16 peak (none on CPU)
     c.align_every = 0           # steps between gradient-alignment measurements; 0 = off
     c.profile_start = 0         # first step of a profiler trace into WORKDIR/profile/; 0 = off

@@ -50,6 +50,7 @@ import bisect
 import functools
 import math
 import os
+import sys
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import grain
@@ -690,28 +691,76 @@ def iterate(ds: grain.MapDataset, start: int = 0, worker_count: int = 0,
     return iter(it_ds)
 
 
+class Origin(NamedTuple):
+    """Where a run's stream of training examples begins: optimizer step ``step`` (the batch
+    index :func:`iterate` starts at) reads the example at ``example`` of the shuffled stream
+    (epoch ``example // N``, position ``example % N`` of that epoch's order, ``N`` examples per
+    epoch). Every run starts at ``Origin(0, 0)``; an elastic resume that changes the global
+    batch starts a new one where the previous stream stopped (:func:`first_example`), so no
+    example is skipped or read twice across the switch."""
+
+    step: int = 0
+    example: int = 0
+
+
+def first_example(origin: Origin, batch: int, global_batch: int, examples: int,
+                  drop_epoch_remainder: bool) -> int:
+    """The stream index of the first example of global batch ``batch`` (step ``batch + 1``):
+    ``G = global_batch`` examples per batch from ``origin``; with ``drop_epoch_remainder``
+    a batch never straddles two epochs of ``N = examples`` (the epoch's last ``< G`` examples
+    are skipped and the next batch starts the next epoch), otherwise batches run on across
+    epochs. ``first_example(o, b, ...)`` is also the stream position after ``b`` batches.
+
+    Raises:
+      ValueError: ``batch`` before ``origin.step``."""
+    k, e0 = int(batch) - int(origin.step), int(origin.example)
+    if k < 0:
+        raise ValueError(f"batch {batch} is before the stream's origin (step {origin.step}); "
+                         "a run resumes at or after the step its data stream begins.")
+    if not drop_epoch_remainder:
+        return e0 + k * global_batch
+    epoch, offset = divmod(e0, examples)
+    rest = (examples - offset) // global_batch   # whole batches left in the origin's epoch
+    if k < rest:
+        return e0 + k * global_batch
+    k, per_epoch = k - rest, examples // global_batch
+    return (epoch + 1 + k // per_epoch) * examples + (k % per_epoch) * global_batch
+
+
+class _StreamBatch:
+    """``batch index -> this process's rows of that global batch`` (picklable, for grain's
+    worker processes)."""
+
+    def __init__(self, ds, origin, global_batch, examples, drop, rows, batch_fn):
+        self.ds, self.origin, self.G, self.N, self.drop = ds, origin, global_batch, examples, drop
+        self.rows, self.batch_fn = rows, batch_fn
+
+    def __call__(self, index: int, _):
+        start = first_example(self.origin, index, self.G, self.N, self.drop) + self.rows[0]
+        items = [self.ds[n] for n in range(start, start + self.rows[1])]
+        return self.batch_fn(items) if self.batch_fn is not None else np.stack(items)
+
+
 def layout_free_batches(ds: grain.MapDataset, *, examples: int, global_batch: int,
                         rows: tuple[int, int], drop_epoch_remainder: bool,
-                        batch_fn=None) -> grain.MapDataset:
+                        batch_fn=None, origin: Origin = Origin()) -> grain.MapDataset:
     """Batches of one process's ``rows`` of every global batch, the same global batches on
     every process layout (docs/design.md invariant 8).
 
-    ``ds`` is the shuffled example stream (``examples`` per epoch, indices past an epoch
-    continue into the next one, as grain's ``shuffle`` and ``repeat`` give them). Global batch
-    ``k`` is the stream's examples ``[k G, (k + 1) G)``; this process gets its rows
-    ``[first, first + count)`` of it. With ``drop_epoch_remainder`` every epoch holds
-    ``examples // G`` whole global batches (the rest of the epoch is skipped), otherwise
-    batches run on across epochs. With one process this is ``ds.batch(G)``.
+    ``ds`` is the shuffled example stream (``examples`` per epoch; index ``n`` is epoch
+    ``n // examples``'s permutation at ``n % examples``, as grain's ``shuffle`` gives them).
+    Global batch ``s`` (step ``s + 1``) is the stream's ``G`` examples from
+    :func:`first_example` (``[s G, (s + 1) G)`` from ``Origin(0, 0)`` without
+    ``drop_epoch_remainder``; with it every epoch holds ``examples // G`` whole global
+    batches); this process gets its rows ``[first, first + count)`` of it, stacked
+    (``np.stack``, or ``batch_fn(list of examples)``).
 
     Returns:
-      an endless ``grain.MapDataset`` of this process's batches."""
-    first, count = rows
-    chunks = global_batch // count
-    ds = ds.batch(count, drop_remainder=True, batch_fn=batch_fn)
-    if drop_epoch_remainder:
-        ds = ds[: (examples // global_batch) * chunks]
-    ds = ds[first // count::chunks]
-    return ds.repeat() if drop_epoch_remainder else ds
+      an endless ``grain.MapDataset`` of this process's batches, indexed by batch (indices
+      before ``origin.step`` raise ValueError when read)."""
+    return grain.MapDataset.range(sys.maxsize).map_with_index(_StreamBatch(
+        ds, origin, int(global_batch), int(examples), bool(drop_epoch_remainder),
+        (int(rows[0]), int(rows[1])), batch_fn))
 
 
 def _ensure_absl_flags_parsed() -> None:
@@ -732,6 +781,7 @@ def train_dataset(
     process_index: int = 0,
     process_count: int = 1,
     rows: tuple[int, int] | None = None,
+    origin: Origin = Origin(),
 ) -> grain.MapDataset:
     """The endless, shuffled training batches of this process, as a ``grain.MapDataset``.
 
@@ -752,6 +802,8 @@ def train_dataset(
       process_index, process_count: this process and the number of processes
         (``jax.process_index()``, ``jax.process_count()``); ignored when ``rows`` is given.
       rows: ``(first, count)`` rows of every global batch (:func:`sharding_rows`).
+      origin: where the stream begins (:class:`Origin`; another one after an elastic resume
+        that changed the global batch).
 
     Returns:
       an endless ``grain.MapDataset`` of ``np.int32`` arrays ``[count, seq_len + 1]``.
@@ -764,6 +816,15 @@ def train_dataset(
       ImportError: ``source='tfds'`` without tensorflow-datasets.
     """
     rows = process_rows(global_batch, process_index, process_count, rows)
+    source = _train_windows(data_cfg, seq_len, vocab_size, global_batch)
+    ds = grain.MapDataset.source(source).shuffle(seed=int(seed))
+    return layout_free_batches(ds, examples=len(source), global_batch=global_batch, rows=rows,
+                               drop_epoch_remainder=True, origin=origin)
+
+
+def _train_windows(data_cfg: Any, seq_len: int, vocab_size: int,
+                   global_batch: int) -> "TokenWindowSource":
+    """The train split's windows. Raises ValueError when they fill no global batch."""
     shards = _split_shards(data_cfg, "train", vocab_size)
     source = TokenWindowSource(shards, seq_len, vocab_size)
     n_windows = len(source)
@@ -775,9 +836,7 @@ def train_dataset(
             f"needs {global_batch} windows; use more training data, a smaller global batch "
             f"or a shorter seq_len"
         )
-    ds = grain.MapDataset.source(source).shuffle(seed=int(seed))
-    return layout_free_batches(ds, examples=n_windows, global_batch=global_batch, rows=rows,
-                               drop_epoch_remainder=True)
+    return source
 
 
 def make_train_iterator(data_cfg: Any, *, start: int = 0, **kwargs) -> grain.DatasetIterator:
@@ -786,6 +845,40 @@ def make_train_iterator(data_cfg: Any, *, start: int = 0, **kwargs) -> grain.Dat
     ``np.int32`` arrays ``[count, seq_len + 1]``. Raises what :func:`train_dataset` raises."""
     return iterate(train_dataset(data_cfg, **kwargs), start,
                    int(_cfg_get(data_cfg, "worker_count")))
+
+
+class Stream:
+    """A run's training batches: ``stream(start, origin)`` is the iterator over this process's
+    rows of the global batches from batch ``start`` (step ``start + 1``) of the stream that
+    begins at ``origin`` (:class:`Origin`).
+
+    Attributes:
+      examples: examples per epoch (``N``); drop_epoch_remainder: whether a batch never
+        straddles two epochs (:func:`first_example`)."""
+
+    def __init__(self, make, examples: int, drop_epoch_remainder: bool):
+        self._make, self.examples = make, int(examples)
+        self.drop_epoch_remainder = bool(drop_epoch_remainder)
+
+    def __call__(self, start: int, origin: Origin = Origin()):
+        return self._make(start, origin)
+
+    def position(self, origin: Origin, batch: int, global_batch: int) -> int:
+        """The stream index read first by batch ``batch`` (the examples read before it, from
+        the stream's beginning) of a run with ``global_batch`` examples per step."""
+        return first_example(origin, batch, global_batch, self.examples,
+                             self.drop_epoch_remainder)
+
+
+def train_stream(data_cfg: Any, **kwargs) -> Stream:
+    """The :class:`Stream` of :func:`make_train_iterator` (the keyword arguments of
+    :func:`train_dataset` but ``origin``); bad data and sizes raise here, as
+    :func:`train_dataset` raises."""
+    train_dataset(data_cfg, **kwargs)
+    n = len(_train_windows(data_cfg, kwargs["seq_len"], kwargs["vocab_size"],
+                           kwargs["global_batch"]))
+    return Stream(lambda start, origin: make_train_iterator(data_cfg, start=start, origin=origin,
+                                                            **kwargs), n, True)
 
 
 def make_val_batches(

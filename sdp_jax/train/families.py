@@ -524,9 +524,7 @@ class LanguageModelFamily(Family):
         if not train:
             return None, data_lib.make_val_batches(config.data,
                                                    num_batches=config.eval_batches, **kw)
-        data_lib.train_dataset(config.data, seed=config.seed, **kw)   # bad sizes fail here
-        return (lambda start: data_lib.make_train_iterator(config.data, start=start,
-                                                           seed=config.seed, **kw),
+        return (data_lib.train_stream(config.data, seed=config.seed, **kw),   # bad sizes fail here
                 data_lib.make_val_batches(config.data, num_batches=config.eval_batches, **kw))
 
     def step(self, run, mesh) -> step_lib.SDPStep:
@@ -695,12 +693,12 @@ class VisionFamily(Family):
         return copy.deepcopy(migrations.VISION_ADDED)
 
     def _train(self, run, seed, rows):
-        """``start -> iterator`` over this process's ``rows`` of the training batches."""
+        """The :class:`sdp_jax.train.data.Stream` (``start -> iterator``) of this process's
+        ``rows`` of the training batches."""
         m, data = run.model, run.config.data
         kw = dict(image_size=m.image_size, channels=m.in_channels,
                   global_batch=run.global_batch, seed=seed, rows=rows)
-        vision_data.train_dataset(data, **kw)   # bad sizes fail here
-        return lambda start: vision_data.make_train_iterator(data, start=start, **kw)
+        return vision_data.train_stream(data, **kw)   # bad sizes fail here
 
     def data(self, run, rows, log, train: bool = True):
         """``(start -> train iterator, (test batches, BatchNorm batches))`` of this process's

@@ -205,15 +205,16 @@ def resolve(config, device_count: int, task=None, workdir: str | None = None,
             log: Callable[[str], None] = print) -> run_lib.RunSpec:
     """:func:`sdp_jax.train.run.resolve`, with ``coverage='auto'`` first replaced in
     ``config`` (in place, so ``config.json`` and the checkpoints record the number) by the
-    coverage the latest checkpoint of ``workdir`` recorded, or else by the largest that fits
-    the budget (:func:`scan`, largest first, stopping at the first that fits).
+    coverage the latest checkpoint of ``workdir`` recorded, or else (and always with
+    ``config.elastic``: a run moved to another slice fits anew) by the largest that fits the
+    budget (:func:`scan`, largest first, stopping at the first that fits).
 
     Raises:
       ValueError: an invalid field or no budget on a CPU (before any compile), or, in one
         line, no coverage fits (naming the smallest candidate's peak and the fixes)."""
     if not is_auto(config):
         return run_lib.resolve(config, device_count, task)
-    recorded = recorded_coverage(workdir)
+    recorded = None if config.get("elastic", False) is True else recorded_coverage(workdir)
     if recorded is not None:
         log(f"coverage auto: C={recorded[1]:g}, as the checkpoint of step {recorded[0]} in "
             f"{workdir} recorded (picked when the run started; not picked again)")

@@ -44,7 +44,7 @@ from sdp_jax.costs import fmt_bytes, memory_stats
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import cli, curves, migrations
 from sdp_jax.train import data as data_lib
-from sdp_jax.train import fit
+from sdp_jax.train import elastic, fit
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import profiling
 from sdp_jax.train import run as run_lib
@@ -288,7 +288,8 @@ def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = Non
     taken once the workdir exists).
 
     Returns:
-      ``(manager, latest step or None)``.
+      ``(manager, latest step or None, the config changes an elastic resume accepts: []
+      without one)``.
     Raises:
       ValueError: an uncreatable workdir, or an incompatible checkpoint (lists the fields)."""
     try:  # only now: a run refused earlier leaves no empty workdir behind
@@ -299,10 +300,10 @@ def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = Non
         lock.acquire()
     manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                          keep=config.keep_checkpoints)
-    latest = manager.latest_step()
+    latest, changes = manager.latest_step(), []
     if latest is not None:
         try:
-            manager.check_compatible(latest, meta, **(compat or {}))
+            changes = manager.check_compatible(latest, meta, **(compat or {}))
             before = (manager.read_meta(latest).get("config", {}).get("steps")
                       if run is not None else None)
         except ValueError:
@@ -316,7 +317,7 @@ def open_checkpoints(config, workdir: str, meta: dict, compat: dict | None = Non
                 + (f"; the checkpoint at step {latest} is past the cool-down start of the "
                    f"{old}-step schedule, so the rate steps back up to the stable one"
                    if latest > optim_lib.cooldown_start(run.optim, old) else ""))
-    return manager, latest
+    return manager, latest, changes
 
 
 def restore_or_init(manager, latest, builder, seed: int, announce: bool = True,
@@ -384,6 +385,14 @@ def _meta(config, run: run_lib.RunSpec) -> dict:
             "masks": run.family.record(run.plan), "workers": run.workers}
 
 
+def _compatibility(run: run_lib.RunSpec) -> dict:
+    """:func:`sdp_jax.train.migrations.compatibility` with the fields an elastic resume may
+    change (accepted with ``config.elastic``, named in the refusal otherwise)."""
+    return {**migrations.compatibility(run), "elastic": elastic.FIELDS,
+            "allow_elastic": bool(run.config.get("elastic", False)),
+            "elastic_hint": elastic.HINT}
+
+
 def check_workdir(config, workdir: str, run: run_lib.RunSpec | None = None) -> None:
     """Refuse, before any compute, a ``workdir`` whose latest checkpoint another config wrote.
 
@@ -398,8 +407,7 @@ def check_workdir(config, workdir: str, run: run_lib.RunSpec | None = None) -> N
     try:
         latest = manager.latest_step()
         if latest is not None:
-            manager.check_compatible(latest, _meta(config, run),
-                                     **migrations.compatibility(run))
+            manager.check_compatible(latest, _meta(config, run), **_compatibility(run))
     finally:
         manager.close()
 
@@ -496,10 +504,11 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     run = fit.resolve(config, jax.device_count(), task, workdir, log)
     mesh = make_mesh(run)
     # bad data fails here, before any compile
-    train_at, eval_data = run.family.data(run, process_rows(mesh, run), log)
+    stream, eval_data = run.family.data(run, process_rows(mesh, run), log)
     meta = _meta(config, run)
-    manager, latest = open_checkpoints(config, workdir, meta, migrations.compatibility(run),
-                                       run, lock)
+    manager, latest, changes = open_checkpoints(config, workdir, meta, _compatibility(run),
+                                                run, lock)
+    saved = _saved_meta(manager, latest, run, stream, changes)
     if jax.process_index() == 0:   # the run's resolved config, for people and tools
         write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=2))
     path = os.path.join(workdir, "summary.json")
@@ -513,10 +522,9 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     builder = make_step(run, mesh)
     _log_run(run, builder, mesh)
     # Restore before compiling: an unreadable checkpoint is reported before any compute.
-    state, start = restore_or_init(manager, latest, builder, config.seed,
-                                   initial=lambda: run.family.initial_state(run, builder, log))
+    state, start = _start_state(run, builder, manager, latest, saved, changes)
     prev_wall = previous_wall(path, start, manager)  # a resumed run adds the earlier time
-    train_iter = train_at(start)   # the data position is the step (any process layout)
+    train_iter = _data_from(stream, saved, start, run, meta, changes)
     prog = _Program.compile(run, builder, eval_data)
     devices, per_item = list(mesh.devices.flat), prog.flops_per_item
     # steps profile_start..profile_stop traced (stopped however the loop ends)
@@ -537,10 +545,62 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     out = _summary(run, prog, step, last_eval, last_rec,
                    prev_wall + time.time() - t_start)
     out["interrupted_by"] = interrupted[0] if interrupted and not done else None
+    out["elastic"] = meta["elastic"]
     _finish(run, workdir, path, out, interrupted)
     # (not in summary.json) a signal that came during the last step: a caller that runs
     # several trainings in turn (python -m sdp_jax.study) stops after this one
     return {**out, "signal": interrupted[0] if interrupted else None}
+
+
+def _start_state(run: run_lib.RunSpec, builder, manager, latest, saved, changes: list):
+    """``(state, start step)``: the latest checkpoint's, rebuilt and laid out under the new
+    masks for an elastic switch (``changes``, :func:`sdp_jax.train.elastic.rebuild`), or
+    :func:`restore_or_init`'s."""
+    if changes:
+        try:
+            return elastic.rebuild(manager, latest, saved, run, builder, log), latest
+        except ValueError:
+            manager.close()
+            raise
+    return restore_or_init(manager, latest, builder, run.config.seed,
+                           initial=lambda: run.family.initial_state(run, builder, log))
+
+
+def _saved_meta(manager, latest, run: run_lib.RunSpec, stream, changes: list) -> dict | None:
+    """The latest checkpoint's ``meta`` (None without one), its config with the family's
+    defaults for newer fields; an elastic switch (``changes``) is checked and logged here,
+    before any compute (:func:`sdp_jax.train.elastic.check`)."""
+    if latest is None:
+        return None
+    saved = manager.read_meta(latest)
+    saved["config"] = ckpt_lib.with_defaults(saved.get("config", {}),
+                                             run.family.added_fields())
+    if changes:
+        try:
+            elastic.check(run, saved, stream)
+        except ValueError:
+            manager.close()
+            raise
+        log(f"elastic resume (--config.elastic): the checkpoint at step {latest} was "
+            f"written under another setting: {elastic.change_line(saved, run)}")
+    return saved
+
+
+def _data_from(stream, saved: dict | None, start: int, run: run_lib.RunSpec, meta: dict,
+               changes: list):
+    """The training iterator from step ``start + 1`` (the data position is the step, any
+    process layout, within a stream that begins at :func:`sdp_jax.train.elastic.origin`);
+    records the stream's origin and the elastic switches so far (``changes``: this resume's)
+    in ``meta``."""
+    origin = data_lib.Origin() if saved is None else elastic.origin(saved, start, run, stream)
+    meta["data_origin"] = list(origin)
+    history = [] if saved is None else list(saved.get("elastic", []))
+    if changes:
+        history.append({"step": start, "from": elastic.describe(saved["config"],
+                                                                saved["workers"]),
+                        "to": elastic.describe(run.config, run.workers)})
+    meta["elastic"] = history
+    return stream(start, origin) if isinstance(stream, data_lib.Stream) else stream(start)
 
 
 def _log_run(run: run_lib.RunSpec, builder, mesh) -> None:

@@ -30,7 +30,7 @@ from sdp_jax.train.config import base_config, vision_config
 RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
                "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
                "remat", "peak_flops", "align_every", "emulate_workers", "grad_accum",
-               "profile_start", "profile_stop", "init_from")
+               "profile_start", "profile_stop", "init_from", "elastic")
 # The same, inside a section (coverage=auto's budget: the chosen coverage is what is recorded).
 SECTION_CONTROL = ("data.worker_count", "sdp.memory_budget_gib")
 # Model fields that choose how the same function is computed (not what is computed): a
@@ -130,7 +130,8 @@ def _check_schema(config, family) -> None:
                          f"({maker}); correct or remove it in your config.")
 
 
-def resolve(config, device_count: int, task: task_lib.Family | None = None) -> RunSpec:
+def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
+            processes: int | None = None) -> RunSpec:
     """Validate a run config of any model family and derive its static facts: the one
     validation place of ``train.py``, ``python -m sdp_jax.bench`` and ``python -m
     sdp_jax.study``.
@@ -146,6 +147,8 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
       task: the run's model family, a :class:`sdp_jax.train.task.Family` (e.g. a user's
         :class:`sdp_jax.train.task.Task`); default: the built-in family of ``model.name``
         (:func:`sdp_jax.train.families.family_of`).
+      processes: the processes the run spans (default ``jax.process_count()``; 1 resolves
+        the layout of a checkpoint emulated on one local device, :mod:`sdp_jax.train.elastic`).
 
     Raises:
       ValueError: with the bad value and a fix, for any invalid or missing field (run control,
@@ -168,7 +171,7 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None) -> R
     if pipe.stages > 1:
         pipe.check(model, config.batch_per_worker // config.grad_accum, config.fsdp,
                    config.sdp.average)
-    workers = resolve_workers(config, device_count, pipe.stages)
+    workers = resolve_workers(config, device_count, pipe.stages, processes)
     plan = family.plan(config, model, workers, pipe)
     if config.align_every:
         no_full_loss = "" if family.aligns(model, plan) else f"{family.kind} models"
@@ -222,6 +225,9 @@ def _check_run_control(config, family) -> None:
                          "FLOP/s, e.g. 989e12 for an H100's bf16; 0 = known devices only).")
     if config.seed >= 2**31:   # the data pipelines and initializers derive seeds from it
         raise ValueError(f"config.seed={config.seed} must be below 2**31; pick a smaller seed.")
+    if not isinstance(config.elastic, bool):
+        raise ValueError(f"config.elastic={config.elastic!r} must be True or False (True: "
+                         "resume a checkpoint of another W, coverage or variant).")
     _check_coverage(config.sdp.coverage, config.sdp.memory_budget_gib)
 
 
@@ -267,7 +273,8 @@ def _check_profile(first: int, last: int, total: int) -> None:
                          f"choose a step in 1..{total}.")
 
 
-def resolve_workers(config, device_count: int, stages: int = 1) -> int:
+def resolve_workers(config, device_count: int, stages: int = 1,
+                    processes: int | None = None) -> int:
     """``W`` from ``config.workers`` (0 = every device, or devices / ``stages`` with a
     pipeline of ``stages`` stages); with ``config.emulate_workers`` any ``W`` (on one device).
 
@@ -276,12 +283,13 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
         device with several processes, or processes holding unequal numbers of devices
         (:func:`sdp_jax.mesh.check_devices_per_process`); emulation refused (a pipeline,
         several processes, ``workers=0``)."""
-    if jax.process_count() > 1:
+    processes = jax.process_count() if processes is None else processes
+    if processes > 1:
         mesh_lib.check_devices_per_process()
     zero = "0 = every device" + (" / pipeline.stages" if stages > 1 else "")
     workers = config.workers or max(device_count // stages, 1)
     _integer(workers, "workers", 1, zero)
-    if _emulated(config, stages):
+    if _emulated(config, stages, processes):
         return workers
     need = workers * stages
     if need > device_count:
@@ -292,7 +300,7 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
         raise ValueError(f"{what} needs {need} devices but only {device_count} devices are "
                          f"available; lower --config.workers ({zero})"
                          + (" or --config.pipeline.stages" if stages > 1 else "") + f"{hint}.")
-    if jax.process_count() > 1 and need != device_count:
+    if processes > 1 and need != device_count:
         if stages == 1:
             raise ValueError(f"with several processes every device is a worker: set "
                              f"--config.workers=0 (got {need} of {device_count} devices).")
@@ -303,12 +311,12 @@ def resolve_workers(config, device_count: int, stages: int = 1) -> int:
     return workers
 
 
-def _emulated(config, stages: int) -> bool:
+def _emulated(config, stages: int, processes: int) -> bool:
     """``config.emulate_workers`` (a bool, :func:`_check_step_fields`), with emulation's
     refusals (:func:`sdp_jax.placement.check_emulation`)."""
     emulate = config.emulate_workers
     if emulate:
-        placement.check_emulation(stages, jax.process_count(),
+        placement.check_emulation(stages, processes,
                                   fix="set --config.emulate_workers=False")
         if not config.workers:   # (a config-only rule: SDPStep takes W from its spec)
             raise ValueError("config.workers=0 (every device) with config.emulate_workers=True: "

@@ -30,7 +30,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from sdp_jax.train.data import iterate, layout_free_batches, process_rows
+from sdp_jax.train.data import Origin, Stream, iterate, layout_free_batches, process_rows
 
 DATASETS = ("digits", "cifar10", "cifar100")
 CLASSES = {"digits": 10, "cifar10": 10, "cifar100": 100}
@@ -172,7 +172,7 @@ def _collate(items):
 
 def train_dataset(data_cfg: Any, *, image_size: int, channels: int, global_batch: int,
                   seed: int, process_index: int = 0, process_count: int = 1,
-                  rows: tuple[int, int] | None = None):
+                  rows: tuple[int, int] | None = None, origin: Origin = Origin()):
     """The endless, shuffled, augmented training batches of this process (a
     ``grain.MapDataset``).
 
@@ -180,6 +180,7 @@ def train_dataset(data_cfg: Any, *, image_size: int, channels: int, global_batch
     is cut into global batches of ``global_batch`` (running on across epochs), and this
     process gets its ``rows`` of each (:func:`sdp_jax.train.data.process_rows`,
     :func:`sdp_jax.train.data.layout_free_batches`): the same global batches on any process layout.
+    ``origin``: where the stream begins (:class:`sdp_jax.train.data.Origin`).
 
     Returns:
       a ``grain.MapDataset`` of (images float32 [b, H, W, C] normalized, labels int32 [b])
@@ -203,7 +204,7 @@ def train_dataset(data_cfg: Any, *, image_size: int, channels: int, global_batch
                            seed=int(seed) + 1)
     ds = ds.map(functools.partial(_normalize, mean=mean, std=std))
     return layout_free_batches(ds, examples=len(src), global_batch=global_batch, rows=rows,
-                               drop_epoch_remainder=False, batch_fn=_collate)
+                               drop_epoch_remainder=False, batch_fn=_collate, origin=origin)
 
 
 READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=4)
@@ -215,6 +216,16 @@ def make_train_iterator(data_cfg: Any, *, start: int = 0, **kwargs):
 
     return iterate(train_dataset(data_cfg, **kwargs), start, int(data_cfg.worker_count),
                    READ_OPTIONS)
+
+
+def train_stream(data_cfg: Any, **kwargs) -> Stream:
+    """The :class:`sdp_jax.train.data.Stream` of :func:`make_train_iterator` (the keyword
+    arguments of :func:`train_dataset` but ``origin``); raises what :func:`train_dataset`
+    raises, here."""
+    train_dataset(data_cfg, **kwargs)
+    n = len(open_split(data_cfg, "train", kwargs["image_size"], kwargs["channels"]))
+    return Stream(lambda start, origin: make_train_iterator(data_cfg, start=start, origin=origin,
+                                                            **kwargs), n, False)
 
 
 def make_eval_batches(data_cfg: Any, *, image_size: int, channels: int, global_batch: int,

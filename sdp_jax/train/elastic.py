@@ -1,0 +1,185 @@
+"""Elastic resume: continue a checkpoint under another worker count ``W``, coverage, mask
+scheme, variant, FSDP setting or batch per worker (``--config.elastic=True``).
+
+SDP keeps every component on at least one worker, and after gradient averaging all holders of
+a component hold equal values and equal optimizer moments (docs/design.md invariant 10). So
+the full model and its optimizer state can be rebuilt exactly from any checkpoint and laid out
+anew under the masks of the new setting:
+
+1. the checkpoint's run is resolved from its recorded config (:func:`checkpoint_run`) and its
+   state read to host memory in its own layout, emulated on one local device (no mesh of the
+   old size is needed: a run of 8 workers resumes on 6 devices, or on 1 process of 2);
+2. the parameters and every parameter-shaped entry of the optimizer state (the moments) are
+   joined into full arrays, each component from its first holder (bit for bit), or as the
+   mean of its holders' copies under periodic parameter averaging
+   (:meth:`sdp_jax.state.StateLayout.full_params`); counts and other entries are kept;
+3. the new run lays them out under its own masks (:meth:`sdp_jax.step.SDPStep.init`,
+   :meth:`sdp_jax.state.StateLayout.store_optimizer`), at the checkpoint's step.
+
+The step count carries on. The data position carries on in examples: when the global batch
+``W * batch_per_worker`` changes, the new run's stream begins where the old one stopped
+(:class:`sdp_jax.train.data.Origin`, recorded in every later checkpoint), so no training
+example is skipped or read twice across the switch. Every switch is logged and recorded in
+the checkpoints and in ``summary.json`` (``elastic``).
+
+Every process reads the whole checkpoint to its host memory once (the full parameters and
+moments, plus the old layout's copies); pipelined runs are not re-laid out (refused in one
+line).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdp_jax import layout as layout_lib
+from sdp_jax import mesh as mesh_lib
+from sdp_jax.train import data as data_lib
+from sdp_jax.train import run as run_lib
+
+# The config fields an elastic resume may change (dotted; "x." a whole section; "masks." the
+# recorded mask recipes, which follow from the others).
+FIELDS = ("workers", "batch_per_worker", "fsdp", "sdp.", "masks.")
+HINT = ("To continue it under this run's setting instead (the full model and its optimizer "
+        "moments rebuilt from the checkpoint and laid out under new masks), resume with "
+        "--config.elastic=True.")
+
+
+def describe(config_or_saved, workers: int) -> dict:
+    """The setting an elastic switch reports: ``workers`` (W), ``variant``, ``coverage``,
+    ``scheme``, ``fsdp``, ``global_batch`` (examples per step), from a config (ConfigDict or
+    its JSON dict)."""
+    c = config_or_saved
+    sdp = c["sdp"]
+    return {"workers": int(workers), "variant": sdp["variant"],
+            "coverage": float(sdp["coverage"]), "scheme": sdp["scheme"],
+            "fsdp": bool(c["fsdp"]), "global_batch": int(workers) * int(c["batch_per_worker"])}
+
+
+def change_line(saved: dict, run: run_lib.RunSpec) -> str:
+    """What an elastic switch changes, e.g. ``"workers 8 -> 6, global_batch 16 -> 12"``
+    (``saved``: the checkpoint's meta; the mask recipes follow and are not named)."""
+    before, after = describe(saved["config"], saved["workers"]), describe(run.config,
+                                                                           run.workers)
+    moved = [f"{k} {before[k]} -> {after[k]}" for k in before if before[k] != after[k]]
+    return ", ".join(moved) or "the mask recipe (another mask seed or option)"
+
+
+def checkpoint_run(run: run_lib.RunSpec, saved: dict) -> run_lib.RunSpec:
+    """The run that wrote a checkpoint (its ``meta`` item ``saved``), resolved as this run's
+    config with the checkpoint's elastic fields, emulated on one local device (its layout
+    only: nothing of it is compiled).
+
+    Raises:
+      ValueError: the checkpoint's config no longer resolves (names the field)."""
+    config = copy.deepcopy(run.config)
+    old = saved["config"]
+    with config.unlocked():
+        for k, v in old["sdp"].items():
+            config.sdp[k] = tuple(v) if isinstance(v, list) else v
+        config.batch_per_worker, config.fsdp = old["batch_per_worker"], old["fsdp"]
+        config.workers, config.emulate_workers = int(saved["workers"]), True
+        config.grad_accum, config.align_every = 1, 0
+        config.profile_start = config.profile_stop = 0
+    return run_lib.resolve(config, 1, run.family, processes=1)
+
+
+def check(run: run_lib.RunSpec, saved: dict, stream) -> None:
+    """Refuse, before any compute, a switch that is not built: a pipelined run, or a user's
+    model whose batches are indexed by step (not a :class:`sdp_jax.train.data.Stream`) when
+    the global batch changes.
+
+    Raises:
+      ValueError: naming the reason and the fix."""
+    if run.pipe.stages > 1:
+        raise ValueError("--config.elastic=True: a pipelined run is not re-laid out under "
+                         "another setting (not built); resume it with the checkpoint's "
+                         "values, or use a new --workdir.")
+    before = describe(saved["config"], saved["workers"])["global_batch"]
+    if before != run.global_batch and not isinstance(stream, data_lib.Stream):
+        raise ValueError(f"--config.elastic=True: this model's batches are indexed by step, so "
+                         f"the global batch cannot change across the switch (checkpoint "
+                         f"{before}, this run {run.global_batch}); keep W * batch_per_worker "
+                         f"= {before}, e.g. --config.batch_per_worker="
+                         f"{max(before // run.workers, 1)}.")
+
+
+def full_state(builder, state: dict, average: bool) -> dict:
+    """A train state in ``builder``'s layout -> ``{params, opt_state, stats}`` of the full
+    model (host numpy): the parameters and every parameter-shaped entry of the optimizer
+    state joined (``average``: holders' mean), other optimizer entries as stored, the model
+    state (``stats``; None without one) joined like the parameters."""
+    st = builder.state_layout
+    struct = jax.tree.structure(st.compact_shapes)
+    is_moment = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
+    opt = jax.tree.map(lambda x: st.full_params(x, True, average) if is_moment(x)
+                       else np.asarray(x), state["opt_state"], is_leaf=is_moment)
+    stats = state.get("stats")
+    if stats is not None and not st.spec.backward:
+        stats = layout_lib.of(st.state_spec).unprune(stats, average)
+    return {"params": st.full_params(state["params"], average=average), "opt_state": opt,
+            "stats": stats}
+
+
+def lay_out(builder, full: dict, step: int) -> dict:
+    """:func:`full_state`'s output -> a train state in ``builder``'s layout on its mesh, at
+    ``step``.
+
+    Raises:
+      ValueError: the optimizer state's structure differs (another optimizer)."""
+    start = full["params"] if full["stats"] is None else (full["params"], full["stats"])
+    state = builder.init(start)
+    st = builder.state_layout
+    struct = jax.tree.structure(st.compact_shapes)
+    full_struct = jax.tree.structure(full["params"])
+    is_new = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
+    is_full = lambda x: isinstance(x, dict) and jax.tree.structure(x) == full_struct  # noqa
+    fresh, tdef = jax.tree.flatten(state["opt_state"], is_leaf=is_new)
+    old, old_def = jax.tree.flatten(full["opt_state"], is_leaf=is_full)
+    if tdef != old_def:
+        raise ValueError("--config.elastic=True: the checkpoint's optimizer state has another "
+                         "structure than this run's optimizer; resume with the checkpoint's "
+                         "optimizer settings.")
+    leaves = [st.store_optimizer(o) if is_new(n)
+              else jax.device_put(jnp.asarray(o, n.dtype), n.sharding)
+              for n, o in zip(fresh, old)]
+    return {**state, "opt_state": tdef.unflatten(leaves),
+            "step": jax.device_put(jnp.asarray(step, jnp.int32), state["step"].sharding)}
+
+
+def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
+            log: Callable[[str], None]) -> dict:
+    """The checkpoint at ``step`` (``saved``: its ``meta``) laid out for ``run``'s
+    ``builder`` (:func:`checkpoint_run`, :func:`full_state`, :func:`lay_out`).
+
+    Raises:
+      ValueError: an unreadable checkpoint, or one whose layout is not its recorded run's
+        (names the leaves)."""
+    old = checkpoint_run(run, saved)
+    mesh = mesh_lib.make_mesh(old.workers, emulated=True, devices=jax.local_devices())
+    old_builder = old.family.step(old, mesh)
+    target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), old_builder.abstract_state())
+    state = manager.restore(step, target)
+    average = old.settings.averaging == "parameters"
+    full = full_state(old_builder, state, average)
+    del state
+    log(f"elastic resume at step {step}: the full model and its optimizer moments rebuilt "
+        f"from the checkpoint's {old.workers} workers"
+        + (" (holders' copies averaged)" if average else "")
+        + " and laid out under this run's masks")
+    return lay_out(builder, full, step)
+
+
+def origin(saved: dict, step: int, run: run_lib.RunSpec, stream) -> data_lib.Origin:
+    """The data stream's origin after resuming the checkpoint at ``step`` (``saved``: its
+    meta): the checkpoint's (``Origin(0, 0)`` when it records none), or, when the global
+    batch changes, a new one at the first example the checkpoint's run had not read."""
+    before = data_lib.Origin(*saved.get("data_origin", (0, 0)))
+    old_batch = describe(saved["config"], saved["workers"])["global_batch"]
+    if old_batch == run.global_batch or not isinstance(stream, data_lib.Stream):
+        return before
+    return data_lib.Origin(step, stream.position(before, step, old_batch))

@@ -1,0 +1,210 @@
+"""Elastic resume (sdp_jax.train.elastic): a checkpoint continued under another W, coverage,
+scheme or variant, with the full model and its optimizer moments rebuilt exactly and the
+data stream carried on in examples (docs/design.md invariant 10; docs/checkpoints.md)."""
+
+import json
+import os
+
+import grain
+import jax
+import numpy as np
+import pytest
+
+from sdp_jax.train import checkpoint as ckpt_lib
+from sdp_jax.train import data as data_lib
+from sdp_jax.train import elastic, loop
+from sdp_jax.train import run as run_lib
+from tests.test_train_cli import tiny
+
+# ---------------------------------------------------------------------------- the data stream
+class _Identity(grain.MapDataset):
+    """Stream index n -> n (so a batch shows which stream positions it read)."""
+
+    def __init__(self):
+        super().__init__([])
+
+    def __len__(self):
+        return 10**12
+
+    def __getitem__(self, n):
+        return np.int64(n)
+
+
+def _read(origin, first_batch, n_batches, G, N, drop, rows=None):
+    ds = data_lib.layout_free_batches(_Identity(), examples=N, global_batch=G,
+                                      rows=rows or (0, G), drop_epoch_remainder=drop,
+                                      origin=origin)
+    return [ds[k] for k in range(first_batch, first_batch + n_batches)]
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_stream_after_a_switch_reads_every_example_once(drop):
+    """8 steps of G = 4, then the global batch becomes 6 at step 8 (as W 4 -> 6 would make
+    it): the stream goes on at the first unread example; nothing is read twice, and nothing
+    is skipped but (with ``drop``) an epoch's last < G examples, as without a switch."""
+    N = 23
+    before = _read(data_lib.Origin(), 0, 8, 4, N, drop)
+    stream = data_lib.Stream(None, N, drop)
+    new = data_lib.Origin(8, stream.position(data_lib.Origin(), 8, 4))
+    after = _read(new, 8, 12, 6, N, drop)
+    seen = np.concatenate(before + after)
+    assert len(set(seen.tolist())) == len(seen)                     # each example once
+    assert np.all(np.diff(seen) > 0)                                 # in stream order
+    gaps = [(a, b) for a, b in zip(seen[:-1], seen[1:]) if b != a + 1]
+    if not drop:
+        assert not gaps and seen[0] == 0
+    else:   # only an epoch's remainder is skipped; every batch within one epoch
+        assert all(b % N == 0 and b - a - 1 < 6 for a, b in gaps)
+        assert all(len({int(x) // N for x in batch}) == 1 for batch in before + after)
+    # the same global batches on another process layout
+    halves = [_read(new, 8, 12, 6, N, drop, rows=r) for r in ((0, 3), (3, 3))]
+    np.testing.assert_array_equal(np.concatenate(after),
+                                  np.concatenate([np.concatenate(p) for p in zip(*halves)]))
+    with pytest.raises(ValueError, match="before the stream's origin"):
+        _read(new, 7, 1, 6, N, drop)
+
+
+def test_stream_from_the_start_is_grains_batching():
+    """From Origin(0, 0) the batches are those of grain's own batching of the shuffled stream
+    (epoch-aligned, the last partial batch of each epoch dropped), for any process rows."""
+    N, G = 23, 4
+    ds = grain.MapDataset.range(N).shuffle(seed=3)
+    for rows in ((0, 4), (2, 2)):
+        ours = data_lib.layout_free_batches(ds, examples=N, global_batch=G, rows=rows,
+                                            drop_epoch_remainder=True)
+        chunks = G // rows[1]
+        ref = ds.batch(rows[1], drop_remainder=True)[: (N // G) * chunks]
+        ref = ref[rows[0] // rows[1]::chunks].repeat()
+        for k in range(17):
+            np.testing.assert_array_equal(ours[k], ref[k])
+
+
+# ---------------------------------------------------------------------------- the state
+def _config(**kw):
+    base = {"workers": 8, "sdp.variant": "b-sdp", "sdp.coverage": 0.5, "steps": 20,
+            "optim.warmup_steps": 2}
+    return tiny(**{**base, **kw})
+
+
+def _checkpoint(tmp_path, config, seed=1, spread=None):
+    """A checkpoint at step 5 of ``config``'s run whose parameters and Adam moments are
+    random full arrays laid out under its masks (holders agree); ``spread(state)``: changes
+    it (per-worker copies). Returns (directory, run, full params, full moments)."""
+    run = run_lib.resolve(config, jax.device_count())
+    builder = loop.make_step(run, loop.make_mesh(run))
+    rng = np.random.default_rng(seed)
+    full = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype),
+                        builder.full_params(builder.init_state(0)))
+    moments = [jax.tree.map(lambda x: rng.random(x.shape).astype(x.dtype), full)
+               for _ in range(2)]
+    state = elastic.lay_out(builder, {"params": full, "opt_state": _with_moments(
+        builder, moments), "stats": None}, 5)
+    if spread is not None:
+        state = spread(state)
+    d = str(tmp_path / "checkpoints")
+    m = ckpt_lib.CheckpointManager(d)
+    m.save(5, state, loop._meta(config, run))   # pylint: disable=protected-access
+    m.close()
+    return d, run, full, moments
+
+
+def _with_moments(builder, moments):
+    """The optimizer state of ``builder`` (AdamW: count, mu, nu) with full ``moments`` in
+    place of its parameter-shaped entries, count 5."""
+    fresh = jax.eval_shape(lambda: builder.init_state(0)["opt_state"])
+    struct = jax.tree.structure(builder.state_layout.compact_shapes)
+    is_m = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
+    leaves, tdef = jax.tree.flatten(fresh, is_leaf=is_m)
+    it = iter(moments)
+    return tdef.unflatten([next(it) if is_m(x) else np.full(x.shape, 5, x.dtype)
+                           for x in leaves])
+
+
+def _resume(directory, config):
+    run = run_lib.resolve(config, jax.device_count())
+    builder = loop.make_step(run, loop.make_mesh(run))
+    m = ckpt_lib.CheckpointManager(directory)
+    saved = m.read_meta(5)
+    state = elastic.rebuild(m, 5, saved, run, builder, lambda line: None)
+    m.close()
+    return builder, state
+
+
+def _moments(builder, state):
+    st = builder.state_layout
+    struct = jax.tree.structure(st.compact_shapes)
+    is_m = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
+    return [st.full_params(x, optimizer_layout=True) for x in
+            jax.tree.leaves(state["opt_state"], is_leaf=is_m) if is_m(x)]
+
+
+def _assert_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("before,after", [
+    ({"workers": 8}, {"workers": 6}),
+    ({"workers": 4, "sdp.variant": "n-sdp"}, {"workers": 8, "sdp.variant": "n-sdp"}),
+    ({"workers": 4}, {"workers": 4, "sdp.coverage": 0.75}),
+    ({}, {"sdp.variant": "ddp", "sdp.coverage": 1.0}),
+    ({"sdp.variant": "nb-sdp"}, {"sdp.variant": "b-sdp", "fsdp": True}),
+], ids=["8-to-6-workers", "4-to-8-workers-nsdp", "C-half-to-3-4", "bsdp-to-ddp",
+        "nbsdp-to-bsdp-fsdp"])
+def test_rebuilt_state_equals_the_checkpoint_bit_for_bit(tmp_path, before, after):
+    """Right after the switch, the full parameters and both Adam moments equal those at the
+    checkpoint, bit for bit, and the step and Adam's count carry on."""
+    d, _, full, moments = _checkpoint(tmp_path, _config(**before))
+    builder, state = _resume(d, _config(**after))
+    _assert_equal(builder.full_params(state), full)
+    _assert_equal(_moments(builder, state), moments)
+    assert int(state["step"]) == 5
+    counts = [x for x in jax.tree.leaves(state["opt_state"]) if x.shape == ()]
+    assert counts and all(int(c) == 5 for c in counts)
+
+
+def test_periodic_averaging_averages_the_holders_copies_first(tmp_path):
+    """Under periodic parameter averaging the per-worker copies of an always-kept leaf
+    differ between averaging steps: the rebuilt model holds their mean."""
+    config = _config(**{"sdp.average": "parameters", "sdp.sync_every": 4})
+    offsets = np.arange(8, dtype=np.float32) - 3.5   # mean 0, exact in float32
+
+    def spread(state):
+        emb = state["params"]["embed"]
+        assert emb.shape[0] == 8     # per-worker copies [W, ...]
+        moved = np.asarray(emb) + offsets.reshape((8,) + (1,) * (emb.ndim - 1))
+        state["params"]["embed"] = jax.device_put(moved, emb.sharding)
+        return state
+
+    d, _, full, _ = _checkpoint(tmp_path, config, spread=spread)
+    builder, state = _resume(d, _config(**{"workers": 4}))
+    got = builder.full_params(state)
+    np.testing.assert_allclose(got["embed"], full["embed"], atol=1e-6)
+    _assert_equal(got["blocks"], full["blocks"])   # holders agree: their mean is their value
+
+
+def test_train_switches_from_8_to_4_workers_and_carries_the_data_on(tmp_path):
+    """The loop: a run stopped at step 2 on 8 workers is refused on 4 without the flag (the
+    error names it) and with it when another field changed; resumed on 4 with the flag, the
+    switch is logged, recorded in the checkpoint (with the stream's new origin) and in the
+    summary, and the run finishes."""
+    wd = str(tmp_path / "run")
+    common = {"steps": 4, "eval_every": 100, "checkpoint_every": 2, "eval_batches": 1}
+    loop.train(_config(**common, stop_at_step=2), wd)
+    with pytest.raises(ValueError, match=r"(?s)W = 8 workers.*resume with --config\.elastic=True"):
+        loop.train(_config(**common, workers=4), wd)    # refused without the flag, named
+    with pytest.raises(ValueError) as e:   # another seed is another run, flag or not
+        loop.train(_config(**common, workers=4, elastic=True, seed=3), wd)
+    assert "seed: checkpoint has 0" in str(e.value) and "elastic=True." not in str(e.value)
+    out = loop.train(_config(**common, workers=4, elastic=True), wd)
+    assert out["completed"] and out["steps"] == 4
+    (switch,) = out["elastic"]
+    assert switch["step"] == 2 and switch["from"]["workers"] == 8
+    assert switch["to"]["workers"] == 4 and switch["to"]["global_batch"] == 4 * 2
+    m = ckpt_lib.CheckpointManager(os.path.join(wd, "checkpoints"))
+    meta = m.read_meta(4)
+    m.close()
+    # 2 steps of 8 x 2 windows were read before the switch: the new stream starts there
+    assert meta["data_origin"] == [2, 2 * 16] and meta["elastic"] == [switch]
+    with open(os.path.join(wd, "summary.json")) as f:
+        assert json.load(f)["elastic"] == [switch]
