@@ -15,6 +15,7 @@ Several processes (TPU pod slice, multi-GPU hosts): see README.md, "Multi-host".
 import os
 import signal
 import sys
+import traceback
 
 from absl import app, flags, logging
 
@@ -28,7 +29,7 @@ cli.exit_on_signals()   # a signal from here on: one line and 128 + signal, neve
 import jax  # noqa: E402  (the heavy imports after the signal handlers)
 
 from sdp_jax import mesh as mesh_lib  # noqa: E402
-from sdp_jax.train import fit, launch, loop  # noqa: E402
+from sdp_jax.train import fit, launch, loop, peers  # noqa: E402
 from sdp_jax.train.run import resolve  # noqa: E402
 
 PROG = "python train.py"
@@ -101,4 +102,12 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    try:
+        app.run(main, flags_parser=_parse_flags)
+    except SystemExit as e:   # several processes, run unfinished: tell the others and end now
+        peers.exit_now(e.code)
+        raise
+    except Exception:  # noqa: BLE001 (a traceback: printed, then the others told)
+        traceback.print_exc()
+        peers.exit_now(1)
+        raise

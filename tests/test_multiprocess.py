@@ -260,3 +260,75 @@ def test_unequal_devices_per_process_are_refused_in_one_line(monkeypatch):
     config.update(dict(num_cpu_devices=4))
     with pytest.raises(ValueError, match="process 0: 3, process 1: 1"):
         resolve(config, 4)
+
+
+# ------------------------------------------- before the first step: signals, a dead peer, devices
+
+def _pair(workdir, devices=(2, 2)):
+    """``python train.py`` as processes 0 and 1 of 2 (``devices``: each one's simulated CPU
+    devices), started by hand as on a cluster; stdout and stderr in files beside ``workdir``."""
+    port, procs = launch.free_port(), []
+    for i, n in enumerate(devices):
+        out = {s: open(f"{workdir}.{i}.{s}", "w") for s in ("out", "err")}
+        procs.append(subprocess.Popen(
+            [sys.executable, "train.py", *BASE, f"--config.num_cpu_devices={n}",
+             "--config.workers=0", "--config.stop_at_step=5", f"--workdir={workdir}"],
+            cwd=ROOT, env=launch.process_env(i, 2, port, _env()), stdout=out["out"],
+            stderr=out["err"]))
+    return procs
+
+
+def _text(workdir, i, stream):
+    with open(f"{workdir}.{i}.{stream}") as f:
+        return f.read()
+
+
+def test_before_the_first_step_a_signal_or_a_dead_peer_ends_every_process_in_one_line(tmp_path):
+    """Issue 39, three pairs of processes at once, each acted on once process 0 has logged its
+    devices (after jax.distributed.initialize, before the step is compiled):
+
+    * SIGTERM to process 0 only: JAX's preemption handler used to swallow it (the run trained
+      to the end and exited 0); now both processes end with one line each and status 143;
+    * SIGKILL to process 1: process 0 used to abort after JAX's 100 s heartbeat with a C++
+      stack dump; now it ends within seconds with one line and status 75 (peers.DEAD_PEER);
+    * processes of 3 and 1 devices: both refused in one line naming the counts, status 2,
+      before any checkpoint code (no workdir is created)."""
+    runs = {k: str(tmp_path / k) for k in ("term", "kill", "unequal")}
+    pairs = {k: _pair(wd, (3, 1) if k == "unequal" else (2, 2)) for k, wd in runs.items()}
+    deadline, acted, ended = time.monotonic() + TIMEOUT, {}, {}
+    try:
+        while time.monotonic() < deadline and len(ended) < 6:
+            for k in ("term", "kill"):
+                if k not in acted and "devices: 4 x cpu" in _text(runs[k], 0, "out"):
+                    victim = pairs[k][0 if k == "term" else 1]
+                    victim.send_signal(signal.SIGTERM if k == "term" else signal.SIGKILL)
+                    acted[k] = time.monotonic()
+            for k, procs in pairs.items():
+                for i, p in enumerate(procs):
+                    if p.poll() is not None and (k, i) not in ended:
+                        ended[k, i] = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        for p in (p for procs in pairs.values() for p in procs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    status = {k: [p.returncode for p in procs] for k, procs in pairs.items()}
+    err = {k: [_text(wd, i, "err").strip() for i in (0, 1)] for k, wd in runs.items()}
+    assert status["term"] == [143, 143], (status, err["term"])
+    assert err["term"][0] == ("interrupted by SIGTERM: stopped (checkpoints already written "
+                              "are kept: rerun the same command to resume)"), err["term"]
+    assert err["term"][1].startswith("stopping: process 0 of 2 ended with status 143 "
+                                     "(SIGTERM) before the run finished"), err["term"]
+    assert len(err["term"][1].splitlines()) == 1, err["term"]
+    assert not os.path.exists(os.path.join(runs["term"], "metrics.jsonl"))
+    assert status["kill"] == [75, -signal.SIGKILL], (status, err["kill"])
+    assert err["kill"][0].startswith("stopping: process 1 of 2 died without a word (killed "
+                                     "or crashed)") and "\n" not in err["kill"][0], err["kill"]
+    assert ended["kill", 0] - acted["kill"] < 30   # GRACE + DRAIN = 7 s; JAX's heartbeat: 100 s
+    assert status["unequal"] == [2, 2], (status, err["unequal"])
+    for line in err["unequal"]:
+        assert line == ("python train.py: error: the processes hold unequal numbers of devices "
+                        "(process 0: 3, process 1: 1); give every process the same number (the "
+                        "same CUDA_VISIBLE_DEVICES count, or --config.num_cpu_devices on a CPU)")
+    assert not os.path.exists(runs["unequal"])

@@ -25,6 +25,8 @@ from typing import NoReturn
 from absl import flags
 from ml_collections import config_flags
 
+from sdp_jax.train import peers
+
 # The repository's configs/ folder (the commands' default config files live there).
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__)))), "configs")
@@ -63,11 +65,14 @@ def exit_on_signal(signum: int, what: str = "stopped (checkpoints already writte
     on a new line (a progress bar is on the current one).
 
     A handler runs when the main thread is back in Python: during a long native call (a
-    compilation, ``jax.distributed.initialize``) the exit waits for it to return."""
+    compilation, ``jax.distributed.initialize``) the exit waits for it to return. With several
+    processes the others are told first (:func:`sdp_jax.train.peers.leaving`): they end with
+    one line and the same status (process 0 waits up to 5 s for them to end first)."""
     line = ("\n" if after_bar else "") + (f"interrupted by {signal.Signals(signum).name}: "
                                           f"{what}\n")
     try:
         os.write(2, line.encode())
+        peers.leaving(128 + int(signum))
     finally:
         os._exit(128 + int(signum))
 

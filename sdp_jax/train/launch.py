@@ -26,8 +26,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
+
+from sdp_jax.train import peers
 
 PROG = "python -m sdp_jax.train.launch"
 
@@ -236,12 +239,20 @@ def _missing_peers(kwargs: dict, where: str) -> str:
 
 def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) -> bool:
     """Call ``jax.distributed.initialize`` when ``mode`` is ``true``, or ``auto`` and the
-    environment is that of several processes (:func:`multi_process_env`).
+    environment is that of several processes (:func:`multi_process_env`), and start the
+    processes' watch (:func:`sdp_jax.train.peers.start`: a process that ends before the run does
+    ends the others within seconds, with one line).
 
     JAX aborts the process with a C++ stack trace when the processes do not all register
     in time; a watchdog instead prints one line after ``timeout`` seconds (which process, the
     coordinator's address, whether it is reachable, what to check) and exits with status 1
     (JAX's own deadline is 10 s later).
+
+    The process's signal handlers hold throughout: SIGINT and SIGTERM are blocked from before
+    the call until the watch has started (one arriving meanwhile is handled then), JAX's
+    preemption service (which installs its own SIGTERM handler over the project's and would
+    swallow a scheduler's SIGTERM) is turned off (``jax_enable_preemption_service``), and the
+    Python handlers are installed again after the call, whatever it installed.
 
     Returns:
       whether JAX was initialized for several processes.
@@ -249,9 +260,6 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) 
       ValueError: a bad launch environment (:func:`coordinator_args`), ``mode=true`` with no
         cluster environment, or ``timeout < 1``.
     """
-    import threading  # pylint: disable=g-import-not-at-top
-
-    import jax  # pylint: disable=g-import-not-at-top
     env = os.environ if env is None else env
     if mode not in ("auto", "true", "false"):
         raise ValueError(f"--distributed={mode!r} must be auto, true or false")
@@ -260,6 +268,34 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) 
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
         raise ValueError(f"--init_timeout={timeout!r} must be a positive number of seconds")
     kwargs = coordinator_args(env)
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+    main = threading.current_thread() is threading.main_thread()
+    held = (signal.SIGINT, signal.SIGTERM)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
+    try:
+        _initialize(kwargs, timeout)
+        for sig in held if main else ():   # ours again, whatever the call installed
+            handler = signal.getsignal(sig)
+            if handler is not None:
+                signal.signal(sig, handler)
+        state = jax_distributed.global_state
+        warning = peers.start(state.client, state.process_id, state.num_processes,
+                              state.coordinator_address.rpartition(":")[0].strip("[]"),
+                              timeout=float(min(timeout, 60)))
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    finally:
+        if main:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return True
+
+
+def _initialize(kwargs: dict, timeout: int) -> None:
+    """``jax.distributed.initialize(**kwargs)`` with JAX's preemption service off, under the
+    ``timeout`` watchdog of :func:`initialize`.
+
+    Raises:
+      ValueError: JAX found no cluster environment (``kwargs`` empty)."""
     done = threading.Event()
     where = kwargs.get("coordinator_address", "the detected coordinator")
     who = (f"process {kwargs['process_id']} of {kwargs['num_processes']}" if kwargs
@@ -272,11 +308,13 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) 
               f"{_missing_peers(kwargs, where)}.", file=sys.stderr, flush=True)
         os._exit(1)
 
+    import jax  # pylint: disable=g-import-not-at-top  (the launcher itself never imports JAX)
+
     threading.Thread(target=watchdog, daemon=True).start()
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(initialization_timeout=timeout + 10, **kwargs)
     except ValueError as e:
-        done.set()
         if not kwargs:
             raise ValueError(
                 "--distributed=true but no cluster environment was found "
@@ -284,8 +322,8 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) 
                 "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or launch with "
                 f"{PROG}, srun or mpirun, or on a TPU pod slice") from e
         raise
-    done.set()
-    return True
+    finally:
+        done.set()
 
 
 def parser() -> argparse.ArgumentParser:

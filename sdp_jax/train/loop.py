@@ -46,7 +46,7 @@ from sdp_jax.train import cli, curves, migrations
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import elastic, fit
 from sdp_jax.train import optimizer as optim_lib
-from sdp_jax.train import profiling
+from sdp_jax.train import peers, profiling
 from sdp_jax.train import run as run_lib
 from sdp_jax.train.fit import make_mesh  # (the run's mesh; also loop.make_mesh)
 from sdp_jax.train.task import Family
@@ -514,6 +514,7 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     path = os.path.join(workdir, "summary.json")
     if latest is not None and latest >= run.total_steps and os.path.exists(path):
         manager.close()   # nothing to train: keep the run's own figures, compile nothing
+        peers.done()   # every process takes this path: no collective follows
         with open(path) as f:
             stored = json.load(f)
         log(f"already complete: {stored['steps']} steps; {run.family.done_line(stored)} "
@@ -542,6 +543,7 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     done = step >= run.total_steps
     if done and not last_eval:
         last_eval = prog.evaluate(state)
+    peers.done()   # the last collective is behind: the other processes' ends are expected
     out = _summary(run, prog, step, last_eval, last_rec,
                    prev_wall + time.time() - t_start)
     out["interrupted_by"] = interrupted[0] if interrupted and not done else None
