@@ -332,3 +332,42 @@ def test_before_the_first_step_a_signal_or_a_dead_peer_ends_every_process_in_one
                         "(process 0: 3, process 1: 1); give every process the same number (the "
                         "same CUDA_VISIBLE_DEVICES count, or --config.num_cpu_devices on a CPU)")
     assert not os.path.exists(runs["unequal"])
+
+
+def test_elastic_launcher_carries_on_as_one_process_after_a_sigkill(tmp_path):
+    """``launch --elastic``: process 1 of 2 (2 devices each, W = 4) is killed with SIGKILL
+    once the checkpoint of step 10 exists; process 0 ends in one line (status 75), and the
+    launcher starts the run again as the 1 process left, which resumes that checkpoint on its
+    2 devices (W = 2, --config.elastic=True: the model re-laid out, the data carried on in
+    examples) and finishes: a 2-process run continued as 1 process."""
+    wd = tmp_path / "run"
+    cmd = [sys.executable, "-m", "sdp_jax.train.launch", "--processes", "2", "--elastic",
+           f"--timeout={TIMEOUT - 60}", "--", "python", "train.py", *BASE[:2],
+           "--config.steps=40", "--config.checkpoint_every=5", "--config.eval_every=100",
+           "--config.eval_batches=1", "--config.num_cpu_devices=2", "--config.workers=0",
+           f"--workdir={wd}"]
+    err_path = tmp_path / "launcher.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=err)
+    try:
+        deadline = time.monotonic() + TIMEOUT - 60
+        while not (wd / "checkpoints" / "10").is_dir() and time.monotonic() < deadline:
+            assert proc.poll() is None, err_path.read_text()[-3000:]
+            time.sleep(0.2)
+        pids = re.search(r"2 process\(es\), pids (\d+) (\d+)", err_path.read_text())
+        os.kill(int(pids.group(2)), signal.SIGKILL)   # the launcher's own child, by pid
+        assert proc.wait(timeout=TIMEOUT) == 0, err_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = err_path.read_text()
+    assert "process 1 of 2 died without a word" in log and "exiting with status 75" in log
+    assert "process(es) 1 lost; restarting the run as the 1 process(es) left" in log
+    with open(wd / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["completed"] and summary["steps"] == 40 and summary["workers"] == 2
+    (switch,) = summary["elastic"]
+    assert switch["step"] >= 10 and switch["from"]["workers"] == 4
+    assert switch["to"] == {**switch["from"], "workers": 2, "global_batch": 4}

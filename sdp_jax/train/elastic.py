@@ -167,9 +167,9 @@ def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
     average = old.settings.averaging == "parameters"
     full = full_state(old_builder, state, average)
     del state
-    log(f"elastic resume at step {step}: the full model and its optimizer moments rebuilt "
-        f"from the checkpoint's {old.workers} workers"
-        + (" (holders' copies averaged)" if average else "")
+    log(f"elastic resume (--config.elastic) at step {step}: {change_line(saved, run)}; the "
+        f"full model and its optimizer moments rebuilt from the checkpoint's {old.workers} "
+        "workers" + (" (holders' copies averaged)" if average else "")
         + " and laid out under this run's masks")
     return lay_out(builder, full, step)
 

@@ -16,6 +16,13 @@ process stops with the others after the same step and saves a checkpoint; a seco
 process ends (with an error, or early), the others get ``--grace`` seconds to finish and are then
 terminated. The exit status is the first non-zero status of a process (0 when all succeed).
 Only the launcher's own child processes are ever signalled.
+
+With ``--elastic`` the launcher carries on when processes are lost (killed by a signal it did
+not send: SIGKILL from an out-of-memory killer, a host gone): once every process has ended, it
+starts the command again as the processes that are left, with ``--config.elastic=True``
+appended, so that the run resumes from its latest checkpoint on the devices that remain, under
+masks drawn for the new worker count (:mod:`sdp_jax.train.elastic`; at most ``--restarts``
+times).
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ def process_env(process_id: int, processes: int, port: int,
 
 
 def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float = 60.0,
-        timeout: float = 0.0, env: dict | None = None, cwd: str | None = None) -> int:
+        timeout: float = 0.0, env: dict | None = None, cwd: str | None = None,
+        elastic: bool = False, restarts: int = 3) -> int:
     """Run ``command`` as ``processes`` processes (see the module docstring) and wait.
 
     Args:
@@ -62,23 +70,47 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
       port: coordinator port on 127.0.0.1 (0: a free one).
       grace: seconds the other processes get after one ends, before they are terminated
         (SIGTERM, then SIGKILL 10 s later; the status is then 1 if all that ended succeeded).
-      timeout: seconds after which every process is terminated (0: none).
+      timeout: seconds after which every process is terminated (0: none; each attempt).
       env, cwd: base environment and working directory of the processes.
+      elastic: when processes are lost (killed by a signal the launcher did not forward: a
+        host or its job gone), start the command again as the processes that are left, with
+        ``--config.elastic=True`` appended, so that the run resumes from its latest
+        checkpoint on the devices that remain (:mod:`sdp_jax.train.elastic`); at most
+        ``restarts`` times.
 
     Returns:
-      the first non-zero exit status of a process (signals as ``128 + signal``), else 0;
-      124 when ``timeout`` ended the run.
+      the first non-zero exit status of a process (signals as ``128 + signal``) of the last
+      attempt, else 0; 124 when ``timeout`` ended it.
 
     Raises:
-      ValueError: ``processes < 1`` or an empty command.
+      ValueError: ``processes < 1``, ``restarts < 0`` or an empty command.
     """
     if processes < 1:
         raise ValueError(f"--processes={processes} must be at least 1.")
+    if restarts < 0:
+        raise ValueError(f"--restarts={restarts} must be at least 0.")
     if not command:
         raise ValueError("no command: give it after --, e.g. -- python train.py --workdir runs/x")
+    signalled: list[int] = []
+    status, lost = _attempt(list(command), processes, port, grace, timeout, env, cwd, signalled)
+    for _ in range(restarts if elastic else 0):
+        left = processes - len(lost)
+        if not lost or signalled or left < 1:
+            break
+        print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; restarting the run as the "
+              f"{left} process(es) left, from its latest checkpoint (--config.elastic=True)",
+              file=sys.stderr, flush=True)
+        processes, command = left, [*command, "--config.elastic=True"]
+        status, lost = _attempt(command, processes, 0, grace, timeout, env, cwd, signalled)
+    return status
+
+
+def _attempt(command: list, processes: int, port: int, grace: float, timeout: float,
+             env: dict | None, cwd: str | None, signalled: list) -> tuple[int, list]:
+    """One start of ``processes`` processes (:func:`run`): ``(status, the ids of the processes
+    that a signal the launcher did not forward ended)``."""
     port = port or free_port()
     children: list[subprocess.Popen] = []
-    signalled: list[int] = []
 
     def forward(signum, frame):  # noqa: ARG001
         signalled.append(signum)
@@ -93,13 +125,17 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
             # SIGINT handled by default in the process even if the launcher was started
             # ignoring it (a background job), so that a forwarded Ctrl-C works.
             children.append(subprocess.Popen(
-                list(command), env=process_env(i, processes, port, env), cwd=cwd,
+                command, env=process_env(i, processes, port, env), cwd=cwd,
                 start_new_session=True,
                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
         print(f"{PROG}: {processes} process(es), pids "
               f"{' '.join(str(c.pid) for c in children)}, coordinator 127.0.0.1:{port}",
               file=sys.stderr, flush=True)
-        return _wait(children, grace, timeout, signalled)
+        stopped: list[int] = []
+        status = _wait(children, grace, timeout, signalled, stopped)
+        lost = [i for i, c in enumerate(children)
+                if c.returncode is not None and c.returncode < 0 and i not in stopped]
+        return status, ([] if signalled else lost)
     finally:
         for c in children:   # never leave a process of ours behind
             if c.poll() is None:
@@ -113,10 +149,13 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code   # Popen reports death by signal N as -N
 
 
-def _stop(children: list, grace_kill: float = 10.0) -> None:
-    for c in children:
+def _stop(children: list, grace_kill: float = 10.0, stopped: list | None = None) -> None:
+    """Terminate (then kill) the children still running; their ids go to ``stopped``."""
+    for i, c in enumerate(children):
         if c.poll() is None:
             c.terminate()
+            if stopped is not None:
+                stopped.append(i)
     deadline = time.monotonic() + grace_kill
     for c in children:
         try:
@@ -126,7 +165,8 @@ def _stop(children: list, grace_kill: float = 10.0) -> None:
             c.wait()
 
 
-def _wait(children: list, grace: float, timeout: float, signalled: list) -> int:
+def _wait(children: list, grace: float, timeout: float, signalled: list,
+          stopped: list | None = None) -> int:
     start, ended_at, first_bad = time.monotonic(), None, 0
     while True:
         codes = [c.poll() for c in children]
@@ -147,12 +187,12 @@ def _wait(children: list, grace: float, timeout: float, signalled: list) -> int:
         if ended_at is not None and now - ended_at > grace:
             print(f"{PROG}: a process ended {grace:.0f}s ago; terminating the ones still "
                   "running", file=sys.stderr, flush=True)
-            _stop(children)
+            _stop(children, stopped=stopped)
             return first_bad or 1
         if timeout and now - start > timeout:
             print(f"{PROG}: --timeout={timeout:.0f}s reached; terminating every process",
                   file=sys.stderr, flush=True)
-            _stop(children)
+            _stop(children, stopped=stopped)
             return 124
         time.sleep(0.2)
 
@@ -328,7 +368,7 @@ def _initialize(kwargs: dict, timeout: int) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The launcher's own flags (those before ``--``): ``--processes``, ``--port``, ``--grace``,
-    ``--timeout``."""
+    ``--timeout``, ``--elastic``, ``--restarts``."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 usage=f"{PROG} --processes N [options] -- COMMAND ...")
     p.add_argument("--processes", type=int, required=True, help="number of processes")
@@ -338,6 +378,11 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds the others get after a process ends (default 60)")
     p.add_argument("--timeout", type=float, default=0.0,
                    help="terminate every process after this many seconds (0: never)")
+    p.add_argument("--elastic", action="store_true",
+                   help="when processes are lost (killed by a signal), restart the run as the "
+                        "processes left, from its latest checkpoint (--config.elastic=True)")
+    p.add_argument("--restarts", type=int, default=3,
+                   help="with --elastic, restarts at most (default 3)")
     return p
 
 
@@ -358,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = [sys.executable, *command[1:]]   # the launcher's interpreter
     try:
         return run(command, args.processes, port=args.port, grace=args.grace,
-                   timeout=args.timeout)
+                   timeout=args.timeout, elastic=args.elastic, restarts=args.restarts)
     except ValueError as e:
         own_flags.error(str(e))
     except OSError as e:   # the command cannot be started

@@ -570,8 +570,8 @@ def _start_state(run: run_lib.RunSpec, builder, manager, latest, saved, changes:
 
 def _saved_meta(manager, latest, run: run_lib.RunSpec, stream, changes: list) -> dict | None:
     """The latest checkpoint's ``meta`` (None without one), its config with the family's
-    defaults for newer fields; an elastic switch (``changes``) is checked and logged here,
-    before any compute (:func:`sdp_jax.train.elastic.check`)."""
+    defaults for newer fields; an elastic switch (``changes``) is checked here, before any
+    compute (:func:`sdp_jax.train.elastic.check`)."""
     if latest is None:
         return None
     saved = manager.read_meta(latest)
@@ -583,8 +583,6 @@ def _saved_meta(manager, latest, run: run_lib.RunSpec, stream, changes: list) ->
         except ValueError:
             manager.close()
             raise
-        log(f"elastic resume (--config.elastic): the checkpoint at step {latest} was "
-            f"written under another setting: {elastic.change_line(saved, run)}")
     return saved
 
 

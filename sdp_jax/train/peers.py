@@ -19,7 +19,9 @@ ends, the others abort at once, the same way. So:
   prints one line and exits with the status the ended process sent (143 after SIGTERM, 2 after a
   usage error), or :data:`DEAD_PEER` when it ended without a word (killed, crashed).
 
-A survivor therefore ends within ``GRACE + DRAIN`` (7 s) of the other process's end. Not
+A survivor therefore ends within ``GRACE + DRAIN`` (7 s) of the other process's end; one whose
+collective failed first (the peer died during a step) waits for that news rather than printing
+the failure's traceback (:func:`follow_lost_peer`, ``train.py``). Not
 covered: process 0 itself dying without a word (the others then get JAX's abort at once), and a
 process that hangs without ending (JAX's heartbeat ends everyone after 100 s).
 """
@@ -237,6 +239,22 @@ def exit_now(status) -> None:
     code = status if isinstance(status, int) else (0 if status is None else 1)
     leaving(code)
     _write_and_exit("", code)
+
+
+def follow_lost_peer(wait: float = GRACE + 1.0) -> None:
+    """An error of this process's run (e.g. a collective that failed: ``Gloo all-reduce
+    failed ... Connection reset by peer``) that another process's end caused: when news of such
+    an end arrives within ``wait`` seconds, the watch ends this process with its one line and
+    status (:data:`DEAD_PEER` for a peer killed) and this never returns; else it returns (an
+    error of this process's own: print it)."""
+    if not _WATCH or _WATCH[0].finished:
+        return
+    watch, deadline = _WATCH[0], time.monotonic() + wait
+    while watch.news is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if watch.news is None:
+        return
+    time.sleep(GRACE + DRAIN + 5.0)   # the watch's own thread exits the process meanwhile
 
 
 def done() -> None:
