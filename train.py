@@ -108,7 +108,8 @@ if __name__ == "__main__":
         peers.exit_now(e.code)
         raise
     except Exception:  # noqa: BLE001 (a traceback: printed, then the others told)
-        peers.follow_lost_peer()   # a collective failed as a peer died: its one line instead
-        traceback.print_exc()
-        peers.exit_now(1)
+        if peers.watching():
+            peers.follow_lost_peer()   # a collective failed as a peer died: its one line instead
+            traceback.print_exc()
+            peers.exit_now(1)
         raise

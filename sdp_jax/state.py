@@ -67,6 +67,23 @@ def abstract_state(optimizer, stored: dict, compact_shapes, state_shardings) -> 
                         shapes, state_shardings)
 
 
+def split_moments(opt_state, params_like) -> tuple[list, Any, list[bool]]:
+    """``(entries, treedef, flags)``: ``opt_state`` flattened with every parameter-shaped entry
+    (a moment, e.g. Adam's ``mu``: a dict of the tree structure of ``params_like``) kept whole,
+    and which entries are such moments (the others: counts and the like)."""
+    struct = jax.tree.structure(params_like)
+    is_m = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
+    entries, tdef = jax.tree.flatten(opt_state, is_leaf=is_m)
+    return entries, tdef, [is_m(e) for e in entries]
+
+
+def map_moments(fn, opt_state, params_like, other=lambda x: x):
+    """``opt_state`` with ``fn(moment)`` for each parameter-shaped entry
+    (:func:`split_moments`) and ``other(leaf)`` for the rest."""
+    entries, tdef, flags = split_moments(opt_state, params_like)
+    return tdef.unflatten([fn(e) if m else other(e) for e, m in zip(entries, flags)])
+
+
 def _is_spec(x) -> bool:
     return isinstance(x, P)
 
@@ -448,10 +465,8 @@ class StateLayout:
     def full_params(self, params, optimizer_layout: bool = False,
                     average: bool = False) -> dict:
         """The full model's parameters (host numpy, nested dict), each component from its
-        first holder (always-kept per-worker copies: worker 0's), or with ``average`` the
-        mean of its holders' copies (periodic parameter averaging between averaging steps);
-        see :meth:`sdp_jax.step.SDPStep.full_params`. ``optimizer_layout``: ``params`` is a
-        tree in the optimizer's layout (a moment of the optimizer state)."""
+        first holder (always-kept per-worker copies: worker 0's), or with ``average`` its
+        holders' mean (periodic averaging); see :meth:`sdp_jax.step.SDPStep.full_params`."""
         if isinstance(params, dict) and "opt_state" in params:
             params = params["params"]
         codes = self.compact_layout if optimizer_layout else self.param_layout
@@ -478,5 +493,7 @@ class StateLayout:
     def store_optimizer(self, full) -> dict:
         """Full parameter-shaped values (a moment, nested) -> the optimizer's layout on the
         mesh: the inverse of :meth:`full_params` with ``optimizer_layout=True``."""
-        return jax.jit(lambda t: self._optimizer_form(self.store(t)),
-                       out_shardings=self.shardings(self.compact_specs))(full)
+        if not hasattr(self, "_store_opt"):   # one compile for every moment
+            self._store_opt = jax.jit(lambda t: self._optimizer_form(self.store(t)),
+                                      out_shardings=self.shardings(self.compact_specs))
+        return self._store_opt(full)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from sdp_jax import state as state_lib
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import elastic, loop
@@ -112,19 +113,16 @@ def _with_moments(builder, moments):
     """The optimizer state of ``builder`` (AdamW: count, mu, nu) with full ``moments`` in
     place of its parameter-shaped entries, count 5."""
     fresh = jax.eval_shape(lambda: builder.init_state(0)["opt_state"])
-    struct = jax.tree.structure(builder.state_layout.compact_shapes)
-    is_m = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
-    leaves, tdef = jax.tree.flatten(fresh, is_leaf=is_m)
     it = iter(moments)
-    return tdef.unflatten([next(it) if is_m(x) else np.full(x.shape, 5, x.dtype)
-                           for x in leaves])
+    return state_lib.map_moments(lambda _: next(it), fresh, builder.state_layout.compact_shapes,
+                                 other=lambda x: np.full(x.shape, 5, x.dtype))
 
 
-def _resume(directory, config):
+def _resume(directory, config, meta=lambda saved: saved):
     run = run_lib.resolve(config, jax.device_count())
     builder = loop.make_step(run, loop.make_mesh(run))
     m = ckpt_lib.CheckpointManager(directory)
-    saved = m.read_meta(5)
+    saved = meta(m.read_meta(5))
     state = elastic.rebuild(m, 5, saved, run, builder, lambda line: None)
     m.close()
     return builder, state
@@ -132,10 +130,8 @@ def _resume(directory, config):
 
 def _moments(builder, state):
     st = builder.state_layout
-    struct = jax.tree.structure(st.compact_shapes)
-    is_m = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
-    return [st.full_params(x, optimizer_layout=True) for x in
-            jax.tree.leaves(state["opt_state"], is_leaf=is_m) if is_m(x)]
+    entries, _, flags = state_lib.split_moments(state["opt_state"], st.compact_shapes)
+    return [st.full_params(x, optimizer_layout=True) for x, m in zip(entries, flags) if m]
 
 
 def _assert_equal(a, b):
@@ -163,24 +159,44 @@ def test_rebuilt_state_equals_the_checkpoint_bit_for_bit(tmp_path, before, after
     assert counts and all(int(c) == 5 for c in counts)
 
 
+def test_a_checkpoint_that_records_no_worker_count_is_rebuilt(tmp_path):
+    """Checkpoints from before the resolved W was recorded in their meta (their config's
+    explicit ``workers`` is it) are rebuilt too."""
+    d, _, full, _ = _checkpoint(tmp_path, _config(workers=4))
+    old_meta = lambda saved: {k: v for k, v in saved.items() if k != "workers"}  # noqa: E731
+    builder, state = _resume(d, _config(workers=8), meta=old_meta)
+    _assert_equal(builder.full_params(state), full)
+    assert elastic.saved_workers(old_meta({"config": {"workers": 4}})) == 4
+
+
 def test_periodic_averaging_averages_the_holders_copies_first(tmp_path):
-    """Under periodic parameter averaging the per-worker copies of an always-kept leaf
-    differ between averaging steps: the rebuilt model holds their mean."""
+    """Under periodic parameter averaging the per-worker copies of an always-kept leaf, and
+    the holders' copies of a block, differ between averaging steps: the rebuilt model (here
+    also under periodic averaging, on 4 workers) holds their mean."""
     config = _config(**{"sdp.average": "parameters", "sdp.sync_every": 4})
     offsets = np.arange(8, dtype=np.float32) - 3.5   # mean 0, exact in float32
 
     def spread(state):
-        emb = state["params"]["embed"]
-        assert emb.shape[0] == 8     # per-worker copies [W, ...]
+        emb, wq = state["params"]["embed"], state["params"]["blocks"]["attn"]["wq"]
+        assert emb.shape[0] == 8 and wq.shape[:2] == (8, 2)   # [W, ...], [W, k blocks, ...]
         moved = np.asarray(emb) + offsets.reshape((8,) + (1,) * (emb.ndim - 1))
         state["params"]["embed"] = jax.device_put(moved, emb.sharding)
+        wq_moved = np.asarray(wq).copy()
+        wq_moved[0, 0] += 4.0    # worker 0's copy of its first block (held by 4 workers)
+        state["params"]["blocks"]["attn"]["wq"] = jax.device_put(wq_moved, wq.sharding)
         return state
 
-    d, _, full, _ = _checkpoint(tmp_path, config, spread=spread)
-    builder, state = _resume(d, _config(**{"workers": 4}))
+    d, run, full, _ = _checkpoint(tmp_path, config, spread=spread)
+    builder, state = _resume(d, _config(**{"workers": 4, "sdp.average": "parameters",
+                                           "sdp.sync_every": 4}))
     got = builder.full_params(state)
     np.testing.assert_allclose(got["embed"], full["embed"], atol=1e-6)
-    _assert_equal(got["blocks"], full["blocks"])   # holders agree: their mean is their value
+    (kind,) = run.plan.kinds.values()
+    g = int(kind.held[0, 0])   # the block in worker 0's first slot: its 4 holders' mean
+    want = full["blocks"]["attn"]["wq"].copy()
+    want[g] += 1.0
+    np.testing.assert_allclose(got["blocks"]["attn"]["wq"], want, atol=1e-6)
+    _assert_equal(got["blocks"]["mlp"], full["blocks"]["mlp"])   # holders agree: their value
 
 
 def test_train_switches_from_8_to_4_workers_and_carries_the_data_on(tmp_path):

@@ -22,9 +22,12 @@ The step count carries on. The data position carries on in examples: when the gl
 example is skipped or read twice across the switch. Every switch is logged and recorded in
 the checkpoints and in ``summary.json`` (``elastic``).
 
-Every process reads the whole checkpoint to its host memory once (the full parameters and
-moments, plus the old layout's copies); pipelined runs are not re-laid out (refused in one
-line).
+Every process reads the whole checkpoint into its host memory once: the old layout's stored
+copies (about ``W_old * C`` times the parameters and moments under forward masking), then the
+full parameters and moments. While they are laid out, every device holds the full parameters
+and one full moment at a time besides its new share (transient, before the step is compiled):
+a model whose full parameters and one moment do not fit one device is not re-laid out yet.
+Pipelined runs are not re-laid out (refused in one line).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 
 from sdp_jax import layout as layout_lib
 from sdp_jax import mesh as mesh_lib
+from sdp_jax import state as state_lib
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import run as run_lib
 
@@ -47,6 +51,12 @@ FIELDS = ("workers", "batch_per_worker", "fsdp", "sdp.", "masks.")
 HINT = ("To continue it under this run's setting instead (the full model and its optimizer "
         "moments rebuilt from the checkpoint and laid out under new masks), resume with "
         "--config.elastic=True.")
+
+
+def saved_workers(saved: dict) -> int:
+    """The resolved ``W`` a checkpoint's meta records (checkpoints from before it was recorded:
+    their config's explicit ``workers``)."""
+    return int(saved.get("workers", saved["config"].get("workers")))
 
 
 def describe(config_or_saved, workers: int) -> dict:
@@ -63,8 +73,8 @@ def describe(config_or_saved, workers: int) -> dict:
 def change_line(saved: dict, run: run_lib.RunSpec) -> str:
     """What an elastic switch changes, e.g. ``"workers 8 -> 6, global_batch 16 -> 12"``
     (``saved``: the checkpoint's meta; the mask recipes follow and are not named)."""
-    before, after = describe(saved["config"], saved["workers"]), describe(run.config,
-                                                                           run.workers)
+    before = describe(saved["config"], saved_workers(saved))
+    after = describe(run.config, run.workers)
     moved = [f"{k} {before[k]} -> {after[k]}" for k in before if before[k] != after[k]]
     return ", ".join(moved) or "the mask recipe (another mask seed or option)"
 
@@ -82,7 +92,7 @@ def checkpoint_run(run: run_lib.RunSpec, saved: dict) -> run_lib.RunSpec:
         for k, v in old["sdp"].items():
             config.sdp[k] = tuple(v) if isinstance(v, list) else v
         config.batch_per_worker, config.fsdp = old["batch_per_worker"], old["fsdp"]
-        config.workers, config.emulate_workers = int(saved["workers"]), True
+        config.workers, config.emulate_workers = saved_workers(saved), True
         config.grad_accum, config.align_every = 1, 0
         config.profile_start = config.profile_stop = 0
     return run_lib.resolve(config, 1, run.family, processes=1)
@@ -99,7 +109,7 @@ def check(run: run_lib.RunSpec, saved: dict, stream) -> None:
         raise ValueError("--config.elastic=True: a pipelined run is not re-laid out under "
                          "another setting (not built); resume it with the checkpoint's "
                          "values, or use a new --workdir.")
-    before = describe(saved["config"], saved["workers"])["global_batch"]
+    before = describe(saved["config"], saved_workers(saved))["global_batch"]
     if before != run.global_batch and not isinstance(stream, data_lib.Stream):
         raise ValueError(f"--config.elastic=True: this model's batches are indexed by step, so "
                          f"the global batch cannot change across the switch (checkpoint "
@@ -114,10 +124,8 @@ def full_state(builder, state: dict, average: bool) -> dict:
     state joined (``average``: holders' mean), other optimizer entries as stored, the model
     state (``stats``; None without one) joined like the parameters."""
     st = builder.state_layout
-    struct = jax.tree.structure(st.compact_shapes)
-    is_moment = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
-    opt = jax.tree.map(lambda x: st.full_params(x, True, average) if is_moment(x)
-                       else np.asarray(x), state["opt_state"], is_leaf=is_moment)
+    opt = state_lib.map_moments(lambda x: st.full_params(x, True, average), state["opt_state"],
+                                st.compact_shapes, other=np.asarray)
     stats = state.get("stats")
     if stats is not None and not st.spec.backward:
         stats = layout_lib.of(st.state_spec).unprune(stats, average)
@@ -131,22 +139,18 @@ def lay_out(builder, full: dict, step: int) -> dict:
 
     Raises:
       ValueError: the optimizer state's structure differs (another optimizer)."""
-    start = full["params"] if full["stats"] is None else (full["params"], full["stats"])
-    state = builder.init(start)
     st = builder.state_layout
-    struct = jax.tree.structure(st.compact_shapes)
-    full_struct = jax.tree.structure(full["params"])
-    is_new = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa: E731
-    is_full = lambda x: isinstance(x, dict) and jax.tree.structure(x) == full_struct  # noqa
-    fresh, tdef = jax.tree.flatten(state["opt_state"], is_leaf=is_new)
-    old, old_def = jax.tree.flatten(full["opt_state"], is_leaf=is_full)
+    state = builder.init(full["params"] if full["stats"] is None
+                         else (full["params"], full["stats"]))
+    fresh, tdef, is_new = state_lib.split_moments(state["opt_state"], st.compact_shapes)
+    old, old_def, _ = state_lib.split_moments(full["opt_state"], full["params"])
     if tdef != old_def:
         raise ValueError("--config.elastic=True: the checkpoint's optimizer state has another "
                          "structure than this run's optimizer; resume with the checkpoint's "
                          "optimizer settings.")
-    leaves = [st.store_optimizer(o) if is_new(n)
+    leaves = [st.store_optimizer(o) if m
               else jax.device_put(jnp.asarray(o, n.dtype), n.sharding)
-              for n, o in zip(fresh, old)]
+              for n, o, m in zip(fresh, old, is_new)]
     return {**state, "opt_state": tdef.unflatten(leaves),
             "step": jax.device_put(jnp.asarray(step, jnp.int32), state["step"].sharding)}
 
@@ -170,16 +174,23 @@ def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
     log(f"elastic resume (--config.elastic) at step {step}: {change_line(saved, run)}; the "
         f"full model and its optimizer moments rebuilt from the checkpoint's {old.workers} "
         "workers" + (" (holders' copies averaged)" if average else "")
-        + " and laid out under this run's masks")
+        + " and laid out under this run's masks"
+        + (f"; the run is now {run.total_steps} steps (was {old.total_steps}: flop_matched "
+           "at the new coverage; the schedule follows the new length)"
+           if run.total_steps != old.total_steps else ""))
     return lay_out(builder, full, step)
 
 
-def origin(saved: dict, step: int, run: run_lib.RunSpec, stream) -> data_lib.Origin:
+def origin(saved: dict, step: int, run: run_lib.RunSpec, stream,
+           switched: bool) -> data_lib.Origin:
     """The data stream's origin after resuming the checkpoint at ``step`` (``saved``: its
-    meta): the checkpoint's (``Origin(0, 0)`` when it records none), or, when the global
-    batch changes, a new one at the first example the checkpoint's run had not read."""
+    meta): the checkpoint's (``Origin(0, 0)`` when it records none), or, after an elastic
+    switch (``switched``) that changes the global batch, a new one at the first example the
+    checkpoint's run had not read."""
     before = data_lib.Origin(*saved.get("data_origin", (0, 0)))
-    old_batch = describe(saved["config"], saved["workers"])["global_batch"]
-    if old_batch == run.global_batch or not isinstance(stream, data_lib.Stream):
+    if not switched or not isinstance(stream, data_lib.Stream):
+        return before
+    old_batch = describe(saved["config"], saved_workers(saved))["global_batch"]
+    if old_batch == run.global_batch:
         return before
     return data_lib.Origin(step, stream.position(before, step, old_batch))

@@ -17,8 +17,9 @@ process ends (with an error, or early), the others get ``--grace`` seconds to fi
 terminated. The exit status is the first non-zero status of a process (0 when all succeed).
 Only the launcher's own child processes are ever signalled.
 
-With ``--elastic`` the launcher carries on when processes are lost (killed by a signal it did
-not send: SIGKILL from an out-of-memory killer, a host gone): once every process has ended, it
+With ``--elastic`` the launcher carries on when processes are lost (killed by SIGKILL, which it
+does not send while the run goes: the out-of-memory killer, a reclaimed device): once every
+process has ended, it
 starts the command again as the processes that are left, with ``--config.elastic=True``
 appended, so that the run resumes from its latest checkpoint on the devices that remain, under
 masks drawn for the new worker count (:mod:`sdp_jax.train.elastic`; at most ``--restarts``
@@ -93,14 +94,21 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
         raise ValueError("no command: give it after --, e.g. -- python train.py --workdir runs/x")
     signalled: list[int] = []
     status, lost = _attempt(list(command), processes, port, grace, timeout, env, cwd, signalled)
-    for _ in range(restarts if elastic else 0):
+    for attempt in range(restarts + 1 if elastic else 0):
         left = processes - len(lost)
-        if not lost or signalled or left < 1:
+        if not lost or signalled or status == 124 or left < 1 or attempt == restarts:
+            if lost and not signalled:
+                print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; not restarting ("
+                      + ("no process left" if left < 1 else "--timeout reached"
+                         if status == 124 else f"--restarts={restarts} used") + ")",
+                      file=sys.stderr, flush=True)
             break
         print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; restarting the run as the "
               f"{left} process(es) left, from its latest checkpoint (--config.elastic=True)",
               file=sys.stderr, flush=True)
-        processes, command = left, [*command, "--config.elastic=True"]
+        processes = left
+        if "--config.elastic=True" not in command:
+            command = [*command, "--config.elastic=True"]
         status, lost = _attempt(command, processes, 0, grace, timeout, env, cwd, signalled)
     return status
 
@@ -108,7 +116,8 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
 def _attempt(command: list, processes: int, port: int, grace: float, timeout: float,
              env: dict | None, cwd: str | None, signalled: list) -> tuple[int, list]:
     """One start of ``processes`` processes (:func:`run`): ``(status, the ids of the processes
-    that a signal the launcher did not forward ended)``."""
+    lost: killed by SIGKILL, which the launcher never sends while a run is going; a crash of
+    the program itself, e.g. SIGSEGV or SIGABRT, is not a lost process)``."""
     port = port or free_port()
     children: list[subprocess.Popen] = []
 
@@ -134,7 +143,7 @@ def _attempt(command: list, processes: int, port: int, grace: float, timeout: fl
         stopped: list[int] = []
         status = _wait(children, grace, timeout, signalled, stopped)
         lost = [i for i, c in enumerate(children)
-                if c.returncode is not None and c.returncode < 0 and i not in stopped]
+                if c.returncode == -signal.SIGKILL and i not in stopped]
         return status, ([] if signalled else lost)
     finally:
         for c in children:   # never leave a process of ours behind

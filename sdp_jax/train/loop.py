@@ -592,12 +592,13 @@ def _data_from(stream, saved: dict | None, start: int, run: run_lib.RunSpec, met
     process layout, within a stream that begins at :func:`sdp_jax.train.elastic.origin`);
     records the stream's origin and the elastic switches so far (``changes``: this resume's)
     in ``meta``."""
-    origin = data_lib.Origin() if saved is None else elastic.origin(saved, start, run, stream)
+    origin = (data_lib.Origin() if saved is None
+              else elastic.origin(saved, start, run, stream, bool(changes)))
     meta["data_origin"] = list(origin)
     history = [] if saved is None else list(saved.get("elastic", []))
     if changes:
-        history.append({"step": start, "from": elastic.describe(saved["config"],
-                                                                saved["workers"]),
+        history.append({"step": start, "from": elastic.describe(
+                            saved["config"], elastic.saved_workers(saved)),
                         "to": elastic.describe(run.config, run.workers)})
     meta["elastic"] = history
     return stream(start, origin) if isinstance(stream, data_lib.Stream) else stream(start)

@@ -24,7 +24,7 @@ from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 from sdp_jax.sources import BackwardHeld
-from sdp_jax.state import Kind, shardings
+from sdp_jax.state import Kind, map_moments, shardings
 from sdp_jax.step import SDPStep
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
@@ -89,8 +89,6 @@ def compact_optimizer(step: SDPStep) -> Migration:
                            opt, sh)
         return {**abstract, "opt_state": opt}
 
-    struct = jax.tree.structure(shapes)
-
     def moment(tree):   # this worker's compact leaves (stored form) -> its shards
         flat = {p: x[0] if codes[p] == Kind.COMPACT else sync.to_varying(x)
                 for p, x in _flatten(tree).items()}
@@ -102,11 +100,9 @@ def compact_optimizer(step: SDPStep) -> Migration:
                                        st.layout.dtype(p))
                            for p, x in step.source.mean_shards(flat).items()})
 
-    is_moment = lambda x: isinstance(x, dict) and jax.tree.structure(x) == struct  # noqa
-
     def convert(opt):
         opt = st.unstage(opt, old_specs)
-        opt = jax.tree.map(lambda x: moment(x) if is_moment(x) else x, opt, is_leaf=is_moment)
+        opt = map_moments(moment, opt, shapes)
         return st.restage(opt, step.opt_specs)
 
     def from_old(state: dict) -> dict:

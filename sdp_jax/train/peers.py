@@ -95,8 +95,10 @@ class _Watch:
     def act(self, status: int, origin: int) -> None:
         """Unless this process is ending or done: (process 0, after :data:`GRACE` seconds)
         tell the others and wait for them to end; then one line and ``status`` (or
-        :data:`DEAD_PEER`)."""
-        if self.me == 0:
+        :data:`DEAD_PEER`). After another process's error (``0 < status < 128``) every process
+        waits :data:`GRACE` seconds first, so that one hitting the same error (a config refused
+        on every process) reports its own."""
+        if self.me == 0 or 0 < status < 128:   # an error: this process may report its own
             deadline = time.monotonic() + GRACE
             while time.monotonic() < deadline and not (self.ending or self.finished):
                 time.sleep(0.05)
@@ -239,6 +241,11 @@ def exit_now(status) -> None:
     code = status if isinstance(status, int) else (0 if status is None else 1)
     leaving(code)
     _write_and_exit("", code)
+
+
+def watching() -> bool:
+    """Whether this process watches others (several processes, the run not finished)."""
+    return bool(_WATCH) and not _WATCH[0].finished
 
 
 def follow_lost_peer(wait: float = GRACE + 1.0) -> None:
