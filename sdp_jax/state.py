@@ -413,12 +413,7 @@ class StateLayout:
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
         out = {"params": params, "opt_state": opt_state, "step": step}
         if self.state_spec is not None:
-            def store_state():
-                flat = _flatten(full_state())
-                if self.spec.backward:
-                    return _unflatten(flat)
-                return layout_lib.of(self.state_spec).stored(flat)
-            out["stats"] = jax.jit(lambda: jax.tree.map(jnp.copy, store_state()),
+            out["stats"] = jax.jit(lambda: jax.tree.map(jnp.copy, self.store_stats(full_state())),
                                    out_shardings=self.shardings(self.stats_specs))()
         return out
 
@@ -448,10 +443,16 @@ class StateLayout:
                                 " stages: sdp_jax.models.llama.make_plan(..., pipe=pipe))."
                                 if self.staged else "."))
 
-    def _opt_init(self, params):
-        return self.optimizer.init(self._optimizer_form(params))
+    def store_stats(self, full) -> dict:
+        """The full model state (``stats``) -> its stored layout (nested)."""
+        flat = _flatten(full)
+        return _unflatten(flat) if self.spec.backward else \
+            layout_lib.of(self.state_spec).stored(flat)
 
-    def _optimizer_form(self, params):
+    def _opt_init(self, params):
+        return self.optimizer.init(self.optimizer_form(params))
+
+    def optimizer_form(self, params):
         """Stored parameters -> the optimizer's layout (the same but under backward
         masking, whose full copies the optimizer updates as shards, layout ``S``)."""
         if not self.spec.backward or self.fsdp:
@@ -489,11 +490,3 @@ class StateLayout:
         flat = {p: (x.astype(np.float64).mean(0).astype(x.dtype) if average else x[0])
                 if codes[p] == Kind.PER_WORKER else x for p, x in flat.items()}
         return self.layout.unprune(_unflatten(flat), average=average)
-
-    def store_optimizer(self, full) -> dict:
-        """Full parameter-shaped values (a moment, nested) -> the optimizer's layout on the
-        mesh: the inverse of :meth:`full_params` with ``optimizer_layout=True``."""
-        if not hasattr(self, "_store_opt"):   # one compile for every moment
-            self._store_opt = jax.jit(lambda t: self._optimizer_form(self.store(t)),
-                                      out_shardings=self.shardings(self.compact_specs))
-        return self._store_opt(full)

@@ -10,11 +10,13 @@ import jax
 import numpy as np
 import pytest
 
+from sdp_jax import layout as layout_lib
 from sdp_jax import state as state_lib
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import elastic, loop
 from sdp_jax.train import run as run_lib
+from sdp_jax.train.config import vision_config
 from tests.test_train_cli import tiny
 
 # ---------------------------------------------------------------------------- the data stream
@@ -87,26 +89,35 @@ def _config(**kw):
     return tiny(**{**base, **kw})
 
 
+def _full_stats(builder, state):
+    """The full model state (BatchNorm statistics) of a state in ``builder``'s layout."""
+    st = builder.state_layout
+    return layout_lib.of(st.state_spec).unprune(state["stats"])
+
+
 def _checkpoint(tmp_path, config, seed=1, spread=None):
-    """A checkpoint at step 5 of ``config``'s run whose parameters and Adam moments are
-    random full arrays laid out under its masks (holders agree); ``spread(state)``: changes
-    it (per-worker copies). Returns (directory, run, full params, full moments)."""
+    """A checkpoint at step 5 of ``config``'s run whose parameters, Adam moments (and model
+    state) are random full arrays laid out under its masks (holders agree); ``spread(state)``:
+    changes it (per-worker copies). Returns (directory, run, full params, full moments, full
+    model state or None)."""
     run = run_lib.resolve(config, jax.device_count())
     builder = loop.make_step(run, loop.make_mesh(run))
     rng = np.random.default_rng(seed)
-    full = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype),
-                        builder.full_params(builder.init_state(0)))
+    random = lambda x: rng.standard_normal(x.shape).astype(x.dtype)  # noqa: E731
+    init = builder.init_state(0)
+    full = jax.tree.map(random, builder.full_params(init))
     moments = [jax.tree.map(lambda x: rng.random(x.shape).astype(x.dtype), full)
                for _ in range(2)]
+    stats = None if "stats" not in init else jax.tree.map(random, _full_stats(builder, init))
     state = elastic.lay_out(builder, {"params": full, "opt_state": _with_moments(
-        builder, moments), "stats": None}, 5)
+        builder, moments), "stats": stats}, 5)
     if spread is not None:
         state = spread(state)
     d = str(tmp_path / "checkpoints")
     m = ckpt_lib.CheckpointManager(d)
     m.save(5, state, loop._meta(config, run))   # pylint: disable=protected-access
     m.close()
-    return d, run, full, moments
+    return d, run, full, moments, stats
 
 
 def _with_moments(builder, moments):
@@ -145,12 +156,13 @@ def _assert_equal(a, b):
     ({"workers": 4}, {"workers": 4, "sdp.coverage": 0.75}),
     ({}, {"sdp.variant": "ddp", "sdp.coverage": 1.0}),
     ({"sdp.variant": "nb-sdp"}, {"sdp.variant": "b-sdp", "fsdp": True}),
+    ({"sdp.variant": "ddp", "sdp.coverage": 1.0}, {"sdp.variant": "nb-sdp"}),
 ], ids=["8-to-6-workers", "4-to-8-workers-nsdp", "C-half-to-3-4", "bsdp-to-ddp",
-        "nbsdp-to-bsdp-fsdp"])
+        "nbsdp-to-bsdp-fsdp", "ddp-to-nbsdp"])
 def test_rebuilt_state_equals_the_checkpoint_bit_for_bit(tmp_path, before, after):
     """Right after the switch, the full parameters and both Adam moments equal those at the
     checkpoint, bit for bit, and the step and Adam's count carry on."""
-    d, _, full, moments = _checkpoint(tmp_path, _config(**before))
+    d, _, full, moments, _ = _checkpoint(tmp_path, _config(**before))
     builder, state = _resume(d, _config(**after))
     _assert_equal(builder.full_params(state), full)
     _assert_equal(_moments(builder, state), moments)
@@ -159,10 +171,27 @@ def test_rebuilt_state_equals_the_checkpoint_bit_for_bit(tmp_path, before, after
     assert counts and all(int(c) == 5 for c in counts)
 
 
+def test_batchnorm_statistics_are_rebuilt_with_the_model(tmp_path):
+    """A ResNet with BatchNorm (model state stored like the parameters): N-SDP on 8 workers
+    -> 4, the parameters, moments and running statistics equal bit for bit."""
+    def resnet(workers):
+        c = vision_config("resnet18", "digits")
+        c.model.update(width=4, depths=(2, 2))
+        c.update(workers=workers, batch_per_worker=8, steps=20)
+        c.optim.warmup_steps = 2
+        c.sdp.update(variant="n-sdp", coverage=0.5)
+        return c
+    d, _, full, moments, stats = _checkpoint(tmp_path, resnet(8))
+    builder, state = _resume(d, resnet(4))
+    _assert_equal(builder.full_params(state), full)
+    _assert_equal(_moments(builder, state), moments)
+    _assert_equal(_full_stats(builder, state), stats)
+
+
 def test_a_checkpoint_that_records_no_worker_count_is_rebuilt(tmp_path):
     """Checkpoints from before the resolved W was recorded in their meta (their config's
     explicit ``workers`` is it) are rebuilt too."""
-    d, _, full, _ = _checkpoint(tmp_path, _config(workers=4))
+    d, _, full, _, _ = _checkpoint(tmp_path, _config(workers=4))
     old_meta = lambda saved: {k: v for k, v in saved.items() if k != "workers"}  # noqa: E731
     builder, state = _resume(d, _config(workers=8), meta=old_meta)
     _assert_equal(builder.full_params(state), full)
@@ -186,7 +215,7 @@ def test_periodic_averaging_averages_the_holders_copies_first(tmp_path):
         state["params"]["blocks"]["attn"]["wq"] = jax.device_put(wq_moved, wq.sharding)
         return state
 
-    d, run, full, _ = _checkpoint(tmp_path, config, spread=spread)
+    d, run, full, _, _ = _checkpoint(tmp_path, config, spread=spread)
     builder, state = _resume(d, _config(**{"workers": 4, "sdp.average": "parameters",
                                            "sdp.sync_every": 4}))
     got = builder.full_params(state)

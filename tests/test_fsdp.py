@@ -59,7 +59,9 @@ def assert_same_model(b1, s1, b2, s2, **kw):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
 
 
-@pytest.mark.parametrize("variant", spec_lib.VARIANTS)
+# (ddp is b-sdp's code path at C = 1; it runs under FSDP in test_fsdp_never_saves_gathered_parameters
+# and test_bf16_trains_with_float32_master_state)
+@pytest.mark.parametrize("variant", [v for v in spec_lib.VARIANTS if v != "ddp"])
 def test_every_variant_with_fsdp_matches_it_without_fsdp(mesh, batches, variant):
     plain, sharded = builder(mesh, variant), builder(mesh, variant, fsdp=True)
     s1, l1, n1 = run(plain, batches)

@@ -13,8 +13,9 @@ anew under the masks of the new setting:
    joined into full arrays, each component from its first holder (bit for bit), or as the
    mean of its holders' copies under periodic parameter averaging
    (:meth:`sdp_jax.state.StateLayout.full_params`); counts and other entries are kept;
-3. the new run lays them out under its own masks (:meth:`sdp_jax.step.SDPStep.init`,
-   :meth:`sdp_jax.state.StateLayout.store_optimizer`), at the checkpoint's step.
+3. the new run lays them out under its own masks (:meth:`sdp_jax.state.StateLayout.store`,
+   on the host's CPU backend; each device then receives only its own share), at the
+   checkpoint's step.
 
 The step count carries on. The data position carries on in examples: when the global batch
 ``W * batch_per_worker`` changes, the new run's stream begins where the old one stopped
@@ -24,9 +25,7 @@ the checkpoints and in ``summary.json`` (``elastic``).
 
 Every process reads the whole checkpoint into its host memory once: the old layout's stored
 copies (about ``W_old * C`` times the parameters and moments under forward masking), then the
-full parameters and moments. While they are laid out, every device holds the full parameters
-and one full moment at a time besides its new share (transient, before the step is compiled):
-a model whose full parameters and one moment do not fit one device is not re-laid out yet.
+full parameters and moments, then the new layout's stored copies of one tree at a time.
 Pipelined runs are not re-laid out (refused in one line).
 """
 
@@ -133,26 +132,44 @@ def full_state(builder, state: dict, average: bool) -> dict:
             "stats": stats}
 
 
+def _lay(fn, full, abstract):
+    """``fn(full)`` (full host arrays -> a stored tree), placed as ``abstract``
+    (ShapeDtypeStructs with shardings): computed on the host's CPU backend, each device then
+    given only its own slice, so no device holds more than its share; without a CPU backend
+    (``JAX_PLATFORMS`` without ``cpu``), computed on the mesh, where every device briefly
+    holds ``full``."""
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.jit(fn, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))(full)
+    with jax.default_device(cpu):
+        host = jax.tree.map(np.asarray, jax.jit(fn)(full))
+    return jax.tree.map(lambda x, a: jax.make_array_from_callback(
+        a.shape, a.sharding, lambda index: x[index]), host, abstract)
+
+
 def lay_out(builder, full: dict, step: int) -> dict:
     """:func:`full_state`'s output -> a train state in ``builder``'s layout on its mesh, at
-    ``step``.
+    ``step`` (:func:`_lay`: each device receives only its share).
 
     Raises:
       ValueError: the optimizer state's structure differs (another optimizer)."""
-    st = builder.state_layout
-    state = builder.init(full["params"] if full["stats"] is None
-                         else (full["params"], full["stats"]))
-    fresh, tdef, is_new = state_lib.split_moments(state["opt_state"], st.compact_shapes)
+    st, abstract = builder.state_layout, builder.abstract_state()
+    fresh, tdef, is_new = state_lib.split_moments(abstract["opt_state"], st.compact_shapes)
     old, old_def, _ = state_lib.split_moments(full["opt_state"], full["params"])
     if tdef != old_def:
         raise ValueError("--config.elastic=True: the checkpoint's optimizer state has another "
                          "structure than this run's optimizer; resume with the checkpoint's "
                          "optimizer settings.")
-    leaves = [st.store_optimizer(o) if m
-              else jax.device_put(jnp.asarray(o, n.dtype), n.sharding)
-              for n, o, m in zip(fresh, old, is_new)]
-    return {**state, "opt_state": tdef.unflatten(leaves),
-            "step": jax.device_put(jnp.asarray(step, jnp.int32), state["step"].sharding)}
+    moment = lambda t: st.optimizer_form(st.store(t))  # noqa: E731
+    leaves = [_lay(moment, o, a) if m else _lay(lambda x: jnp.asarray(x, a.dtype), o, a)
+              for a, o, m in zip(fresh, old, is_new)]
+    state = {"params": _lay(st.store, full["params"], abstract["params"]),
+             "opt_state": tdef.unflatten(leaves),
+             "step": _lay(lambda t: jnp.asarray(t, jnp.int32), step, abstract["step"])}
+    if full["stats"] is not None:
+        state["stats"] = _lay(st.store_stats, full["stats"], abstract["stats"])
+    return state
 
 
 def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,

@@ -252,8 +252,9 @@ def follow_lost_peer(wait: float = GRACE + 1.0) -> None:
     """An error of this process's run (e.g. a collective that failed: ``Gloo all-reduce
     failed ... Connection reset by peer``) that another process's end caused: when news of such
     an end arrives within ``wait`` seconds, the watch ends this process with its one line and
-    status (:data:`DEAD_PEER` for a peer killed) and this never returns; else it returns (an
-    error of this process's own: print it)."""
+    status (:data:`DEAD_PEER` for a peer killed) while this waits; else (an error of this
+    process's own, or a watch that did not act because this process was already ending) it
+    returns, and the caller prints the error."""
     if not _WATCH or _WATCH[0].finished:
         return
     watch, deadline = _WATCH[0], time.monotonic() + wait
