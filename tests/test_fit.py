@@ -85,6 +85,10 @@ def test_a_resumed_auto_run_keeps_its_checkpoints_coverage(tmp_path, monkeypatch
     assert run.plan.coverage == 0.5 and c.sdp.coverage == 0.5 and calls == []
     assert "C=0.5, as the checkpoint of step 3" in capsys.readouterr().out
     assert "memory_budget_gib" not in meta["config"]["sdp"]   # no part of the trajectory
+    # an elastic resume (another slice) picks again: here every candidate fits, so C = 1
+    again = tiny(memory_budget_gib=10.0)
+    again.elastic = True
+    assert fit.resolve(again, 8, workdir=str(tmp_path)).plan.coverage == 1.0 and calls == [1.0]
 
 
 def test_train_picks_the_coverage_before_training(tmp_path, monkeypatch, capsys):
