@@ -78,7 +78,7 @@ def _builder(mesh, cfg, variant="ddp", coverage=1.0):
     return families.language_model_step(cfg, plan, optim_lib.OptimConfig(lr=1e-2, warmup_steps=1), mesh, 10)
 
 
-@pytest.mark.parametrize("variant,coverage", [("ddp", 1.0), ("n-sdp", 0.5)])
+@pytest.mark.parametrize("variant,coverage", [("n-sdp", 0.5)])   # (ddp: n-sdp's path at C = 1)
 def test_chunked_attention_trains_like_dot_product(variant, coverage):
     mesh = jax.make_mesh((W,), ("data",), devices=jax.devices()[:W])
     rng = np.random.default_rng(0)

@@ -60,13 +60,12 @@ def _lm_batches(n=3, seed=0):
 @pytest.mark.parametrize("variant,coverage,settings,tol", [
     ("b-sdp", 0.5, {}, 1e-6),   # (ddp is b-sdp's code path at C = 1)
     ("n-sdp", 0.5, {}, 1e-6),
-    ("bb-sdp", 0.5, {}, 1e-6),
     ("nb-sdp", 0.5, {}, 1e-6),
     ("b-sdp", 0.5, {"method": "reference"}, 1e-6),
     ("n-sdp", 0.5, {"averaging": "parameters", "sync_every": 2}, 1e-6),
     ("b-sdp", 0.5, {"fsdp": True, "remat": "full", "dtype": "bfloat16"}, 1e-4),
     ("bb-sdp", 0.5, {"remat": "full"}, 1e-6),   # held_weight_grads' lax.cond under vmap
-], ids=["b-sdp", "n-sdp", "bb-sdp", "nb-sdp", "b-sdp-psum", "n-sdp-parameters",
+], ids=["b-sdp", "n-sdp", "nb-sdp", "b-sdp-psum", "n-sdp-parameters",
         "b-sdp-fsdp-remat-bf16", "bb-sdp-remat"])
 def test_eight_emulated_workers_equal_eight_devices(variant, coverage, settings, tol):
     """8 workers on 1 device (jax.vmap) against 8 simulated devices (jax.shard_map), 3 steps

@@ -81,9 +81,10 @@ def test_every_variant_with_fsdp_matches_it_without_fsdp(mesh, batches, variant)
     assert sharded.per_device_param_count() <= CFG.param_count()["total"] / W + 8 * W * 3
 
 
+# (bb-sdp with full remat: test_backward_masking_under_checkpointing_skips_unheld_weight_gradients
+# and tests/test_emulation.py; b-sdp with full remat without FSDP: tests/test_grad_accum.py)
 @pytest.mark.parametrize("variant,fsdp,remat", [
-    ("b-sdp", False, "full"), ("n-sdp", False, "dots"), ("bb-sdp", False, "full"),
-    ("nb-sdp", True, "dots"), ("b-sdp", True, "full")])
+    ("n-sdp", False, "dots"), ("nb-sdp", True, "dots"), ("b-sdp", True, "full")])
 def test_activation_checkpointing_changes_no_result(mesh, batches, variant, fsdp, remat):
     b0, b1 = builder(mesh, variant, fsdp=fsdp), builder(mesh, variant, fsdp=fsdp, remat=remat)
     s0, l0, _ = run(b0, batches)
@@ -124,7 +125,7 @@ def test_full_remat_saves_activation_memory(mesh):
     assert mem["full"]["temp_bytes"] < 0.6 * mem["none"]["temp_bytes"]
 
 
-@pytest.mark.parametrize("variant", ["ddp", "b-sdp"])
+@pytest.mark.parametrize("variant", ["b-sdp"])   # (ddp: b-sdp's code path at C = 1)
 def test_fsdp_never_saves_gathered_parameters(mesh, variant):
     """FSDP without activation checkpointing gathers every block again in the backward pass
     (as much communication as with full remat) instead of keeping the gathered block as a
@@ -145,7 +146,8 @@ def test_fsdp_never_saves_gathered_parameters(mesh, variant):
     assert mem_none["temp_bytes"] < mem_plain["temp_bytes"]
 
 
-@pytest.mark.parametrize("variant,fsdp", [("ddp", False), ("b-sdp", True), ("nb-sdp", False)])
+# (b-sdp with FSDP, remat and bf16: tests/test_emulation.py and test_train_cli.py's bf16 run)
+@pytest.mark.parametrize("variant,fsdp", [("ddp", False), ("nb-sdp", False)])
 def test_bf16_trains_with_float32_master_state(mesh, variant, fsdp):
     b = builder(mesh, variant, optim=optim_lib.OptimConfig(lr=1e-2, warmup_steps=1),
                 fsdp=fsdp, remat="full", dtype="bfloat16")

@@ -231,7 +231,8 @@ def test_pipeline_neuron_sdp_at_full_coverage_equals_ddp(variant):
     _same_model(ddp, s1, nsdp, s2, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["n-sdp", "b-sdp", "bb-sdp"])
+# (n-sdp with FSDP in a pipeline: test_1f1b_equals_gpipe_after_3_steps)
+@pytest.mark.parametrize("variant", ["b-sdp", "bb-sdp"])
 def test_pipeline_with_fsdp_equals_it_without_fsdp(variant):
     kw = dict(variant=variant, coverage=0.5, workers=4, optim=SGD, cfg=CFG8)
     plain, sharded = _step("none", **kw), _step("none", fsdp=True, **kw)

@@ -506,7 +506,7 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
 
 
 @pytest.mark.parametrize("variant,extra", [
-    ("n-sdp", {}), ("bb-sdp", {}), ("nb-sdp", {}),
+    ("n-sdp", {}), ("nb-sdp", {}),   # (bb-sdp: its step in test_emulation.py and test_fsdp.py)
     ("b-sdp", {"sdp.average": "parameters", "sdp.sync_every": 2}),
 ])
 def test_loop_runs_every_variant(tmp_path, variant, extra):

@@ -232,7 +232,7 @@ def test_nsdp_component_held_by_one_worker_is_updated_from_that_worker_alone(mes
     assert params["blocks"]["attn"]["wq"].shape == (W, 2, 32, 1, 8)
 
 
-@pytest.mark.parametrize("variant", ["ddp", "b-sdp", "n-sdp"])
+@pytest.mark.parametrize("variant", ["b-sdp", "n-sdp"])   # (ddp: b-sdp's code path at C = 1)
 def test_periodic_averaging_h1_sgd_equals_gradient_averaging(mesh, batches, variant):
     sgd = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=0, grad_clip=0.0, weight_decay=0.0)
     s_g, l_g = run(builder(mesh, variant, 0.5, optim=sgd), batches)
