@@ -449,6 +449,11 @@ class StateLayout:
         return _unflatten(flat) if self.spec.backward else \
             layout_lib.of(self.state_spec).stored(flat)
 
+    def full_stats(self, stats, average: bool = False) -> dict:
+        """Inverse of :meth:`store_stats` (host numpy; ``average``: holders' mean)."""
+        return jax.tree.map(np.asarray, stats) if self.spec.backward else \
+            layout_lib.of(self.state_spec).unprune(stats, average)
+
     def _opt_init(self, params):
         return self.optimizer.init(self.optimizer_form(params))
 

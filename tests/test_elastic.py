@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import pytest
 
-from sdp_jax import layout as layout_lib
 from sdp_jax import state as state_lib
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import data as data_lib
@@ -91,8 +90,7 @@ def _config(**kw):
 
 def _full_stats(builder, state):
     """The full model state (BatchNorm statistics) of a state in ``builder``'s layout."""
-    st = builder.state_layout
-    return layout_lib.of(st.state_spec).unprune(state["stats"])
+    return builder.state_layout.full_stats(state["stats"])
 
 
 def _checkpoint(tmp_path, config, seed=1, spread=None):

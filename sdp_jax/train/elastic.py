@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdp_jax import layout as layout_lib
 from sdp_jax import mesh as mesh_lib
 from sdp_jax import state as state_lib
 from sdp_jax.train import data as data_lib
@@ -126,8 +125,8 @@ def full_state(builder, state: dict, average: bool) -> dict:
     opt = state_lib.map_moments(lambda x: st.full_params(x, True, average), state["opt_state"],
                                 st.compact_shapes, other=np.asarray)
     stats = state.get("stats")
-    if stats is not None and not st.spec.backward:
-        stats = layout_lib.of(st.state_spec).unprune(stats, average)
+    if stats is not None:
+        stats = st.full_stats(stats, average)
     return {"params": st.full_params(state["params"], average=average), "opt_state": opt,
             "stats": stats}
 
@@ -162,11 +161,11 @@ def lay_out(builder, full: dict, step: int) -> dict:
                          "structure than this run's optimizer; resume with the checkpoint's "
                          "optimizer settings.")
     moment = lambda t: st.optimizer_form(st.store(t))  # noqa: E731
-    leaves = [_lay(moment, o, a) if m else _lay(lambda x: jnp.asarray(x, a.dtype), o, a)
+    leaves = [_lay(moment, o, a) if m else _lay(jnp.asarray, np.asarray(o, a.dtype), a)
               for a, o, m in zip(fresh, old, is_new)]
     state = {"params": _lay(st.store, full["params"], abstract["params"]),
              "opt_state": tdef.unflatten(leaves),
-             "step": _lay(lambda t: jnp.asarray(t, jnp.int32), step, abstract["step"])}
+             "step": _lay(jnp.asarray, np.int32(step), abstract["step"])}
     if full["stats"] is not None:
         state["stats"] = _lay(st.store_stats, full["stats"], abstract["stats"])
     return state

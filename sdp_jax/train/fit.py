@@ -31,7 +31,6 @@ import jax
 
 from sdp_jax import costs
 from sdp_jax import masks as masks_lib
-from sdp_jax import mesh as mesh_lib
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import run as run_lib
 
@@ -74,14 +73,6 @@ def with_coverage(config, coverage):
     c = config.copy_and_resolve_references()
     set_coverage(c, coverage)
     return c
-
-
-def make_mesh(run: run_lib.RunSpec):
-    """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices, or
-    ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order; one device
-    with ``config.emulate_workers``."""
-    return mesh_lib.make_mesh(run.workers, run.pipe.stages,
-                              emulated=run.settings.emulate_workers)
 
 
 def compiled_peak(run: run_lib.RunSpec, mesh) -> dict:
@@ -164,7 +155,7 @@ def scan(config, device_count: int, budgets: tuple = (), task=None,
     Raises:
       ValueError: an invalid field, before any compile."""
     run, cands = coverages(config, device_count, task)
-    mesh, out = make_mesh(run), []
+    mesh, out = run_lib.make_mesh(run), []
     for c in cands:
         r = run_lib.resolve(with_coverage(config, c), device_count, task)
         t0 = time.time()

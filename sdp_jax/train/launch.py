@@ -73,8 +73,9 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
         (SIGTERM, then SIGKILL 10 s later; the status is then 1 if all that ended succeeded).
       timeout: seconds after which every process is terminated (0: none; each attempt).
       env, cwd: base environment and working directory of the processes.
-      elastic: when processes are lost (killed by a signal the launcher did not forward: a
-        host or its job gone), start the command again as the processes that are left, with
+      elastic: when processes are lost (killed by SIGKILL, which the launcher does not send
+        while the run goes: the out-of-memory killer, a scheduler reclaiming a device), start
+        the command again as the processes that are left, with
         ``--config.elastic=True`` appended, so that the run resumes from its latest
         checkpoint on the devices that remain (:mod:`sdp_jax.train.elastic`); at most
         ``restarts`` times.
@@ -94,19 +95,18 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
         raise ValueError("no command: give it after --, e.g. -- python train.py --workdir runs/x")
     signalled: list[int] = []
     status, lost = _attempt(list(command), processes, port, grace, timeout, env, cwd, signalled)
-    for attempt in range(restarts + 1 if elastic else 0):
+    done = 0
+    while elastic and lost:   # (lost is [] once the launcher forwarded a signal)
         left = processes - len(lost)
-        if not lost or signalled or status == 124 or left < 1 or attempt == restarts:
-            if lost and not signalled:
-                print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; not restarting ("
-                      + ("no process left" if left < 1 else "--timeout reached"
-                         if status == 124 else f"--restarts={restarts} used") + ")",
-                      file=sys.stderr, flush=True)
+        why = ("no process left" if left < 1 else "--timeout reached" if status == 124
+               else f"--restarts={restarts} used" if done == restarts else "")
+        print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; "
+              + (f"not restarting ({why})" if why else
+                 f"restarting the run as the {left} process(es) left, from its latest "
+                 "checkpoint (--config.elastic=True)"), file=sys.stderr, flush=True)
+        if why:
             break
-        print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; restarting the run as the "
-              f"{left} process(es) left, from its latest checkpoint (--config.elastic=True)",
-              file=sys.stderr, flush=True)
-        processes = left
+        processes, done = left, done + 1
         if "--config.elastic=True" not in command:
             command = [*command, "--config.elastic=True"]
         status, lost = _attempt(command, processes, 0, grace, timeout, env, cwd, signalled)
@@ -388,7 +388,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=0.0,
                    help="terminate every process after this many seconds (0: never)")
     p.add_argument("--elastic", action="store_true",
-                   help="when processes are lost (killed by a signal), restart the run as the "
+                   help="when processes are lost (killed by SIGKILL), restart the run as the "
                         "processes left, from its latest checkpoint (--config.elastic=True)")
     p.add_argument("--restarts", type=int, default=3,
                    help="with --elastic, restarts at most (default 3)")

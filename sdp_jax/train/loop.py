@@ -48,7 +48,7 @@ from sdp_jax.train import elastic, fit
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import peers, profiling
 from sdp_jax.train import run as run_lib
-from sdp_jax.train.fit import make_mesh  # (the run's mesh; also loop.make_mesh)
+from sdp_jax.train.run import make_mesh  # (the run's mesh; also loop.make_mesh)
 from sdp_jax.train.task import Family
 
 FINITE_KEYS = ("train_loss", "grad_norm", "val_loss", "test_loss")

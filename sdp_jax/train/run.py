@@ -374,6 +374,14 @@ def total_steps(config, coverage: float, steps: int | None = None) -> int:
     return steps
 
 
+def make_mesh(run: RunSpec):
+    """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices, or
+    ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order; one device
+    with ``config.emulate_workers``."""
+    return mesh_lib.make_mesh(run.workers, run.pipe.stages,
+                              emulated=run.settings.emulate_workers)
+
+
 def trajectory_config(config) -> dict[str, Any]:
     """The parts of the config a checkpoint must agree with (plain JSON dict)."""
     d = json.loads(config.to_json())
