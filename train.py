@@ -17,19 +17,21 @@ import signal
 import sys
 import traceback
 
-from absl import app, flags, logging
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # run from a checkout without installing
 
-from sdp_jax.train import cli  # noqa: E402  (light: absl and ml_collections)
+from sdp_jax.train import cli, launch  # noqa: E402  (light: absl and ml_collections)
 
-cli.exit_on_signals()   # a signal from here on: one line and 128 + signal, never a traceback
+# A signal from here on: one line and 128 + signal, never a traceback; with several processes
+# one that comes before their watch has started is held until it has (the others then end too).
+cli.exit_on_signals(hold=launch.multi_process_env())
+
+from absl import app, flags, logging  # noqa: E402
 
 import jax  # noqa: E402  (the heavy imports after the signal handlers)
 
 from sdp_jax import mesh as mesh_lib  # noqa: E402
-from sdp_jax.train import fit, launch, loop, peers  # noqa: E402
+from sdp_jax.train import fit, loop, peers  # noqa: E402
 from sdp_jax.train.run import resolve  # noqa: E402
 
 PROG = "python train.py"
@@ -38,7 +40,8 @@ DEFAULT_CONFIG = os.path.join(_HERE, "configs", "llama_small.py")
 
 def define_flags(fv: flags.FlagValues, argv=None) -> flags.FlagValues:
     """train.py's flags on ``fv``: ``--config`` (:func:`sdp_jax.train.cli.flag_values`; overrides
-    read from ``argv``, default ``sys.argv``), ``--workdir``, ``--distributed``."""
+    read from ``argv``, default ``sys.argv``), ``--workdir``, ``--distributed``,
+    ``--print_config``, ``--init_timeout``, ``--hang_timeout``, ``--hang_step_multiple``."""
     cli.flag_values(DEFAULT_CONFIG, argv, PROG, into=fv)
     flags.DEFINE_string("workdir", os.path.join("runs", "default"),
                         "Directory for checkpoints, config.json, metrics.jsonl, TensorBoard "
@@ -56,6 +59,17 @@ def define_flags(fv: flags.FlagValues, argv=None) -> flags.FlagValues:
                          "Seconds every process waits for the others to register with the "
                          "coordinator before giving up (with several processes).",
                          flag_values=fv)
+    flags.DEFINE_integer("hang_timeout", 300,
+                         "Seconds of silence after which the other processes take a process "
+                         "as hung (stopped, frozen, its host gone) and end (status 75) while it "
+                         "starts, restores, compiles, evaluates or saves; once steps run the "
+                         "bound is --hang_step_multiple times its slowest recent step, at least "
+                         "30 s (or this, when smaller). At least 5; 0: never (with several "
+                         "processes).", flag_values=fv)
+    flags.DEFINE_float("hang_step_multiple", 10.0,
+                       "Once steps run, a process silent for this many times its slowest of "
+                       "the last 20 steps is taken as hung (at least 2; see --hang_timeout).",
+                       flag_values=fv)
     return fv
 
 
@@ -76,6 +90,7 @@ def main(argv):
     if isinstance(n_cpu, bool) or not isinstance(n_cpu, int) or n_cpu < 1:
         cli.error(PROG, f"config.num_cpu_devices={n_cpu!r} must be a positive integer.")
     if flags.FLAGS.print_config:   # one process, no peers: checked against W devices
+        peers.release_signals()   # (no watch to wait for)
         mesh_lib.simulate_cpu_devices(n_cpu)
         try:
             # (coverage=auto: checked, not picked; a run picks it by compiling)
@@ -87,7 +102,9 @@ def main(argv):
         print(config.to_json(indent=2))
         return
     try:
-        launch.initialize(flags.FLAGS.distributed, flags.FLAGS.init_timeout)
+        launch.initialize(flags.FLAGS.distributed, flags.FLAGS.init_timeout,
+                          hang_timeout=flags.FLAGS.hang_timeout,
+                          hang_step_multiple=flags.FLAGS.hang_step_multiple)
     except ValueError as e:
         cli.error(PROG, str(e))
     # Simulated devices when the machine has only a CPU; ignored on GPU and TPU backends.

@@ -41,6 +41,11 @@ from typing import Sequence
 from sdp_jax.train import peers
 
 PROG = "python -m sdp_jax.train.launch"
+# Seconds after the last process ended with status 75 (a peer lost) before the ones still
+# running are taken as hung: a live process told of the loss ends at once, process 0 last
+# after waiting for the others (peers.DRAIN at most); the others end within a heartbeat of
+# each other when process 0 itself hung.
+HUNG_AFTER = peers.DRAIN
 
 
 def free_port() -> int:
@@ -176,15 +181,33 @@ def _stop(children: list, grace_kill: float = 10.0, stopped: list | None = None)
 
 def _wait(children: list, grace: float, timeout: float, signalled: list,
           stopped: list | None = None) -> int:
-    start, ended_at, first_bad = time.monotonic(), None, 0
+    """Wait for ``children`` (:func:`_attempt`): the first non-zero status, 124 after
+    ``timeout``. After a process ends, the others get ``grace`` seconds, then are stopped
+    (their ids go to ``stopped``); a process ended by SIGINT / SIGTERM itself (before it could
+    handle it) has that signal passed on to the others; and once every process that ended did
+    so with :data:`sdp_jax.train.peers.DEAD_PEER` (or was killed) and :data:`HUNG_AFTER` s went
+    by, the ones still running are hung: killed with SIGKILL, and lost (not in ``stopped``)."""
+    start, ended_at, first_bad, ends = time.monotonic(), None, 0, {}
     while True:
         codes = [c.poll() for c in children]
+        now = time.monotonic()
         for i, code in enumerate(codes):
-            if code is not None and ended_at is None and len(children) > 1:
-                ended_at = time.monotonic()
+            if code is None or i in ends:
+                continue
+            ends[i] = now
+            if ended_at is None and len(children) > 1:
+                ended_at = now
                 if code and not signalled:
                     print(f"{PROG}: process {i} exited with status {_status(code)}; the others "
                           f"get {grace:.0f}s to finish", file=sys.stderr, flush=True)
+            if code in (-signal.SIGINT, -signal.SIGTERM) and not signalled:
+                print(f"{PROG}: process {i} was ended by {signal.Signals(-code).name} before "
+                      "it could handle it; passing it on to the others", file=sys.stderr,
+                      flush=True)
+                signalled.append(-code)
+                for c in children:
+                    if c.poll() is None:
+                        c.send_signal(-code)
             if code not in (None, 0) and not first_bad:
                 first_bad = _status(code)
         if all(code is not None for code in codes):
@@ -192,7 +215,18 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
                 print(f"{PROG}: exit statuses {[_status(c) for c in codes]}", file=sys.stderr,
                       flush=True)
             return first_bad
-        now = time.monotonic()
+        hung = [i for i, code in enumerate(codes) if code is None]
+        left = [codes[i] for i in ends]
+        if (not signalled and peers.DEAD_PEER in left and now - max(ends.values()) > HUNG_AFTER
+                and all(code in (peers.DEAD_PEER, -signal.SIGKILL) for code in left)):
+            print(f"{PROG}: process(es) {', '.join(map(str, hung))} still running "
+                  f"{HUNG_AFTER:.0f}s after the others ended with status {peers.DEAD_PEER} (a "
+                  "peer lost or hung): taken as hung, killed (SIGKILL)", file=sys.stderr,
+                  flush=True)
+            for i in hung:
+                children[i].kill()
+                children[i].wait()
+            continue
         if ended_at is not None and now - ended_at > grace:
             print(f"{PROG}: a process ended {grace:.0f}s ago; terminating the ones still "
                   "running", file=sys.stderr, flush=True)
@@ -286,43 +320,60 @@ def _missing_peers(kwargs: dict, where: str) -> str:
             f"from these lines did not: {fix}")
 
 
-def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) -> bool:
+def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None,
+               hang_timeout: float = 300, hang_step_multiple: float = 10) -> bool:
     """Call ``jax.distributed.initialize`` when ``mode`` is ``true``, or ``auto`` and the
     environment is that of several processes (:func:`multi_process_env`), and start the
-    processes' watch (:func:`sdp_jax.train.peers.start`: a process that ends before the run does
-    ends the others within seconds, with one line).
+    processes' watch (:func:`sdp_jax.train.peers.start`: a process that ends before the run does,
+    or goes silent past the bound it declared, ``hang_timeout`` seconds while it starts,
+    compiles, evaluates or saves and ``hang_step_multiple`` times its slowest recent step once
+    steps run, ends the others within seconds, with one line).
 
     JAX aborts the process with a C++ stack trace when the processes do not all register
     in time; a watchdog instead prints one line after ``timeout`` seconds (which process, the
     coordinator's address, whether it is reachable, what to check) and exits with status 1
-    (JAX's own deadline is 10 s later).
+    (JAX's own deadline is 10 s later). JAX's own heartbeat, which aborts every process with a
+    stack dump, is set beyond ``hang_timeout`` so that the watch speaks first.
 
     The process's signal handlers hold throughout: SIGINT and SIGTERM are blocked from before
     the call until the watch has started (one arriving meanwhile is handled then), JAX's
     preemption service (which installs its own SIGTERM handler over the project's and would
     swallow a scheduler's SIGTERM) is turned off (``jax_enable_preemption_service``), and the
-    Python handlers are installed again after the call, whatever it installed.
+    Python handlers are installed again after the call, whatever it installed. A signal held
+    since the process started (:func:`sdp_jax.train.cli.exit_on_signals` with ``hold``) ends
+    it once the watch has started, through the watch (:func:`sdp_jax.train.peers.release_signals`).
 
     Returns:
       whether JAX was initialized for several processes.
     Raises:
       ValueError: a bad launch environment (:func:`coordinator_args`), ``mode=true`` with no
-        cluster environment, or ``timeout < 1``.
+        cluster environment, ``timeout < 1`` or a bad hang bound
+        (:func:`sdp_jax.train.peers.check_hang`).
     """
     env = os.environ if env is None else env
     if mode not in ("auto", "true", "false"):
         raise ValueError(f"--distributed={mode!r} must be auto, true or false")
+    peers.check_hang(hang_timeout, hang_step_multiple)
     if mode == "false" or (mode == "auto" and not multi_process_env(env)):
+        peers.release_signals()
         return False
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
         raise ValueError(f"--init_timeout={timeout!r} must be a positive number of seconds")
-    kwargs = coordinator_args(env)
+    _join(coordinator_args(env), timeout, hang_timeout, hang_step_multiple)
+    peers.release_signals()   # a signal held since the start: leave through the watch now
+    return True
+
+
+def _join(kwargs: dict, timeout: int, hang_timeout: float, hang_step_multiple: float) -> None:
+    """:func:`initialize`'s work: ``jax.distributed.initialize`` (:func:`_initialize`) with
+    SIGINT and SIGTERM blocked, then the watch (:func:`sdp_jax.train.peers.start`)."""
     from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
     main = threading.current_thread() is threading.main_thread()
     held = (signal.SIGINT, signal.SIGTERM)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
     try:
-        _initialize(kwargs, timeout)
+        # JAX's heartbeat (it aborts every process) after the watch's bound (one line)
+        _initialize(kwargs, timeout, max(100, int(hang_timeout) + 60))
         for sig in held if main else ():   # ours again, whatever the call installed
             handler = signal.getsignal(sig)
             if handler is not None:
@@ -330,18 +381,19 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None) 
         state = jax_distributed.global_state
         warning = peers.start(state.client, state.process_id, state.num_processes,
                               state.coordinator_address.rpartition(":")[0].strip("[]"),
-                              timeout=float(min(timeout, 60)))
+                              timeout=float(min(timeout, 60)), hang_timeout=hang_timeout,
+                              hang_step_multiple=hang_step_multiple)
         if warning:
             print(warning, file=sys.stderr, flush=True)
     finally:
         if main:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    return True
 
 
-def _initialize(kwargs: dict, timeout: int) -> None:
-    """``jax.distributed.initialize(**kwargs)`` with JAX's preemption service off, under the
-    ``timeout`` watchdog of :func:`initialize`.
+def _initialize(kwargs: dict, timeout: int, heartbeat: int = 100) -> None:
+    """``jax.distributed.initialize(**kwargs)`` with JAX's preemption service off and its
+    heartbeat timeout ``heartbeat`` seconds, under the ``timeout`` watchdog of
+    :func:`initialize`.
 
     Raises:
       ValueError: JAX found no cluster environment (``kwargs`` empty)."""
@@ -362,7 +414,8 @@ def _initialize(kwargs: dict, timeout: int) -> None:
     threading.Thread(target=watchdog, daemon=True).start()
     jax.config.update("jax_enable_preemption_service", False)
     try:
-        jax.distributed.initialize(initialization_timeout=timeout + 10, **kwargs)
+        jax.distributed.initialize(initialization_timeout=timeout + 10,
+                                   heartbeat_timeout_seconds=heartbeat, **kwargs)
     except ValueError as e:
         if not kwargs:
             raise ValueError(

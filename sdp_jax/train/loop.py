@@ -554,6 +554,7 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     return {**out, "signal": interrupted[0] if interrupted else None}
 
 
+@peers.busy("restoring")   # (the others allow it --hang_timeout)
 def _start_state(run: run_lib.RunSpec, builder, manager, latest, saved, changes: list):
     """``(state, start step)``: the latest checkpoint's, rebuilt and laid out under the new
     masks for an elastic switch (``changes``, :func:`sdp_jax.train.elastic.rebuild`), or
@@ -648,6 +649,7 @@ class _Program:
     flops_per_item: Any     # the family's model FLOPs per item, or None
 
     @classmethod
+    @peers.busy("compiling")   # (the others allow it --hang_timeout)
     def compile(cls, run: run_lib.RunSpec, builder, eval_data) -> "_Program":
         """Compile the run's programs, logging their compile times and the peak memory."""
         family, t0 = run.family, time.time()
@@ -660,7 +662,7 @@ class _Program:
         for line in lines:
             log(line)
         put = batch_putter(builder)
-        evaluate = family.evaluator(run, builder, eval_data, put, log)
+        evaluate = peers.busy("evaluating")(family.evaluator(run, builder, eval_data, put, log))
         align = None
         if run.config.align_every:   # compiled now, so that no step's time includes it
             t0 = time.time()
@@ -765,6 +767,7 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                 check_finite(rec, step, manager)
                 # Every process stops at the same step (docs/design.md invariant 9).
                 interrupted = agreed_stop(received)
+                peers.stepped()   # the others' bound on its silence follows its step time
                 is_eval = step == total or (config.eval_every > 0
                                             and step % config.eval_every == 0)
                 if (step % config.log_every == 0 or is_eval or step == stop or interrupted
@@ -785,13 +788,20 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                     bar.n = step
                 every = config.checkpoint_every
                 if (every and step % every == 0) or step == stop or interrupted:
-                    check_state_finite(state, step, manager)   # no checkpoint holds NaN
-                    manager.save(step, state, {**meta, "wall_s": wall()})
+                    _save(manager, state, step, {**meta, "wall_s": wall()})
         finally:
             bar.close()
             metrics_log.close()
             manager.close()  # waits for the last save
     return state, step, last_eval, interrupted, last_rec
+
+
+def _save(manager, state, step: int, meta: dict) -> None:
+    """Save ``state`` as the checkpoint of ``step`` (never one that holds NaN:
+    :func:`check_state_finite`), the other processes allowing it ``--hang_timeout``."""
+    check_state_finite(state, step, manager)
+    with peers.busy("saving"):
+        manager.save(step, state, meta)
 
 
 def _throughput(rate_key: str, items: int, seconds: float, flops_per_item, peak) -> dict:

@@ -1,11 +1,11 @@
-"""Every process of a multi-process run learns within seconds when another one ends before the
-run does, and ends too with one line (``train.py`` starts this through
-:func:`sdp_jax.train.launch.initialize`).
+"""Every process of a multi-process run learns within seconds when another one ends or stops
+making progress before the run does, and ends too with one line (``train.py`` starts this
+through :func:`sdp_jax.train.launch.initialize`).
 
-JAX's own health check is slow and loud: a process that dies before the others is noticed by
-the coordination service's heartbeat after 100 s, and the survivors then abort with a C++
-check failure, a stack dump and SIGABRT; when process 0 (which hosts the coordination service)
-ends, the others abort at once, the same way. So:
+JAX's own health check is slow and loud: a process that dies or hangs is noticed by the
+coordination service's heartbeat after 100 s, and the survivors then abort with a C++ check
+failure, a stack dump and SIGABRT; when process 0 (which hosts the coordination service) ends,
+the others abort at once, the same way. So:
 
 * process 0 listens on a TCP port of its own host (the coordinator's; the port is published in
   JAX's key-value store) and every other process connects to it. The kernel closes a process's
@@ -13,21 +13,35 @@ ends, the others abort at once, the same way. So:
 * a process that ends on purpose before the run is over (a signal before the loop agreed on a
   step, :func:`sdp_jax.train.cli.exit_on_signal`; an error) first sends its exit status
   (:func:`leaving`); one that finished the run says so (:func:`done`): its end is expected;
+* every process sends a heartbeat each :data:`BEAT` second (from a thread: JAX releases the
+  GIL while it compiles, restores, saves and runs steps) declaring how long the others may hear
+  nothing from it before they take it as hung: ``--hang_timeout`` while it starts, restores,
+  compiles, evaluates or saves (:func:`busy`), and once steps run a multiple of its slowest
+  recent step (:func:`stepped`; never below :data:`HANG_FLOOR` s, or ``--hang_timeout`` when
+  smaller). Process 0 watches every other process, the others watch process 0; one silent for
+  longer than it declared is *hung* (stopped, frozen, its host gone): the others end as after a
+  death, naming it;
 * process 0 waits :data:`GRACE` seconds (a process hit by the same error as its peer reports its
   own), tells every other process to stop, waits up to :data:`DRAIN` seconds for them to end
   (so that none of them sees the coordination service vanish) and ends last. Each survivor
   prints one line and exits with the status the ended process sent (143 after SIGTERM, 2 after a
-  usage error), or :data:`DEAD_PEER` when it ended without a word (killed, crashed).
+  usage error), or :data:`DEAD_PEER` when it ended without a word (killed, crashed) or hung.
 
-A survivor therefore ends within ``GRACE + DRAIN`` (7 s) of the other process's end; one whose
-collective failed first (the peer died during a step) waits for that news rather than printing
-the failure's traceback (:func:`follow_lost_peer`, ``train.py``). Not
-covered: process 0 itself dying without a word (the others then get JAX's abort at once), and a
-process that hangs without ending (JAX's heartbeat ends everyone after 100 s).
+A survivor therefore ends within ``GRACE + DRAIN`` (7 s) of the other process's end (of its
+bound, for a hung one); one whose collective failed first (the peer died during a step) waits
+for that news rather than printing the failure's traceback (:func:`follow_lost_peer`,
+``train.py``).
+
+A SIGINT or SIGTERM that reaches a process of several before the watch exists (while Python
+starts, JAX imports, or ``jax.distributed.initialize`` waits for the others) is held
+(:func:`hold_signals`): the process goes on into the watch and leaves through it with
+``128 + signal``, so that the others end with it; if the watch does not start within
+:data:`HOLD` seconds of the signal the process ends anyway, and a second signal ends it at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -35,22 +49,38 @@ import sys
 import threading
 import time
 
-DEAD_PEER = 75    # sysexits' EX_TEMPFAIL: another process died; rerun to resume
+DEAD_PEER = 75    # sysexits' EX_TEMPFAIL: another process died or hung; rerun to resume
 GRACE = 2.0       # seconds process 0 waits before acting on another process's end
 DRAIN = 5.0       # seconds process 0 waits for the others to end before it ends
+HOLD = 20.0       # seconds a signal that came before the watch waits for it (schedulers
+                  # send SIGKILL about 30 s after SIGTERM)
+BEAT = 1.0        # seconds between heartbeats
+HANG_FLOOR = 30.0  # seconds: the least bound once steps run (a loaded machine's noise)
+HANG_STEPS = 20   # the bound once steps run follows the slowest of this many recent steps
+STALL = 5.0       # a heartbeat thread that itself stood still this long (this process was
+                  # stopped or starved) blames nobody for that silence
+HUNG = -2         # the news "status" of a process that went silent past its bound
 KEY = "sdp_jax/peers/address"
 
 
 class _Watch:
     """This process's side: its connections (process 0: one per other process, by id; others:
-    ``{0: the connection to process 0}``) and whether it is ending or done."""
+    ``{0: the connection to process 0}``), what it hears on them and whether it is ending or
+    done. ``hang``: ``(--hang_timeout, --hang_step_multiple)``."""
 
-    def __init__(self, me: int, n: int):
-        self.me, self.n, self.conns = me, n, {}
+    def __init__(self, me: int, n: int, conns: dict, hang: tuple = (300.0, 10.0)):
+        self.me, self.n, self.conns, self.hang = me, n, conns, hang
         self.ending = self.finished = False
         self.done_peers: set = set()
         self.gone: set = set()
         self.lock, self.news = threading.Lock(), None
+        now = time.monotonic()
+        self.heard = {pid: now for pid in conns}     # when each peer was last heard
+        self.bounds = {pid: float(hang[0]) for pid in conns}   # what each peer declared
+        self.phases = {pid: "starting" for pid in conns}
+        self.mine = (float(hang[0]), "starting")     # what this process declares
+        self.steps: list = []                        # its recent step times (s)
+        self.mark = now                              # when its current step began
 
     def send(self, message: str, to=None) -> None:
         for pid, conn in list(self.conns.items()):
@@ -61,8 +91,11 @@ class _Watch:
                     pass
 
     def read(self, pid: int, conn) -> None:
-        """A connection's reader thread: ``d`` (that process finished the run), ``x STATUS
-        ORIGIN`` (ORIGIN ended with STATUS; -1: without a word), end of file."""
+        """A connection's reader thread: ``h BOUND PHASE`` (a heartbeat: take the sender as
+        hung after BOUND s of silence, 0: never), ``d`` (that process finished the run),
+        ``x STATUS ORIGIN`` (ORIGIN ended with STATUS; -1: without a word) or ``x -2 ORIGIN
+        SECONDS BOUND PHASE`` (ORIGIN was silent SECONDS s, past its BOUND, while in PHASE),
+        end of file."""
         buf = b""
         while True:
             try:
@@ -71,58 +104,181 @@ class _Watch:
                 chunk = b""
             if not chunk:
                 break
+            self.heard[pid] = time.monotonic()
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                words = line.decode().split()
-                if words == ["d"]:
+                words = line.decode(errors="replace").split()
+                if len(words) == 3 and words[0] == "h":
+                    self.bounds[pid], self.phases[pid] = float(words[1]), words[2]
+                elif words == ["d"]:
                     self.done_peers.add(pid)
-                elif len(words) == 3 and words[0] == "x":
-                    self.ended(int(words[1]), int(words[2]))
+                elif len(words) in (3, 6) and words[0] == "x":
+                    self.ended(int(words[1]), int(words[2]), *words[3:])
         self.gone.add(pid)
         if pid not in self.done_peers:
             self.ended(-1, pid)
 
-    def ended(self, status: int, origin: int) -> None:
-        """Process ``origin`` ended before the run did (``status``, -1 when unknown): the first
-        such news is acted on (:meth:`act`, in its own thread: the readers go on reading)."""
+    def beat(self) -> None:
+        """The heartbeat thread: every :data:`BEAT` s, tell the peers this process's bound
+        and look for a peer silent past the bound it declared (:data:`HUNG` news)."""
+        last = time.monotonic()
+        while not (self.ending or self.finished or self.news):
+            time.sleep(BEAT)
+            bound, phase = self.mine
+            self.send(f"h {bound:g} {phase}\n")
+            now = time.monotonic()
+            if now - last > STALL:   # this process stood still: its peers' silence is its own
+                for pid in self.heard:
+                    self.heard[pid] = now
+            last = now
+            for pid, heard in list(self.heard.items()):
+                silent, bound = now - heard, self.bounds[pid]
+                if bound > 0 and silent > bound and pid not in self.gone | self.done_peers:
+                    self.ended(HUNG, pid, f"{silent:.0f}", f"{bound:g}", self.phases[pid])
+                    return
+
+    def ended(self, status: int, origin: int, *hung: str) -> None:
+        """Process ``origin`` ended before the run did (``status``, -1 when unknown) or hung
+        (:data:`HUNG`; ``hung``: its silence, bound and phase): the first such news is acted
+        on (:meth:`act`, in its own thread: the readers go on reading)."""
         with self.lock:
             if self.news is not None:
                 return
-            self.news = (status, origin)
+            self.news = (status, origin, *hung)
         threading.Thread(target=self.act, args=self.news, daemon=True).start()
 
-    def act(self, status: int, origin: int) -> None:
-        """Unless this process is ending or done: (process 0, after :data:`GRACE` seconds)
-        tell the others and wait for them to end; then one line and ``status`` (or
+    def act(self, status: int, origin: int, *hung: str) -> None:
+        """Unless this process is ending or done: (process 0, after :data:`GRACE` seconds but
+        for a hung process) tell the others and wait for them to end; then one line and ``status`` (or
         :data:`DEAD_PEER`). After another process's error (``0 < status < 128``) every process
         waits :data:`GRACE` seconds first, so that one hitting the same error (a config refused
-        on every process) reports its own."""
-        if self.me == 0 or 0 < status < 128:   # an error: this process may report its own
+        on every process) reports its own. A hung process is told too (it reads the news if it
+        ever runs again)."""
+        # (an error: this process may report its own; a hung process has had its time)
+        if (self.me == 0 and status != HUNG) or 0 < status < 128:
             deadline = time.monotonic() + GRACE
             while time.monotonic() < deadline and not (self.ending or self.finished):
                 time.sleep(0.05)
         if self.ending or self.finished:
             return
-        if self.me == 0:
-            self.send(f"x {status} {origin}\n", to=set(self.conns) - {origin})
-            self.drain()
+        news = f"x {status} {origin}{''.join(' ' + w for w in hung)}\n"
+        if self.me == 0 and origin != 0:
+            self.send(news, to=set(self.conns) - ({origin} if status != HUNG else set()))
+            self.drain(origin)
+        elif status == HUNG and origin == 0:
+            self.send(news)   # process 0 reads why its peers left, if it runs again
         code = status if status > 0 else DEAD_PEER
-        how = (f"ended with status {status}{_signal_name(status)}" if status >= 0
-               else "died without a word (killed or crashed)")
-        _write_and_exit(f"stopping: process {origin} of {self.n} {how} before the run "
-                        f"finished; this is process {self.me}, exiting with status {code} (see "
-                        f"process {origin}'s output; checkpoints already written are kept: "
-                        "rerun to resume)\n", code)
+        see = "" if origin == self.me else f"see process {origin}'s output; "
+        bar = "\n" if self.me == 0 and self.steps else ""   # (process 0's progress bar)
+        _write_and_exit(f"{bar}stopping: {_what(status, origin, self.me, self.n, hung)} before "
+                        f"the run finished; this is process {self.me}, exiting with status "
+                        f"{code} ({see}checkpoints already written are kept: rerun to "
+                        "resume)\n", code)
 
-    def drain(self) -> None:
-        """(process 0) Wait up to :data:`DRAIN` seconds for the others to end."""
-        deadline = time.monotonic() + DRAIN
-        while time.monotonic() < deadline and len(self.gone) < len(self.conns):
+    def drain(self, origin: int) -> None:
+        """(process 0) Wait up to :data:`DRAIN` seconds for the others (but ``origin``) to
+        end."""
+        deadline, others = time.monotonic() + DRAIN, set(self.conns) - {origin}
+        while time.monotonic() < deadline and not others <= self.gone:
             time.sleep(0.05)
+
+    def declare(self, bound: float, phase: str) -> None:
+        """From the next heartbeat on: take this process as hung after ``bound`` s of
+        silence (0: never), while in ``phase`` (one word)."""
+        self.mine = (float(bound), phase)
+
+
+def _what(status: int, origin: int, me: int, n: int, hung) -> str:
+    """What happened to process ``origin``, for the survivors' one line."""
+    if status == HUNG:
+        silent, bound, phase = hung
+        who = (f"this process ({me} of {n}) was silent for {silent} s" if origin == me else
+               f"process {origin} of {n} made no progress for {silent} s")
+        return (f"{who} (hung? stopped, frozen, or its host gone; its bound while {phase} was "
+                f"{bound} s: --hang_timeout, --hang_step_multiple)")
+    if status < 0:
+        return f"process {origin} of {n} died without a word (killed or crashed)"
+    return f"process {origin} of {n} ended with status {status}{_signal_name(status)}"
 
 
 _WATCH: list = []   # the process's watch, once started
+
+
+class _Held:
+    """SIGINT and SIGTERM held until the watch starts (:func:`hold_signals`): the first one is
+    kept, a second one or one after the release ends the process at once (``exit_fn``)."""
+
+    def __init__(self, signals: set, exit_fn, bound: float):
+        self.signals, self.exit_fn, self.bound = signals, exit_fn, bound
+        self.lock = threading.Lock()
+        self.released = False
+        self.first = None   # (signal number, time.monotonic() of its arrival)
+
+    def wait(self) -> None:
+        """The thread that takes the held signals (they are blocked in every thread, so none
+        runs a handler) and ends the process :data:`HOLD` s after the first one if the watch
+        has not started by then."""
+        while True:
+            info = signal.sigtimedwait(self.signals, 0.1)
+            with self.lock:
+                now = time.monotonic()
+                if info is not None and (self.released or self.first is not None):
+                    self.exit_fn(info.si_signo)   # a second signal: at once (does not return)
+                if info is not None:
+                    self.first = (info.si_signo, now)
+                elif self.released:
+                    return
+                elif self.first is not None and now - self.first[1] > self.bound:
+                    name = signal.Signals(self.first[0]).name
+                    _write_and_exit(
+                        f"interrupted by {name}: stopped before the other processes could be "
+                        f"told (they had not all joined within {self.bound:.0f} s of the "
+                        "signal; each ends on its own signal or after --init_timeout; "
+                        "checkpoints already written are kept: rerun the same command to "
+                        "resume)\n", 128 + self.first[0])
+
+
+_HELD: list = []   # the process's held signals, while held
+
+
+def hold_signals(exit_fn, bound: float = HOLD) -> None:
+    """Hold SIGINT and SIGTERM from now until :func:`release_signals` (the watch has started):
+    for a process of several, whose end before the watch exists would leave the others waiting
+    for it in ``jax.distributed.initialize``. Call it first thing, in the main thread (the
+    signals are blocked there, so that every thread started later inherits the block; a thread
+    of this module takes them). A signal the process was started ignoring stays ignored.
+
+    The first signal is kept: :func:`release_signals` then ends the process with
+    ``exit_fn(signum)`` (which tells the others through the watch), or ``bound`` seconds after
+    the signal the process ends anyway with one line and ``128 + signum``; a second signal
+    ends it at once with ``exit_fn``. Nothing outside the main thread or when already held."""
+    if threading.current_thread() is not threading.main_thread() or _HELD:
+        return
+    signals = {s for s in (signal.SIGINT, signal.SIGTERM)
+               if signal.getsignal(s) is not signal.SIG_IGN}
+    if not signals:
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    held = _Held(signals, exit_fn, bound)
+    _HELD.append(held)
+    threading.Thread(target=held.wait, daemon=True, name="sdp_jax-held-signals").start()
+
+
+def release_signals() -> None:
+    """The watch has started (or there is none to start): a signal held since
+    :func:`hold_signals` ends the process now through ``exit_fn`` (which tells the others);
+    else the signals reach the process's handlers again. Call it in the main thread; nothing
+    when no signal is held."""
+    if not _HELD or threading.current_thread() is not threading.main_thread():
+        return
+    held = _HELD.pop()
+    with held.lock:
+        held.released = True
+        first = held.first
+    if first is not None:
+        held.exit_fn(first[0])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, held.signals)
 
 
 def _signal_name(status: int) -> str:
@@ -186,17 +342,35 @@ def _connect(client, me: int, timeout: float) -> dict:
     return {0: conn}
 
 
-def start(client, process_id: int, num_processes: int, host: str,
-          timeout: float = 60.0) -> str:
+def check_hang(timeout, multiple) -> None:
+    """Check ``--hang_timeout`` (seconds, 0: never take a process as hung, else at least 5)
+    and ``--hang_step_multiple`` (at least 2).
+
+    Raises:
+      ValueError: one line naming the bad value and the range it must be in."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or (
+            timeout != 0 and not timeout >= 5):
+        raise ValueError(f"--hang_timeout={timeout!r} must be 0 (never take a silent process "
+                         "as hung) or at least 5 seconds")
+    if isinstance(multiple, bool) or not isinstance(multiple, (int, float)) or not multiple >= 2:
+        raise ValueError(f"--hang_step_multiple={multiple!r} must be at least 2 (a process is "
+                         "taken as hung after that many times its slowest recent step)")
+
+
+def start(client, process_id: int, num_processes: int, host: str, timeout: float = 60.0,
+          hang_timeout: float = 300.0, hang_step_multiple: float = 10.0) -> str:
     """Start watching the other processes (call it in every process, right after
     ``jax.distributed.initialize``; ``client``: JAX's distributed client, ``host``: the
-    coordinator's host, process 0's).
+    coordinator's host, process 0's; ``timeout``: seconds to wait for the others to join;
+    ``hang_timeout``, ``hang_step_multiple``: the bounds this process declares, see the module
+    docstring and :func:`check_hang`).
 
     Returns:
       ``""``, or one line saying why the watch could not start (the run goes on; a process
       that dies is then noticed only by JAX's heartbeat)."""
     if num_processes < 2 or _WATCH:
         return ""
+    check_hang(hang_timeout, hang_step_multiple)
     try:
         conns = (_listen(client, host, num_processes, timeout) if process_id == 0
                  else _connect(client, process_id, timeout))
@@ -204,18 +378,47 @@ def start(client, process_id: int, num_processes: int, host: str,
         return (f"warning: process {process_id} could not join the other processes' watch "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); a process "
                 "that dies is noticed only by JAX's heartbeat (100 s)")
-    watch = _Watch(process_id, num_processes)
-    watch.conns = conns
+    watch = _Watch(process_id, num_processes, conns, (hang_timeout, hang_step_multiple))
     _WATCH.append(watch)
     for pid, conn in conns.items():
         conn.settimeout(None)
         threading.Thread(target=watch.read, args=(pid, conn), daemon=True,
                          name=f"sdp_jax-peer-{pid}").start()
+    threading.Thread(target=watch.beat, daemon=True, name="sdp_jax-heartbeat").start()
     missing = sorted(set(range(num_processes)) - set(conns) - {process_id})
     if process_id == 0 and missing:
         return (f"warning: processes {missing} did not join the watch within {timeout:.0f}s; "
                 "if one of them dies, the others notice only by JAX's heartbeat (100 s)")
     return ""
+
+
+@contextlib.contextmanager
+def busy(phase: str):
+    """While in this context (also a decorator) this process does work of no known length
+    (``phase``, one word: restoring, compiling, evaluating, saving): the others take it as hung
+    only after ``--hang_timeout`` seconds of silence. On leaving it, the clock of the next
+    step (:func:`stepped`) starts. Nothing without a watch."""
+    if _WATCH:
+        _WATCH[0].declare(_WATCH[0].hang[0], phase)
+    try:
+        yield
+    finally:
+        if _WATCH:
+            _WATCH[0].mark = time.monotonic()
+
+
+def stepped() -> None:
+    """A training step ended (its time: since the last step or :func:`busy` work ended): the
+    others take this process as hung after ``--hang_step_multiple`` times its slowest of the
+    last :data:`HANG_STEPS` steps of silence, at least :data:`HANG_FLOOR` s (or
+    ``--hang_timeout`` when smaller; 0: never). Nothing without a watch."""
+    if not _WATCH:
+        return
+    watch, now = _WATCH[0], time.monotonic()
+    timeout, multiple = watch.hang
+    watch.steps, watch.mark = [*watch.steps[1 - HANG_STEPS:], now - watch.mark], now
+    bound = max(min(HANG_FLOOR, timeout), multiple * max(watch.steps)) if timeout else 0.0
+    watch.declare(round(bound, 1), "training")
 
 
 def leaving(status: int) -> None:
@@ -229,7 +432,7 @@ def leaving(status: int) -> None:
     watch.ending = True
     watch.send(f"x {int(status)} {watch.me}\n")
     if watch.me == 0:
-        watch.drain()
+        watch.drain(0)
 
 
 def exit_now(status) -> None:
