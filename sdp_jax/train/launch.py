@@ -205,9 +205,7 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
                       "it could handle it; passing it on to the others", file=sys.stderr,
                       flush=True)
                 signalled.append(-code)
-                for c in children:
-                    if c.poll() is None:
-                        c.send_signal(-code)
+                _pass_on(children, -code)
             if code not in (None, 0) and not first_bad:
                 first_bad = _status(code)
         if all(code is not None for code in codes):
@@ -238,6 +236,17 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
             _stop(children, stopped=stopped)
             return 124
         time.sleep(0.2)
+
+
+def _pass_on(children: list, signum: int) -> None:
+    """Send ``signum`` twice, 0.5 s apart, to the children still running: a process ended by
+    it before it could handle it never joins the others' watch, so they would hold the first
+    one (:func:`sdp_jax.train.peers.hold_signals`) in vain; the second ends them at once."""
+    for _ in range(2):
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(signum)
+        time.sleep(0.5)
 
 
 def _scheduler_tasks(env) -> int:
@@ -393,7 +402,8 @@ def _join(kwargs: dict, timeout: int, hang_timeout: float, hang_step_multiple: f
 def _initialize(kwargs: dict, timeout: int, heartbeat: int = 100) -> None:
     """``jax.distributed.initialize(**kwargs)`` with JAX's preemption service off and its
     heartbeat timeout ``heartbeat`` seconds, under the ``timeout`` watchdog of
-    :func:`initialize`.
+    :func:`initialize`; a process other than 0 reaches the coordinator through
+    :func:`sdp_jax.train.peers.relay`.
 
     Raises:
       ValueError: JAX found no cluster environment (``kwargs`` empty)."""
@@ -413,9 +423,13 @@ def _initialize(kwargs: dict, timeout: int, heartbeat: int = 100) -> None:
 
     threading.Thread(target=watchdog, daemon=True).start()
     jax.config.update("jax_enable_preemption_service", False)
+    call = dict(kwargs)
+    if kwargs.get("process_id"):   # not process 0 (it hosts the coordination service): its
+        # death is told by the watch in one line, not by JAX's client (peers.relay)
+        call["coordinator_address"] = peers.relay(kwargs["coordinator_address"])
     try:
         jax.distributed.initialize(initialization_timeout=timeout + 10,
-                                   heartbeat_timeout_seconds=heartbeat, **kwargs)
+                                   heartbeat_timeout_seconds=heartbeat, **call)
     except ValueError as e:
         if not kwargs:
             raise ValueError(

@@ -281,6 +281,79 @@ def release_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, held.signals)
 
 
+class _Relay:
+    """(a process other than 0) This process's connections to JAX's coordination service (on
+    process 0) pass through a port of its own, so that process 0's death reaches this process
+    through the watch, in one line, and not through JAX, whose client logs the lost connection
+    and aborts the process (``coordination_service_agent.cc ... Polled an error``, ``client.h
+    ... Terminating process``: three lines and more before the watch's line, or none of it).
+    When the coordinator's side closes, this side stays open for :data:`GRACE` +
+    :data:`DRAIN` + 3 s (the watch ends the process meanwhile), then closes, so that a
+    process without a watch still learns it from JAX."""
+
+    def __init__(self, coordinator: str):
+        host, _, port = coordinator.rpartition(":")
+        self.coordinator = (host.strip("[]"), int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self.accept, daemon=True, name="sdp_jax-relay").start()
+
+    def accept(self) -> None:
+        """Pair each connection JAX opens with one to the coordinator (refused: closed, and
+        JAX retries as it would)."""
+        while True:
+            try:
+                mine, _ = self.server.accept()
+            except OSError:
+                return
+            try:
+                theirs = socket.create_connection(self.coordinator, timeout=10)
+            except OSError:
+                mine.close()
+                continue
+            pair = (mine, theirs)
+            for conn in pair:
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for src, dst in (pair, pair[::-1]):
+                threading.Thread(target=self.pump, args=(src, dst, theirs), daemon=True,
+                                 name="sdp_jax-relay-pump").start()
+
+    @staticmethod
+    def pump(src, dst, theirs) -> None:
+        """Copy ``src`` to ``dst`` until one side ends; when the coordinator's side
+        (``theirs``) ended, wait before closing JAX's."""
+        ended = src
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                ended = dst
+                break
+        if ended is theirs:
+            time.sleep(GRACE + DRAIN + 3.0)
+        for conn in (src, dst):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+
+def relay(coordinator: str) -> str:
+    """The address (``127.0.0.1:PORT``) that a process other than 0 gives
+    ``jax.distributed.initialize`` instead of ``coordinator`` (``HOST:PORT`` of process 0):
+    a relay of this process's own (:class:`_Relay`), so that the coordinator's death is told by
+    the watch alone."""
+    return _Relay(coordinator).address
+
+
 def _signal_name(status: int) -> str:
     """`` (SIGTERM)`` for status 143 and the like, else ``""``."""
     try:
