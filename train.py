@@ -20,18 +20,30 @@ import traceback
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # run from a checkout without installing
 
-from sdp_jax.train import cli, launch  # noqa: E402  (light: absl and ml_collections)
+from sdp_jax.train import launch, peers  # noqa: E402  (light: the standard library only)
 
-# A signal from here on: one line and 128 + signal, never a traceback; with several processes
-# one that comes before their watch has started is held until it has (the others then end too).
-cli.exit_on_signals(hold=launch.multi_process_env())
+
+def _leave(signum: int) -> None:
+    """A held signal's end: :func:`sdp_jax.train.cli.exit_on_signal` (tells the others)."""
+    from sdp_jax.train import cli  # pylint: disable=g-import-not-at-top  (it may be importing)
+    cli.exit_on_signal(signum)
+
+
+# Several processes: a signal that comes before their watch has started is held until it has,
+# then this process leaves through it and the others end too (sdp_jax.train.peers.hold_signals).
+if launch.multi_process_env():
+    peers.hold_signals(_leave)
+
+from sdp_jax.train import cli  # noqa: E402  (light: absl and ml_collections)
+
+cli.exit_on_signals()   # a signal from here on: one line and 128 + signal, never a traceback
 
 from absl import app, flags, logging  # noqa: E402
 
 import jax  # noqa: E402  (the heavy imports after the signal handlers)
 
 from sdp_jax import mesh as mesh_lib  # noqa: E402
-from sdp_jax.train import fit, loop, peers  # noqa: E402
+from sdp_jax.train import fit, loop  # noqa: E402
 from sdp_jax.train.run import resolve  # noqa: E402
 
 PROG = "python train.py"

@@ -87,24 +87,12 @@ def handle_signals(handler) -> dict:
     return old
 
 
-def exit_on_signals(hold: bool = False) -> dict:
+def exit_on_signals() -> dict:
     """From now on SIGINT and SIGTERM end the program with one line and status 128 + signal
     (:func:`exit_on_signal`), never a traceback; ``train.py`` calls it first thing. The
     training loop installs its own handlers while it runs (stop after the step and save).
-
-    ``hold`` (a process of several, :func:`sdp_jax.train.launch.multi_process_env`): a signal
-    that comes before the processes' watch has started is held until it has, so that the
-    process leaves through it and the others end with it within seconds, rather than waiting
-    for this process in ``jax.distributed.initialize`` (:func:`sdp_jax.train.peers.hold_signals`:
-    ended anyway after :data:`sdp_jax.train.peers.HOLD` seconds; a second signal ends it at
-    once); :func:`sdp_jax.train.launch.initialize` releases it. Call it in the main thread
-    before any other thread starts.
-
     Returns the previous handlers."""
-    old = handle_signals(lambda signum, frame: exit_on_signal(signum))
-    if hold:
-        peers.hold_signals(exit_on_signal)
-    return old
+    return handle_signals(lambda signum, frame: exit_on_signal(signum))
 
 
 def error(prog: str, message: str) -> NoReturn:

@@ -349,8 +349,8 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None,
     preemption service (which installs its own SIGTERM handler over the project's and would
     swallow a scheduler's SIGTERM) is turned off (``jax_enable_preemption_service``), and the
     Python handlers are installed again after the call, whatever it installed. A signal held
-    since the process started (:func:`sdp_jax.train.cli.exit_on_signals` with ``hold``) ends
-    it once the watch has started, through the watch (:func:`sdp_jax.train.peers.release_signals`).
+    since the process started (:func:`sdp_jax.train.peers.hold_signals`, ``train.py``) ends it
+    once the watch has started, through the watch (:func:`sdp_jax.train.peers.release_signals`).
 
     Returns:
       whether JAX was initialized for several processes.

@@ -5,7 +5,9 @@ through :func:`sdp_jax.train.launch.initialize`).
 JAX's own health check is slow and loud: a process that dies or hangs is noticed by the
 coordination service's heartbeat after 100 s, and the survivors then abort with a C++ check
 failure, a stack dump and SIGABRT; when process 0 (which hosts the coordination service) ends,
-the others abort at once, the same way. So:
+the others abort at once, the same way (its client logs "Polled an error from coordination
+service" and "Terminating process because the JAX distributed service detected fatal
+errors"). So:
 
 * process 0 listens on a TCP port of its own host (the coordinator's; the port is published in
   JAX's key-value store) and every other process connects to it. The kernel closes a process's
@@ -21,11 +23,15 @@ the others abort at once, the same way. So:
   smaller). Process 0 watches every other process, the others watch process 0; one silent for
   longer than it declared is *hung* (stopped, frozen, its host gone): the others end as after a
   death, naming it;
-* process 0 waits :data:`GRACE` seconds (a process hit by the same error as its peer reports its
-  own), tells every other process to stop, waits up to :data:`DRAIN` seconds for them to end
-  (so that none of them sees the coordination service vanish) and ends last. Each survivor
-  prints one line and exits with the status the ended process sent (143 after SIGTERM, 2 after a
-  usage error), or :data:`DEAD_PEER` when it ended without a word (killed, crashed) or hung.
+* process 0 waits :data:`GRACE` seconds after an error or a death (a process hit by the same
+  error as its peer reports its own), tells every other process to stop, waits up to
+  :data:`DRAIN` seconds for them to end (so that none of them sees the coordination service
+  vanish) and ends last. Each survivor prints one line and exits with the status the ended
+  process sent (143 after SIGTERM, 2 after a usage error), or :data:`DEAD_PEER` when it ended
+  without a word (killed, crashed) or hung;
+* the other processes reach the coordination service through a relay of their own
+  (:func:`relay`), which hides process 0's death from JAX's client until the watch has ended
+  the process with its one line.
 
 A survivor therefore ends within ``GRACE + DRAIN`` (7 s) of the other process's end (of its
 bound, for a hung one); one whose collective failed first (the peer died during a step) waits
@@ -57,8 +63,8 @@ HOLD = 20.0       # seconds a signal that came before the watch waits for it (sc
 BEAT = 1.0        # seconds between heartbeats
 HANG_FLOOR = 30.0  # seconds: the least bound once steps run (a loaded machine's noise)
 HANG_STEPS = 20   # the bound once steps run follows the slowest of this many recent steps
-STALL = 5.0       # a heartbeat thread that itself stood still this long (this process was
-                  # stopped or starved) blames nobody for that silence
+STALL = 3.0       # a heartbeat thread that itself stood still this long (this process was
+                  # stopped or starved) blames nobody for that silence (the least bound is 5 s)
 HUNG = -2         # the news "status" of a process that went silent past its bound
 KEY = "sdp_jax/peers/address"
 
@@ -73,22 +79,25 @@ class _Watch:
         self.ending = self.finished = False
         self.done_peers: set = set()
         self.gone: set = set()
-        self.lock, self.news = threading.Lock(), None
+        self.lock, self.news, self.sending = threading.Lock(), None, threading.RLock()
         now = time.monotonic()
         self.heard = {pid: now for pid in conns}     # when each peer was last heard
         self.bounds = {pid: float(hang[0]) for pid in conns}   # what each peer declared
         self.phases = {pid: "starting" for pid in conns}
         self.mine = (float(hang[0]), "starting")     # what this process declares
         self.steps: list = []                        # its recent step times (s)
-        self.mark = now                              # when its current step began
+        self.mark, self.first_step = now, True       # when its current step began
 
     def send(self, message: str, to=None) -> None:
-        for pid, conn in list(self.conns.items()):
-            if to is None or pid in to:
-                try:
-                    conn.sendall(message.encode())
-                except OSError:
-                    pass
+        """``message`` to the processes ``to`` (default: every one connected), whole (one
+        sender at a time; reentrant: a signal handler may send while its thread sends)."""
+        with self.sending:
+            for pid, conn in list(self.conns.items()):
+                if to is None or pid in to:
+                    try:
+                        conn.sendall(message.encode())
+                    except OSError:
+                        pass
 
     def read(self, pid: int, conn) -> None:
         """A connection's reader thread: ``h BOUND PHASE`` (a heartbeat: take the sender as
@@ -149,14 +158,15 @@ class _Watch:
         threading.Thread(target=self.act, args=self.news, daemon=True).start()
 
     def act(self, status: int, origin: int, *hung: str) -> None:
-        """Unless this process is ending or done: (process 0, after :data:`GRACE` seconds but
-        for a hung process) tell the others and wait for them to end; then one line and ``status`` (or
-        :data:`DEAD_PEER`). After another process's error (``0 < status < 128``) every process
-        waits :data:`GRACE` seconds first, so that one hitting the same error (a config refused
-        on every process) reports its own. A hung process is told too (it reads the news if it
-        ever runs again)."""
-        # (an error: this process may report its own; a hung process has had its time)
-        if (self.me == 0 and status != HUNG) or 0 < status < 128:
+        """Unless this process is ending or done: (process 0; after :data:`GRACE` seconds
+        when the process died without a word) tell the others and wait for them to end; then
+        one line and ``status`` (or :data:`DEAD_PEER`). After another process's error
+        (``0 < status < 128``) every process waits :data:`GRACE` seconds first, so that one
+        hitting the same error (a config refused on every process) reports its own. A hung
+        process is told too (it reads the news if it ever runs again)."""
+        # (an error or a crash: this process may report its own; not after a signal (the
+        # others would go on meanwhile) or a hang (it has had its time))
+        if (self.me == 0 and status == -1) or 0 < status < 128:
             deadline = time.monotonic() + GRACE
             while time.monotonic() < deadline and not (self.ending or self.finished):
                 time.sleep(0.05)
@@ -170,11 +180,10 @@ class _Watch:
             self.send(news)   # process 0 reads why its peers left, if it runs again
         code = status if status > 0 else DEAD_PEER
         see = "" if origin == self.me else f"see process {origin}'s output; "
-        bar = "\n" if self.me == 0 and self.steps else ""   # (process 0's progress bar)
-        _write_and_exit(f"{bar}stopping: {_what(status, origin, self.me, self.n, hung)} before "
-                        f"the run finished; this is process {self.me}, exiting with status "
-                        f"{code} ({see}checkpoints already written are kept: rerun to "
-                        "resume)\n", code)
+        what = _what(status, origin, self.me, self.n, hung)
+        _write_and_exit(f"{_after_bar()}stopping: {what} before the run finished; this is "
+                        f"process {self.me}, exiting with status {code} ({see}checkpoints "
+                        "already written are kept: rerun to resume)\n", code)
 
     def drain(self, origin: int) -> None:
         """(process 0) Wait up to :data:`DRAIN` seconds for the others (but ``origin``) to
@@ -184,9 +193,13 @@ class _Watch:
             time.sleep(0.05)
 
     def declare(self, bound: float, phase: str) -> None:
-        """From the next heartbeat on: take this process as hung after ``bound`` s of
-        silence (0: never), while in ``phase`` (one word)."""
+        """Take this process as hung after ``bound`` s of silence (0: never), while in
+        ``phase`` (one word): said at once when the phase changes, else by the next
+        heartbeat."""
+        changed = phase != self.mine[1]
         self.mine = (float(bound), phase)
+        if changed:
+            self.send(f"h {float(bound):g} {phase}\n")
 
 
 def _what(status: int, origin: int, me: int, n: int, hung) -> str:
@@ -362,6 +375,12 @@ def _signal_name(status: int) -> str:
         return ""
 
 
+def _after_bar() -> str:
+    """``"\n"`` while a progress bar (tqdm's, process 0's) holds the current line, else ``""``."""
+    tqdm = sys.modules.get("tqdm.std")
+    return "\n" if tqdm is not None and getattr(tqdm.tqdm, "_instances", None) else ""
+
+
 def _write_and_exit(line: str, code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -484,11 +503,17 @@ def stepped() -> None:
     """A training step ended (its time: since the last step or :func:`busy` work ended): the
     others take this process as hung after ``--hang_step_multiple`` times its slowest of the
     last :data:`HANG_STEPS` steps of silence, at least :data:`HANG_FLOOR` s (or
-    ``--hang_timeout`` when smaller; 0: never). Nothing without a watch."""
+    ``--hang_timeout`` when smaller; 0: never). The first step (the collectives' connections,
+    the program's first run) counts as starting: ``--hang_timeout``. Nothing without a
+    watch."""
     if not _WATCH:
         return
     watch, now = _WATCH[0], time.monotonic()
     timeout, multiple = watch.hang
+    if watch.first_step:
+        watch.first_step, watch.mark = False, now
+        watch.declare(timeout, "training")
+        return
     watch.steps, watch.mark = [*watch.steps[1 - HANG_STEPS:], now - watch.mark], now
     bound = max(min(HANG_FLOOR, timeout), multiple * max(watch.steps)) if timeout else 0.0
     watch.declare(round(bound, 1), "training")
