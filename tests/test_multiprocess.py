@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from sdp_jax.train import launch
+from sdp_jax.train import launch, peers
 
 # One pytest-xdist worker runs these in turn (the module's reference run is shared, and two
 # multi-process launches at once would each get half the CPU).
@@ -264,15 +264,16 @@ def test_unequal_devices_per_process_are_refused_in_one_line(monkeypatch):
 
 # ------------------------------------------- before the first step: signals, a dead peer, devices
 
-def _pair(workdir, devices=(2, 2)):
+def _pair(workdir, devices=(2, 2), extra=()):
     """``python train.py`` as processes 0 and 1 of 2 (``devices``: each one's simulated CPU
-    devices), started by hand as on a cluster; stdout and stderr in files beside ``workdir``."""
+    devices; ``extra``: more flags, the last of a flag given twice wins), started by hand as on
+    a cluster; stdout and stderr in files beside ``workdir``."""
     port, procs = launch.free_port(), []
     for i, n in enumerate(devices):
         out = {s: open(f"{workdir}.{i}.{s}", "w") for s in ("out", "err")}
         procs.append(subprocess.Popen(
             [sys.executable, "train.py", *BASE, f"--config.num_cpu_devices={n}",
-             "--config.workers=0", "--config.stop_at_step=5", f"--workdir={workdir}"],
+             "--config.workers=0", "--config.stop_at_step=5", f"--workdir={workdir}", *extra],
             cwd=ROOT, env=launch.process_env(i, 2, port, _env()), stdout=out["out"],
             stderr=out["err"]))
     return procs
@@ -371,3 +372,345 @@ def test_elastic_launcher_carries_on_as_one_process_after_a_sigkill(tmp_path):
     (switch,) = summary["elastic"]
     assert switch["step"] >= 10 and switch["from"]["workers"] == 4
     assert switch["to"] == {**switch["from"], "workers": 2, "global_batch": 4}
+
+
+# ---------------------- issue 47: a signal before the watch, a hung process, a killed coordinator
+
+INTERRUPTED = ("interrupted by SIGTERM: stopped (checkpoints already written are kept: rerun "
+               "the same command to resume)")
+LAUNCH = [sys.executable, "-m", "sdp_jax.train.launch", "--processes", "2"]
+TRAIN = ["python", "train.py", *BASE, "--config.num_cpu_devices=2", "--config.workers=0"]
+
+
+def _launcher_pids(err_path, deadline):
+    """The pids the launcher printed (its first stderr line), once it has."""
+    while time.monotonic() < deadline:
+        found = re.search(r"process\(es\), pids ([\d ]+),", err_path.read_text())
+        if found:
+            return [int(p) for p in found.group(1).split()]
+        time.sleep(0.05)
+    raise AssertionError(err_path.read_text())
+
+
+def _end_children(launcher, pids):
+    """(finally) SIGCONT and SIGKILL the launcher's children still running (checked to be its
+    children by their parent pid), then the launcher."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != launcher.pid:
+                    continue
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+
+
+def test_a_signal_before_the_watch_ends_every_process_in_one_line(tmp_path):
+    """Issue 47: SIGTERM to one process before ``jax.distributed.initialize`` made it exit 143
+    at once while the other waited --init_timeout (300 s) without a word. Now the signal is
+    held until the processes' watch has started and the process leaves through it: both end
+    with one line each and status 143, within seconds of each other and before the hold's
+    bound (peers.HOLD), and nothing is written. Four runs at once: SIGTERM to process 0 at
+    0.5 s, to process 1 at 1.5 s and right after initialization (process 0 logs its data),
+    and, under the launcher, to process 1 at 0.5 s."""
+    when = {"p0_0.5s": (0, 0.5), "p1_1.5s": (1, 1.5), "p1_init": (1, None)}
+    runs = {k: tmp_path / k for k in [*when, "launcher"]}
+    err_path = tmp_path / "launcher.err"
+    with open(err_path, "w") as err:
+        launcher = subprocess.Popen(
+            [*LAUNCH, f"--timeout={TIMEOUT - 60}", "--", *TRAIN, "--config.stop_at_step=5",
+             f"--workdir={runs['launcher']}"], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+            stderr=err)
+    t0 = time.monotonic()
+    pairs = {k: _pair(str(runs[k])) for k in when}
+    procs = {**{(k, i): p for k, ps in pairs.items() for i, p in enumerate(ps)},
+             ("launcher", 0): launcher}
+    deadline, sent, ended, pids = t0 + TIMEOUT, {}, {}, []
+    try:
+        pids = _launcher_pids(err_path, deadline)
+        t_launch = time.monotonic()
+        while time.monotonic() < deadline and len(ended) < len(procs):
+            now = time.monotonic()
+            for k, (victim, at) in when.items():
+                due = (now - t0 >= at if at is not None else
+                       "data " in _text(runs[k], 0, "out"))
+                if k not in sent and due:
+                    pairs[k][victim].send_signal(signal.SIGTERM)
+                    sent[k] = time.monotonic()
+            if "launcher" not in sent and now - t_launch >= 0.5:
+                os.kill(pids[1], signal.SIGTERM)   # the launcher's own child, by pid
+                sent["launcher"] = time.monotonic()
+            for key, p in procs.items():
+                if key not in ended and p.poll() is not None:
+                    ended[key] = time.monotonic()
+            time.sleep(0.02)
+    finally:
+        for p in (p for ps in pairs.values() for p in ps):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        _end_children(launcher, pids)
+    for k, (victim, _) in when.items():
+        status = [p.returncode for p in pairs[k]]
+        err = [_text(runs[k], i, "err").strip() for i in (0, 1)]
+        assert status == [143, 143], (k, status, err)
+        assert err[victim] == INTERRUPTED, (k, err)
+        other = err[1 - victim]
+        assert other.startswith(f"stopping: process {victim} of 2 ended with status 143 "
+                                "(SIGTERM) before the run finished"), (k, err)
+        assert "\n" not in other, (k, err)
+        # through the watch: not the hold's bound, nor --init_timeout
+        assert max(ended[k, 0], ended[k, 1]) - sent[k] < peers.HOLD, (k, ended, sent)
+        if victim == 1 and k == "p1_init":
+            assert not (runs[k] / "metrics.jsonl").exists()
+        else:
+            assert not runs[k].exists(), k
+    log = err_path.read_text()
+    assert launcher.returncode == 143 and "exit statuses [143, 143]" in log, log
+    lines = [ln for ln in log.splitlines() if ln and not ln.startswith(launch.PROG)]
+    assert sorted(lines)[0] == INTERRUPTED, log
+    assert sorted(lines)[1].startswith("stopping: process 1 of 2 ended with status 143"), log
+    assert len(lines) == 2, log
+    assert ended["launcher", 0] - sent["launcher"] < peers.HOLD
+    assert not runs["launcher"].exists()
+
+
+HOLDER = """
+import os, signal, sys, time
+from sdp_jax.train import peers
+def leave(signum):
+    os.write(2, f"left through the watch: {signum}\\n".encode())
+    os._exit(128 + signum)
+signal.signal(signal.SIGTERM, lambda signum, frame: leave(signum))
+peers.hold_signals(leave, bound=float(sys.argv[1]))
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))   # jax.distributed.initialize and the watch's start
+peers.release_signals()
+print("released", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_held_signal_leaves_through_the_watch_or_after_its_bound(tmp_path):
+    """peers.hold_signals, four processes at once (no JAX): a SIGTERM held until the release
+    leaves then (through ``exit_fn``, which tells the others); a second one ends the process at
+    once; without a release it ends after its bound with one line; after the release a
+    signal reaches the handler at once."""
+    cases = {   # (bound s, release after s, signals at s after "held")
+        "released": (10, 2.0, [0.2]), "twice": (10, 30, [0.2, 1.0]),
+        "bound": (1.5, 30, [0.2]), "after": (10, 0.1, [1.0])}
+    procs = {k: subprocess.Popen([sys.executable, "-c", HOLDER, str(b), str(r)], cwd=ROOT,
+                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for k, (b, r, _) in cases.items()}
+    try:
+        for p in procs.values():
+            assert p.stdout.readline() == "held\n"
+        t0, sent, ended = time.monotonic(), {}, {}
+        while len(ended) < len(procs) and time.monotonic() - t0 < 60:
+            for k, (_, _, at) in cases.items():
+                for t in at[len(sent.get(k, [])):][:1]:
+                    if time.monotonic() - t0 >= t:
+                        procs[k].send_signal(signal.SIGTERM)
+                        sent.setdefault(k, []).append(time.monotonic())
+                if k not in ended and procs[k].poll() is not None:
+                    ended[k] = time.monotonic()
+            time.sleep(0.01)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = {k: p.communicate() for k, p in procs.items()}
+    assert all(p.returncode == 143 for p in procs.values()), out
+    left = "left through the watch: 15\n"
+    assert out["released"] == ("", left) and 1.0 < ended["released"] - sent["released"][0] < 5
+    assert out["twice"] == ("", left) and ended["twice"] - sent["twice"][1] < 1.0
+    assert ended["twice"] - sent["twice"][0] > 0.7   # (the first was held)
+    assert out["bound"][1].startswith("interrupted by SIGTERM: stopped before the other "
+                                      "processes could be told (they had not all joined "
+                                      "within 2 s of the signal") and out["bound"][0] == ""
+    assert out["bound"][1].count("\n") == 1 and 1.4 < ended["bound"] - sent["bound"][0] < 5
+    assert out["after"] == ("released\n", left) and ended["after"] - sent["after"][0] < 1.0
+
+
+def test_the_launcher_takes_a_process_left_running_by_a_lost_peer_as_hung(tmp_path, capfd):
+    """Process 0 ends with status 75 (its peer hung) while process 1 never ends: the launcher
+    kills process 1 (SIGKILL) launch.HUNG_AFTER s later and counts it lost, so that --elastic
+    restarts the run as the 1 process left (which finishes). And a process ended by SIGTERM
+    before it could handle it has the signal passed on twice to the others. (No JAX.)"""
+    code = ("import os, sys, time\n"
+            "if os.environ['JAX_NUM_PROCESSES'] == '1': sys.exit(0)\n"
+            "time.sleep(120) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(1)\n"
+            "sys.exit(75)\n")
+    t0 = time.monotonic()
+    status = launch.run([sys.executable, "-c", code], 2, env=_env(), elastic=True,
+                        restarts=1)
+    took = time.monotonic() - t0
+    err = capfd.readouterr().err
+    assert status == 0 and 1 + launch.HUNG_AFTER < took < 30, (took, err)
+    assert ("process(es) 1 still running 5s after the others ended with status 75 (a peer "
+            "lost or hung): taken as hung, killed (SIGKILL)") in err, err
+    assert "exit statuses [75, 137]" in err
+    assert "process(es) 1 lost; restarting the run as the 1 process(es) left" in err, err
+    code = ("import os, signal, sys, time\n"
+            "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+            "    time.sleep(1); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "got = []\n"
+            "def held(signum, frame):\n"
+            "    got.append(signum)\n"
+            "    if len(got) == 2: os._exit(128 + signum)\n"
+            "signal.signal(signal.SIGTERM, held)\n"
+            "time.sleep(60)\n")
+    t0 = time.monotonic()
+    status = launch.run([sys.executable, "-c", code], 2, env=_env(), elastic=True)
+    err = capfd.readouterr().err
+    assert status == 143 and time.monotonic() - t0 < 10, err
+    assert ("process 1 was ended by SIGTERM before it could handle it; passing it on to the "
+            "others") in err and "exit statuses [143, 143]" in err, err
+    assert "restarting" not in err   # a signal is not a lost process
+
+
+def test_a_process_declares_its_hang_bound(monkeypatch):
+    """The bound the heartbeats carry: --hang_timeout while busy (restoring, compiling,
+    evaluating, saving) and through the first step, then --hang_step_multiple times the slowest
+    of the last 20 steps, at least min(30 s, --hang_timeout); 0 turns it off. Bad values are
+    refused in one line before anything starts."""
+    watch = peers._Watch(1, 2, {}, (60.0, 10.0))
+    monkeypatch.setattr(peers, "_WATCH", [watch])
+
+    def step(seconds):
+        watch.mark = time.monotonic() - seconds
+        peers.stepped()
+        return watch.mine
+
+    with peers.busy("compiling"):
+        assert watch.mine == (60.0, "compiling")
+    assert step(9.0) == (60.0, "training")     # the first step: still starting
+    assert step(0.5) == (30.0, "training")     # 10 x 0.5 s, floor 30 s
+    assert step(4.0)[0] == pytest.approx(40.0, abs=0.2)
+    for _ in range(19):
+        assert step(0.1)[0] == pytest.approx(40.0, abs=0.2)   # the slowest of the last 20
+    assert step(0.1) == (30.0, "training")
+    with peers.busy("saving"):
+        assert watch.mine == (60.0, "saving")
+    watch.hang = (8.0, 10.0)
+    assert step(0.1) == (8.0, "training")      # the floor: --hang_timeout when below 30 s
+    watch.hang = (0, 10.0)
+    assert step(0.1) == (0.0, "training")      # 0: never taken as hung
+    for bad, match in [((3, 10), "--hang_timeout=3 must be 0"), ((-1, 10), "--hang_timeout=-1"),
+                       ((300, 1.5), "--hang_step_multiple=1.5 must be at least 2")]:
+        with pytest.raises(ValueError, match=match):
+            launch.initialize("false", 300, hang_timeout=bad[0], hang_step_multiple=bad[1])
+
+
+HANG = ["--hang_timeout=8", "--hang_step_multiple=3", "--config.stop_at_step=400"]
+
+
+def _logged(workdir) -> bool:
+    """Whether the run has logged a step (metrics.jsonl is created empty when the loop
+    starts)."""
+    path = workdir / "metrics.jsonl"
+    return path.exists() and bool(path.read_text().strip())
+
+
+def test_a_hung_process_or_a_killed_coordinator_ends_the_others_in_one_line(tmp_path):
+    """Issue 47, five runs at once, with --hang_timeout=8 and --hang_step_multiple=3 (the
+    bound: 8 s here). Four pairs, each acted on once steps run (process 0 logged step 3):
+
+    * SIGSTOP to process 1 (a hung process): process 0 used to wait 100 s without a word, and
+      process 1, continued, aborted with a C++ check failure (134). Now process 0 ends within
+      seconds of the bound with one line naming process 1 and status 75; process 1, continued
+      after that, ends with one line and 75;
+    * SIGSTOP to process 0: process 1 names it the same way;
+    * SIGSTOP to process 1 for 3 s, below the bound (a slow process): both finish (status 0);
+    * SIGKILL to process 0 (the coordinator): process 1's stderr is the watch's one line, not
+      JAX's "Polled an error from coordination service" and fatal "Terminating process"
+      lines before it (peers.relay).
+
+    And ``launch --elastic`` with process 1 of 2 stopped once the checkpoint of step 10
+    exists: process 0 names it hung and ends (75), the launcher kills it (SIGKILL, its own
+    child) launch.HUNG_AFTER s later and counts it lost, and restarts the run as the 1 process
+    left, which resumes with --config.elastic=True and finishes (the hung process used to
+    stall the run, then abort with 134: no restart)."""
+    cases = ("hung1", "hung0", "slow1", "kill0")
+    runs = {k: tmp_path / k for k in [*cases, "elastic"]}
+    err_path = tmp_path / "launcher.err"
+    with open(err_path, "w") as err:
+        launcher = subprocess.Popen(
+            [*LAUNCH, "--elastic", f"--timeout={TIMEOUT - 60}", "--", *TRAIN[:4],
+             "--config.steps=40", "--config.checkpoint_every=5", "--config.eval_every=100",
+             "--config.eval_batches=1", "--config.num_cpu_devices=2", "--config.workers=0",
+             *HANG[:2], f"--workdir={runs['elastic']}"], cwd=ROOT, env=_env(),
+            stdout=subprocess.DEVNULL, stderr=err)
+    pairs = {k: _pair(str(runs[k]), extra=[*HANG, "--config.stop_at_step=12"] if k == "slow1"
+                      else HANG) for k in cases}
+    victim = {"hung1": 1, "hung0": 0, "slow1": 1, "kill0": 0}
+    deadline, acted, ended, conted, pids = time.monotonic() + TIMEOUT, {}, {}, {}, []
+    try:
+        pids = _launcher_pids(err_path, deadline)
+        while time.monotonic() < deadline and len(ended) < 2 * len(cases) + 1:
+            now = time.monotonic()
+            for k in cases:
+                p = pairs[k][victim[k]]
+                if k not in acted and _logged(runs[k]):
+                    p.send_signal(signal.SIGKILL if k == "kill0" else signal.SIGSTOP)
+                    acted[k] = now
+                other_ended = (k, 1 - victim[k]) in ended
+                if k in acted and k not in conted and k != "kill0" and (
+                        other_ended or (k == "slow1" and now - acted[k] > 3)):
+                    p.send_signal(signal.SIGCONT)
+                    conted[k] = now
+            if "elastic" not in acted and (runs["elastic"] / "checkpoints" / "10").is_dir():
+                os.kill(pids[1], signal.SIGSTOP)   # the launcher's own child, by pid
+                acted["elastic"] = now
+            procs = {(k, i): p for k, ps in pairs.items() for i, p in enumerate(ps)}
+            for key, p in {**procs, ("elastic", 0): launcher}.items():
+                if key not in ended and p.poll() is not None:
+                    ended[key] = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        for p in (p for procs in pairs.values() for p in procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()
+        _end_children(launcher, pids)
+    status = {k: [p.returncode for p in procs] for k, procs in pairs.items()}
+    err = {k: [_text(runs[k], i, "err").rstrip() for i in (0, 1)] for k in cases}
+    last = {k: [e.split("\n")[-1] for e in errs] for k, errs in err.items()}
+    for k in ("hung1", "hung0"):
+        v = victim[k]
+        assert status[k] == [75, 75], (k, status[k], err[k])
+        assert last[k][1 - v].startswith(f"stopping: process {v} of 2 made no progress for "), (
+            k, err[k])
+        assert "(hung? stopped, frozen, or its host gone; its bound while training was " in (
+            last[k][1 - v])
+        assert last[k][v].startswith(f"stopping: this process ({v} of 2) was silent for "), (
+            k, err[k])
+        assert ended[k, 1 - v] - acted[k] < 8 + 20   # the bound and a heartbeat; JAX's: 100 s
+        for e in err[k]:
+            assert "Check failure" not in e and "coordination_service" not in e, (k, e)
+            assert e.count("stopping:") == 1, (k, e)
+    assert not err["hung1"][1].count("\n") and not err["hung0"][1].count("\n"), err
+    assert status["slow1"] == [0, 0], err["slow1"]
+    assert json.loads((runs["slow1"] / "summary.json").read_text())["steps"] == 12
+    assert status["kill0"] == [-signal.SIGKILL, 75], err["kill0"]
+    assert err["kill0"][1] == ("stopping: process 0 of 2 died without a word (killed or "
+                               "crashed) before the run finished; this is process 1, exiting "
+                               "with status 75 (see process 0's output; checkpoints already "
+                               "written are kept: rerun to resume)"), err["kill0"]
+    assert ended["kill0", 1] - acted["kill0"] < 10
+    log = err_path.read_text()
+    assert launcher.returncode == 0, log[-3000:]
+    assert "stopping: process 1 of 2 made no progress for" in log, log
+    assert "process(es) 1 still running 5s after the others ended with status 75" in log
+    assert "exit statuses [75, 137]" in log
+    assert "process(es) 1 lost; restarting the run as the 1 process(es) left" in log
+    summary = json.loads((runs["elastic"] / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 40 and summary["workers"] == 2
+    (switch,) = summary["elastic"]
+    assert switch["step"] >= 10 and switch["from"]["workers"] == 4
