@@ -31,7 +31,7 @@ def _leave(signum: int) -> None:
 
 # Several processes: a signal that comes before their watch has started is held until it has,
 # then this process leaves through it and the others end too (sdp_jax.train.peers.hold_signals).
-if launch.multi_process_env():
+if __name__ == "__main__" and launch.multi_process_env():   # (not when imported: tests)
     peers.hold_signals(_leave)
 
 from sdp_jax.train import cli  # noqa: E402  (light: absl and ml_collections)

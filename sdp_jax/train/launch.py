@@ -14,13 +14,14 @@ The processes run in their own session, so a terminal's Ctrl-C reaches only the 
 forwards SIGINT, SIGTERM and SIGHUP (a closed terminal) to every process: on the first, each
 process stops with the others after the same step and saves a checkpoint; a second aborts. When a
 process ends (with an error, or early), the others get ``--grace`` seconds to finish and are then
-terminated. The exit status is the first non-zero status of a process (0 when all succeed).
-Only the launcher's own child processes are ever signalled.
+terminated; a process still running :data:`HUNG_AFTER` s after every process that ended did so
+with status 75 (its peers took it as hung, :mod:`sdp_jax.train.peers`) is killed (SIGKILL) and
+lost. The exit status is the first non-zero status of a process (0 when all succeed). Only the
+launcher's own child processes are ever signalled.
 
 With ``--elastic`` the launcher carries on when processes are lost (killed by SIGKILL, which it
-does not send while the run goes: the out-of-memory killer, a reclaimed device): once every
-process has ended, it
-starts the command again as the processes that are left, with ``--config.elastic=True``
+sends while the run goes only to a hung process: the out-of-memory killer, a reclaimed device,
+a hung process): once every process has ended, it starts the command again as the processes that are left, with ``--config.elastic=True``
 appended, so that the run resumes from its latest checkpoint on the devices that remain, under
 masks drawn for the new worker count (:mod:`sdp_jax.train.elastic`; at most ``--restarts``
 times).
@@ -78,8 +79,9 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
         (SIGTERM, then SIGKILL 10 s later; the status is then 1 if all that ended succeeded).
       timeout: seconds after which every process is terminated (0: none; each attempt).
       env, cwd: base environment and working directory of the processes.
-      elastic: when processes are lost (killed by SIGKILL, which the launcher does not send
-        while the run goes: the out-of-memory killer, a scheduler reclaiming a device), start
+      elastic: when processes are lost (killed by SIGKILL, which the launcher sends while the
+        run goes only to a hung process: the out-of-memory killer, a scheduler reclaiming a
+        device, a process its peers took as hung), start
         the command again as the processes that are left, with
         ``--config.elastic=True`` appended, so that the run resumes from its latest
         checkpoint on the devices that remain (:mod:`sdp_jax.train.elastic`); at most
@@ -121,8 +123,9 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
 def _attempt(command: list, processes: int, port: int, grace: float, timeout: float,
              env: dict | None, cwd: str | None, signalled: list) -> tuple[int, list]:
     """One start of ``processes`` processes (:func:`run`): ``(status, the ids of the processes
-    lost: killed by SIGKILL, which the launcher never sends while a run is going; a crash of
-    the program itself, e.g. SIGSEGV or SIGABRT, is not a lost process)``."""
+    lost: killed by SIGKILL, which the launcher sends while a run is going only to a hung
+    process (:func:`_wait`); a crash of the program itself, e.g. SIGSEGV or SIGABRT, is not a
+    lost process)``."""
     port = port or free_port()
     children: list[subprocess.Popen] = []
 
@@ -455,8 +458,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=0.0,
                    help="terminate every process after this many seconds (0: never)")
     p.add_argument("--elastic", action="store_true",
-                   help="when processes are lost (killed by SIGKILL), restart the run as the "
-                        "processes left, from its latest checkpoint (--config.elastic=True)")
+                   help="when processes are lost (killed by SIGKILL, or hung), restart the run "
+                        "as the processes left, from its latest checkpoint "
+                        "(--config.elastic=True)")
     p.add_argument("--restarts", type=int, default=3,
                    help="with --elastic, restarts at most (default 3)")
     return p
