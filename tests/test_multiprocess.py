@@ -392,6 +392,23 @@ def _launcher_pids(err_path, deadline):
     raise AssertionError(err_path.read_text())
 
 
+def _note_ends(procs: dict, ended: dict) -> None:
+    """``ended[key]``: when each of ``procs`` (by key) was first seen ended."""
+    for key, p in procs.items():
+        if key not in ended and p.poll() is not None:
+            ended[key] = time.monotonic()
+
+
+def _end_all(procs) -> None:
+    """(finally) SIGCONT and SIGKILL each of ``procs`` (``Popen``s of this test) still
+    running."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
 def _end_children(launcher, pids):
     """(finally) SIGCONT and SIGKILL the launcher's children still running (checked to be its
     children by their parent pid), then the launcher."""
@@ -444,15 +461,10 @@ def test_a_signal_before_the_watch_ends_every_process_in_one_line(tmp_path):
             if "launcher" not in sent and now - t_launch >= 0.5:
                 os.kill(pids[1], signal.SIGTERM)   # the launcher's own child, by pid
                 sent["launcher"] = time.monotonic()
-            for key, p in procs.items():
-                if key not in ended and p.poll() is not None:
-                    ended[key] = time.monotonic()
+            _note_ends(procs, ended)
             time.sleep(0.02)
     finally:
-        for p in (p for ps in pairs.values() for p in ps):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _end_all([p for ps in pairs.values() for p in ps])
         _end_children(launcher, pids)
     for k, (victim, _) in when.items():
         status = [p.returncode for p in pairs[k]]
@@ -668,16 +680,10 @@ def test_a_hung_process_or_a_killed_coordinator_ends_the_others_in_one_line(tmp_
                 os.kill(pids[1], signal.SIGSTOP)   # the launcher's own child, by pid
                 acted["elastic"] = now
             procs = {(k, i): p for k, ps in pairs.items() for i, p in enumerate(ps)}
-            for key, p in {**procs, ("elastic", 0): launcher}.items():
-                if key not in ended and p.poll() is not None:
-                    ended[key] = time.monotonic()
+            _note_ends({**procs, ("elastic", 0): launcher}, ended)
             time.sleep(0.05)
     finally:
-        for p in (p for procs in pairs.values() for p in procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait()
+        _end_all([p for ps in pairs.values() for p in ps])
         _end_children(launcher, pids)
     status = {k: [p.returncode for p in procs] for k, procs in pairs.items()}
     err = {k: [_text(runs[k], i, "err").rstrip() for i in (0, 1)] for k in cases}

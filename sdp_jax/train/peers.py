@@ -106,13 +106,7 @@ class _Watch:
         SECONDS BOUND PHASE`` (ORIGIN was silent SECONDS s, past its BOUND, while in PHASE),
         end of file."""
         buf = b""
-        while True:
-            try:
-                chunk = conn.recv(256)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
+        while chunk := _recv(conn, 256):
             self.heard[pid] = time.monotonic()
             buf += chunk
             while b"\n" in buf:
@@ -200,6 +194,14 @@ class _Watch:
         self.mine = (float(bound), phase)
         if changed:
             self.send(f"h {float(bound):g} {phase}\n")
+
+
+def _recv(conn, size: int) -> bytes:
+    """``conn.recv(size)``; ``b""`` once the connection is closed or broken."""
+    try:
+        return conn.recv(size)
+    except OSError:
+        return b""
 
 
 def _what(status: int, origin: int, me: int, n: int, hung) -> str:
@@ -337,13 +339,7 @@ class _Relay:
         """Copy ``src`` to ``dst`` until one side ends; when the coordinator's side
         (``theirs``) ended, wait before closing JAX's."""
         ended = src
-        while True:
-            try:
-                data = src.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                break
+        while data := _recv(src, 65536):
             try:
                 dst.sendall(data)
             except OSError:
