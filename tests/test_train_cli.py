@@ -505,6 +505,59 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     gc.collect()   # orbax's abandoned reads are finalized here, under this test's filters
 
 
+def _files(directory):
+    """``{relative path: (size, mtime_ns)}`` of every file under ``directory``."""
+    out = {}
+    for d, _, names in os.walk(directory):
+        for n in names:
+            st = os.stat(os.path.join(d, n))
+            out[os.path.relpath(os.path.join(d, n), directory)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("item", ["meta", "state"])
+def test_a_failed_collective_during_a_read_is_not_a_damaged_checkpoint(tmp_path, monkeypatch,
+                                                                       item):
+    """Issue 47: a read of an intact checkpoint that fails because a collective failed (a
+    peer process died: gloo's 'Connection closed by peer') used to be reported as a damaged
+    checkpoint, advising to move it aside. Now it is ReadFailed, one line saying the files
+    are intact, and nothing on disk changes; the same checkpoint then resumes. A checkpoint
+    whose own metadata does not parse is still damaged, whatever the error was."""
+    import orbax.checkpoint as ocp
+    wd = tmp_path / "run"
+    loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0, stop_at_step=4), str(wd))
+    before = _files(wd / "checkpoints")
+    real = ocp.CheckpointManager.restore
+
+    def failing(self, step, *a, args=None, **kw):
+        if args is not None and item in args.keys():
+            raise jax.errors.JaxRuntimeError(
+                "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547]"
+                " Connection closed by peer [127.0.0.1]:17545")
+        return real(self, step, *a, args=args, **kw)
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", failing)
+    with pytest.raises(ckpt_lib.ReadFailed) as e:
+        loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
+    msg = str(e.value)
+    assert msg.startswith("reading the checkpoint at step 4 in ") and "\n" not in msg
+    assert f"({item}: JaxRuntimeError: UNKNOWN: Gloo AllGather failed" in msg
+    assert "the checkpoint is intact and kept: rerun to resume" in msg
+    assert "damaged" not in msg and "aside" not in msg and "delete" not in msg
+    assert _files(wd / "checkpoints") == before   # nothing moved, written or removed
+    # its own metadata unreadable: damaged, with the fallback, even after such an error
+    name = "meta/metadata" if item == "meta" else "state/_METADATA"
+    meta = wd / "checkpoints" / "4" / name
+    text = meta.read_text()
+    meta.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"checkpoint at step 4 .* is damaged \(" + item
+                       + r": OSError: .*" + name.split("/")[1] + r": JSONDecodeError"):
+        loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
+    meta.write_text(text)
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", real)
+    s = loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
+    assert s["completed"] and s["steps"] == 6
+
+
 @pytest.mark.parametrize("variant,extra", [
     ("n-sdp", {}), ("nb-sdp", {}),   # (bb-sdp: its step in test_emulation.py and test_fsdp.py)
     ("b-sdp", {"sdp.average": "parameters", "sdp.sync_every": 2}),

@@ -20,10 +20,38 @@ while saving leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Any
 
 import orbax.checkpoint as ocp
+
+# How TensorStore and orbax word a fault of a checkpoint's own files (a byte range past a
+# truncated file's end, a missing or undecodable file): found in a read error's message.
+_FILE_FAULT = re.compile(r"local file|Error (reading|opening|decoding)|byte range|No such file"
+                         r"|DATA_LOSS|[Cc]orrupt|[Tt]runcat|[Ii]ncomplete")
+
+
+class ReadFailed(RuntimeError):
+    """Reading a checkpoint failed for a reason outside its files: a collective or JAX's
+    coordination service failed (another process ended or hung during the read). The
+    checkpoint is intact and kept; rerunning once every process runs resumes it."""
+
+
+def _file_fault(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) says that a file could not be read:
+    an ``OSError`` (missing, unreadable), undecodable JSON or text, or TensorStore's words
+    for a truncated or missing file (:data:`_FILE_FAULT`)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (OSError, json.JSONDecodeError, UnicodeDecodeError)):
+            return True
+        if _FILE_FAULT.search(str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -62,6 +90,10 @@ def _leaf_shapes(tree: Any) -> dict[tuple, tuple[str, tuple]]:
     return out
 
 
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
+
+
 class CheckpointManager:
     """Thin wrapper over ``orbax.checkpoint.CheckpointManager`` for SDP runs.
 
@@ -93,16 +125,52 @@ class CheckpointManager:
         fix = (f"move {path} aside (e.g. to {path}.damaged) to resume from step {max(older)}"
                if older else f"move {path} aside to start afresh")
         return ValueError(f"the checkpoint at step {step} in {self.directory} is damaged "
-                          f"({what}: {type(err).__name__}: {str(err)[:300]}); {fix}, or use "
-                          "a new --workdir.")
+                          f"({what}: {type(err).__name__}: {_first_line(err)[:300]}); {fix}, "
+                          "or use a new --workdir.")
+
+    def _own_files_fault(self, step: int, what: str) -> str:
+        """What is wrong with the files of item ``what`` (``meta`` or ``state``) of the
+        checkpoint at ``step``, read on this host alone (no collective): ``""`` when its
+        metadata files are present and parse."""
+        item = os.path.join(self.directory, str(step), what)
+        name = "metadata" if what == "meta" else "_METADATA"
+        path = os.path.join(item, name)
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{path}: {type(e).__name__}: {_first_line(e)[:200]}"
+        return ""
+
+    def _read_error(self, step: int, what: str, err: Exception) -> Exception:
+        """The error for a failed read of item ``what`` of the checkpoint at ``step``:
+        *damaged* (:meth:`_damaged`, with the fallback) only when the checkpoint's own files
+        are shown unreadable (its metadata does not parse on this host, or the error is a
+        file's: :func:`_file_fault`); otherwise :class:`ReadFailed` (a collective or the
+        coordination service failed around the read; the checkpoint is intact)."""
+        fault = self._own_files_fault(step, what)
+        if fault:
+            return self._damaged(step, what, OSError(fault))
+        if _file_fault(err):
+            return self._damaged(step, what, err)
+        return ReadFailed(
+            f"reading the checkpoint at step {step} in {self.directory} failed, but not "
+            f"because of its files ({what}: {type(err).__name__}: {_first_line(err)[:200]}): "
+            "a collective or the coordination service failed around the read (another "
+            "process ended or hung?); the checkpoint is intact and kept: rerun to resume once "
+            "every process runs.")
 
     def read_meta(self, step: int) -> dict:
-        """The ``meta`` item of ``step``. Raises ValueError naming the step if unreadable."""
+        """The ``meta`` item of ``step``.
+
+        Raises:
+          ValueError: its files are unreadable (damaged: names the step and the fallback).
+          ReadFailed: the read failed around the files (a peer process ended)."""
         try:
             return self._mngr.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # orbax/json/OS errors of a damaged checkpoint
-            raise self._damaged(step, "meta", e) from e
+        except Exception as e:  # noqa: BLE001 (orbax/json/OS errors, or a failed collective)
+            raise self._read_error(step, "meta", e) from e
 
     def check_compatible(self, step: int, meta: dict, defaults: dict | None = None,
                          may_grow: tuple[str, ...] = (), hints: dict | None = None,
@@ -210,7 +278,9 @@ class CheckpointManager:
 
         Raises:
           ValueError: the checkpoint holds another parameter layout (incompatible: names the
-            leaves) or cannot be read (damaged: names the step and how to fall back).
+            leaves) or its files cannot be read (damaged: names the step and how to fall
+            back).
+          ReadFailed: the read failed around the files (a collective; the checkpoint is kept).
         """
         mismatch = self._layout_mismatch(step, abstract_state)
         if mismatch:
@@ -218,8 +288,8 @@ class CheckpointManager:
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
-        except Exception as e:  # truncated tensors, missing items, another tree
-            raise self._damaged(step, "state", e) from e
+        except Exception as e:  # noqa: BLE001 (truncated tensors, missing items, a collective)
+            raise self._read_error(step, "state", e) from e
         return out["state"]
 
     def close(self) -> None:

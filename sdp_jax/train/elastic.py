@@ -133,12 +133,13 @@ def full_state(builder, state: dict, average: bool) -> dict:
 
 def _lay(fn, full, abstract):
     """``fn(full)`` (full host arrays -> a stored tree), placed as ``abstract``
-    (ShapeDtypeStructs with shardings): computed on the host's CPU backend, each device then
-    given only its own slice, so no device holds more than its share; without a CPU backend
-    (``JAX_PLATFORMS`` without ``cpu``), computed on the mesh, where every device briefly
-    holds ``full``."""
+    (ShapeDtypeStructs with shardings): computed on this process's own CPU device (with
+    several processes ``jax.devices("cpu")[0]`` is process 0's, which no other process can
+    read back), each of this process's devices then given only its own slice, so no device
+    holds more than its share; without a CPU backend (``JAX_PLATFORMS`` without ``cpu``),
+    computed on the mesh, where every device briefly holds ``full``."""
     try:
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return jax.jit(fn, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))(full)
     with jax.default_device(cpu):
@@ -171,10 +172,11 @@ def lay_out(builder, full: dict, step: int) -> dict:
     return state
 
 
-def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
-            log: Callable[[str], None]) -> dict:
-    """The checkpoint at ``step`` (``saved``: its ``meta``) laid out for ``run``'s
-    ``builder`` (:func:`checkpoint_run`, :func:`full_state`, :func:`lay_out`).
+def read_full(manager, step: int, saved: dict, run: run_lib.RunSpec):
+    """``(full, old)``: the checkpoint at ``step`` (``saved``: its ``meta``) read to this
+    process's host memory in its own layout (emulated on one local device) and joined into
+    the full model and optimizer state (:func:`full_state`); ``old``: the checkpoint's run
+    (:func:`checkpoint_run`). Every process reads the whole checkpoint.
 
     Raises:
       ValueError: an unreadable checkpoint, or one whose layout is not its recorded run's
@@ -184,9 +186,20 @@ def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
     old_builder = old.family.step(old, mesh)
     target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), old_builder.abstract_state())
     state = manager.restore(step, target)
+    return full_state(old_builder, state, old.settings.averaging == "parameters"), old
+
+
+def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
+            log: Callable[[str], None]) -> dict:
+    """The checkpoint at ``step`` (``saved``: its ``meta``) laid out for ``run``'s
+    ``builder`` (:func:`read_full`, then :func:`lay_out`: each process places only its own
+    devices' shares), with one line logged.
+
+    Raises:
+      ValueError: an unreadable checkpoint, or one whose layout is not its recorded run's
+        (names the leaves)."""
+    full, old = read_full(manager, step, saved, run)
     average = old.settings.averaging == "parameters"
-    full = full_state(old_builder, state, average)
-    del state
     log(f"elastic resume (--config.elastic) at step {step}: {change_line(saved, run)}; the "
         f"full model and its optimizer moments rebuilt from the checkpoint's {old.workers} "
         "workers" + (" (holders' copies averaged)" if average else "")
