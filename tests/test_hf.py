@@ -105,13 +105,15 @@ def test_init_from_trains_and_refuses_another_shape(hf_export, tmp_path, capsys)
     assert loop.train(_tiny(init_from=copy, **{"sdp.variant": "ddp", "sdp.coverage": 1.0}),
                       cont)["completed"]
     assert np.isfinite(trained.evaluation(trained.load(cont))["val_loss"])
+    capsys.readouterr()
     for bad, match in ((dict(init_from=out, **{"model.d_model": 128}),
                         r"another shape.*--config.model.d_model=32"),
                        (dict(init_from=str(tmp_path)), "has no config.json")):
         wd = tmp_path / "refused"
         with pytest.raises(ValueError, match=match):
             loop.train(_tiny(**bad), str(wd))
-        assert not os.path.exists(wd / "checkpoints") or not os.listdir(wd / "checkpoints")
+        assert not wd.exists()   # refused before the workdir is created ...
+        assert "data stdlib" not in capsys.readouterr().out   # ... and before the data load
     for key, value in (("rope_scaling", {"type": "linear"}),
                        ("rope_parameters", {"rope_type": "llama3", "factor": 8.0})):
         with pytest.raises(ValueError, match=f"config.json: {key}="):   # the file's own key
@@ -240,4 +242,25 @@ def test_every_fault_of_a_folder_is_one_line_naming_the_file(tmp_path):
             msg = str(e.value)
             assert "\n" not in msg and folder in msg, (name, msg)
             assert name == "absent" or os.path.join(folder, file) in msg, (name, msg)
+
+
+def test_a_broken_folder_ends_train_py_in_one_line_with_no_workdir(tmp_path):
+    """python train.py with a truncated shard under init_from: one line, status 2, and no
+    workdir (checked before it is created)."""
+    import subprocess
+    cfg = trained.language_model(_tiny(), "test")
+    folder = str(tmp_path / "src")
+    _source(folder, cfg, shards=2)
+    shard = os.path.join(folder, "model-00002-of-00002.safetensors")
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    wd = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+         os.path.join(ROOT, "configs", "llama_tiny.py"), "--config.model.n_kv_heads=2",
+         f"--config.init_from={folder}", "--workdir", str(wd)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith(f"python train.py: error: {shard}: truncated: ")
+    assert out.stderr.count("\n") == 1 and not wd.exists()
 

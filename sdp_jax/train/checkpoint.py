@@ -62,6 +62,18 @@ def _leaf_shapes(tree: Any) -> dict[tuple, tuple[str, tuple]]:
     return out
 
 
+def latest_step_in(directory: str) -> int | None:
+    """The step of the latest finished checkpoint in ``directory`` (a run's
+    ``checkpoints/``), or None: none there, or no such folder (which is not created)."""
+    if not os.path.isdir(directory):
+        return None
+    manager = CheckpointManager(directory)
+    try:
+        return manager.latest_step()
+    finally:
+        manager.close()
+
+
 class CheckpointManager:
     """Thin wrapper over ``orbax.checkpoint.CheckpointManager`` for SDP runs.
 
