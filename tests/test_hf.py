@@ -264,3 +264,43 @@ def test_a_broken_folder_ends_train_py_in_one_line_with_no_workdir(tmp_path):
     assert out.stderr.startswith(f"python train.py: error: {shard}: truncated: ")
     assert out.stderr.count("\n") == 1 and not wd.exists()
 
+
+def test_a_hugging_face_llama_converts_and_exports_unchanged(tmp_path, capsys):
+    """--config.steps=0 with init_from writes the source's model, laid out under b-sdp's
+    masks, as the checkpoint of step 0 (no step compiled); export --format hf writes it back
+    bit for bit, with the source's config fields and context length (256, not the run's
+    model.max_seq_len 64 or seq_len 32), also as the tokenizer's model_max_length; the same
+    command again finds the run complete."""
+    import tokenizers
+    cfg = trained.language_model(_tiny(), "test")
+    src, wd, out = (str(tmp_path / n) for n in ("src", "run", "hf"))
+    tensors = _source(src, cfg, shards=3)
+    vocab = {f"w{i}": i for i in range(20)} | {"<|endoftext|>": 20}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    words = np.random.default_rng(0).integers(0, 20, 20000)
+    (tmp_path / "corpus.txt").write_text(" ".join(f"w{i}" for i in words))
+    config = _tiny(steps=0, init_from=src, **{"data.source": "text",
+                                               "data.train_files": str(tmp_path / "corpus.txt"),
+                                               "data.tokenizer": str(tmp_path)})
+    summary = loop.train(config, wd)
+    assert summary["steps"] == 0 and summary["completed"] and np.isfinite(
+        summary["final_val_loss"])
+    log = capsys.readouterr().out
+    assert "compiled train step" not in log and "is the checkpoint of step 0" in log
+    export.main(["--workdir", wd, "--format", "hf", "--out", out])
+    from safetensors.numpy import load_file
+    got = load_file(os.path.join(out, hf_llama.WEIGHTS))
+    assert sorted(got) == sorted(tensors)
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and np.array_equal(got[k], v), k   # bit for bit
+    theirs, ours = (json.load(open(os.path.join(d, "config.json"))) for d in (src, out))
+    for key in list(hf_llama.FIELDS.values()) + ["head_dim", "model_type", "architectures"]:
+        assert ours[key] == theirs[key], key
+    assert ours["max_position_embeddings"] == 256
+    assert json.load(open(os.path.join(out, "tokenizer_config.json")))["model_max_length"] == 256
+    again = loop.train(_tiny(steps=0, init_from=src, **{
+        "data.source": "text", "data.train_files": str(tmp_path / "corpus.txt"),
+        "data.tokenizer": str(tmp_path)}), wd)
+    assert again["steps"] == 0 and "already complete" in capsys.readouterr().out
