@@ -234,6 +234,46 @@ def test_checkpoint_from_other_config_is_refused(tmp_path):
         loop.train(tiny(steps=3, eval_every=2), wd)   # cosine: no extension
 
 
+def _files(folder):
+    """{path: (bytes, mtime)} of every file under ``folder`` but the lock."""
+    out = {}
+    for d, _, names in os.walk(folder):
+        for n in names:
+            p = os.path.join(d, n)
+            if n != ".lock":
+                out[p] = (open(p, "rb").read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def test_a_run_refused_before_its_first_step_leaves_no_workdir(tmp_path, monkeypatch):
+    """A step over the memory budget is refused after its compile, in one line, before the
+    first step: a fresh workdir is then removed and an existing run's is left as it was
+    (config.json, metrics, checkpoints); an allocation that fails anyway at the first step
+    (XLA's RESOURCE_EXHAUSTED) is one line too, and leaves no fresh workdir either."""
+    fresh, run = tmp_path / "fresh", tmp_path / "run"
+    tight = {"sdp.memory_budget_gib": 1e-4, "steps": 2}
+    with pytest.raises(ValueError, match=r"the compiled train step peaks at .* per device, "
+                       r"over --config.sdp.memory_budget_gib=0.0001: it cannot run; lower") as e:
+        loop.train(tiny(**tight), str(fresh))
+    assert "\n" not in str(e.value) and not fresh.exists()
+    loop.train(tiny(steps=2, stop_at_step=1), str(run))
+    before = _files(run)
+    assert any(p.endswith("metrics.jsonl") for p in before)
+    with pytest.raises(ValueError, match="it cannot run"):
+        loop.train(tiny(**tight), str(run))   # (the budget is no part of the trajectory)
+    assert _files(run) == before
+
+    def oom(self, state, batch, step):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                         "allocate 95.56GiB.\nmore of XLA's lines")
+    monkeypatch.setattr(loop._Program, "one_step", oom)
+    with pytest.raises(ValueError, match=r"^out of memory on the device \(Out of memory while "
+                       r"trying to allocate 95.56GiB.\); lower the run's memory with an SDP "
+                       r"variant .*--config.remat=full") as e:
+        loop.train(tiny(steps=2), str(fresh))
+    assert "\n" not in str(e.value) and not fresh.exists()
+
+
 def test_a_workdir_in_use_is_refused(tmp_path):
     """Two runs in one workdir interleaved their metrics and hung on orbax's lock: the second
     is refused, naming the holder, before any compute; the lock goes with its holder."""

@@ -49,13 +49,15 @@ EXPORT_FILE = "model.safetensors"
 class Trained:
     """A run restored for use: ``config`` (ConfigDict), ``run`` (the resolved run,
     :class:`sdp_jax.train.run.RunSpec`), ``builder`` (:class:`sdp_jax.step.SDPStep`),
-    ``state`` (its train state on the mesh) and ``step`` (the checkpoint's step; None for an
-    export)."""
+    ``state`` (its train state on the mesh), ``step`` (the checkpoint's step; None for an
+    export) and ``init_from`` (what the checkpoint records of the Hugging Face LLaMA the run
+    started from, :func:`sdp_jax.models.hf_llama.check_folder`'s; None without one)."""
     config: Any
     run: Any
     builder: Any
     state: dict
     step: int | None
+    init_from: dict | None = None
 
     def full_params(self) -> dict:
         """The full model's parameters (nested dict of host float32 numpy arrays), each
@@ -137,12 +139,13 @@ def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
         at = step or max(steps)
         manager.check_compatible(at, loop._meta(checked, run),  # pylint: disable=protected-access
                                  **migrations.compatibility(run))
+        init_from = manager.read_meta(at).get("init_from")
     except ValueError:
         manager.close()
         raise
     state, _ = loop.restore_or_init(manager, at, builder, config.seed, announce=False)
     manager.close()
-    return Trained(config, run, builder, state, at)
+    return Trained(config, run, builder, state, at, init_from)
 
 
 def evaluation(trained: Trained, log=None) -> dict:
@@ -202,7 +205,10 @@ def export_hf(trained: Trained, out: str) -> str:
     and layouts, float32, :func:`sdp_jax.models.hf_llama.to_hf`), the run's tokenizer when it
     had a Hugging Face one (``tokenizer.json`` and a ``tokenizer_config.json`` naming
     ``PreTrainedTokenizerFast`` and its end-of-text token) and the run's own config as
-    ``sdp_jax_config.json``. Returns the weights' path.
+    ``sdp_jax_config.json``. The context length (``max_position_embeddings`` and the
+    tokenizer's ``model_max_length``) is the one of the Hugging Face LLaMA the run started
+    from (``config.init_from``, recorded in its checkpoints) when that gave one, else the
+    run's ``model.max_seq_len`` and ``seq_len``. Returns the weights' path.
 
     Raises:
       ValueError: as :func:`export`."""
@@ -210,6 +216,10 @@ def export_hf(trained: Trained, out: str) -> str:
     path = export_target(out)
     tok = tokenizer(trained.config)
     hf_tok = tok is not None and tok.name != "bytes"
+    # the context of the Hugging Face LLaMA the run started from, when it gave one
+    source = (trained.init_from or {}).get("max_position_embeddings")
+    if source:
+        cfg = dataclasses.replace(cfg, max_seq_len=source)
     if os.path.exists(os.path.join(out, HF_RUN_CONFIG)):
         raise ValueError(f"{os.path.join(out, HF_RUN_CONFIG)!r} exists; choose another --out "
                          "(an export is never overwritten).")
@@ -218,7 +228,7 @@ def export_hf(trained: Trained, out: str) -> str:
         shutil.copyfile(tok.path, os.path.join(out, "tokenizer.json"))
         loop.write_atomically(os.path.join(out, "tokenizer_config.json"), json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
-            "model_max_length": context(trained.config)}, indent=2))
+            "model_max_length": source or context(trained.config)}, indent=2))
     loop.write_atomically(os.path.join(out, HF_RUN_CONFIG), trained.config.to_json(indent=2))
     loop.write_atomically(os.path.join(out, "config.json"), json.dumps(
         hf_llama.hf_config(cfg, tok.eot_id if hf_tok else None), indent=2))

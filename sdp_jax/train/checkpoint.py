@@ -94,6 +94,18 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0]
 
 
+def latest_step_in(directory: str) -> int | None:
+    """The step of the latest finished checkpoint in ``directory`` (a run's
+    ``checkpoints/``), or None: none there, or no such folder (which is not created)."""
+    if not os.path.isdir(directory):
+        return None
+    manager = CheckpointManager(directory)
+    try:
+        return manager.latest_step()
+    finally:
+        manager.close()
+
+
 class CheckpointManager:
     """Thin wrapper over ``orbax.checkpoint.CheckpointManager`` for SDP runs.
 
