@@ -59,6 +59,41 @@ def test_evaluate_reproduces_the_runs_final_loss(run, tmp_path, capsys):
         assert e.value.code == 2 and fragment in capsys.readouterr().err
 
 
+def test_evaluate_is_the_documented_recipe(run):
+    """docs/data.md's recipe reproduces ``evaluate``: windows of ``seq_len + 1`` tokens of the
+    validation split stepping by ``seq_len``, the first ``eval_batches * G`` in order, the mean
+    next-token cross-entropy of the full model (a plain forward pass here) over them, and
+    ``val_bpb = val_loss / ln 2`` for bytes."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from sdp_jax.train import data as data_lib
+    from sdp_jax.train.families import LanguageModel
+    wd, _ = run
+    with open(os.path.join(ROOT, "docs", "data.md")) as f:
+        doc = " ".join(f.read().split())
+    for fact in ("Window `i` of a split of `n` tokens is tokens `i * seq_len` to `i * seq_len + "
+                 "seq_len` (inclusive)", "over the first `eval_batches * G` validation windows",
+                 "`val_bpb = val_loss / ln 2`"):
+        assert fact in doc, fact
+    t = trained.load(wd)
+    want = trained.evaluation(t)
+    c, G = t.config, t.run.global_batch
+    tokens = np.asarray(data_lib.load_tokens(c.data, "val", c.model.vocab_size), np.int32)
+    T = c.seq_len
+    windows = np.stack([tokens[i * T:i * T + T + 1] for i in range(c.eval_batches * G)])
+    model = nnx.merge(LanguageModel(trained.language_model(c, "test")).graphdef,
+                      jax.tree.map(np.asarray, t.full_params()))
+    logits = np.asarray(model(windows[:, :-1]), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    loss = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
+    np.testing.assert_allclose(want["val_loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(want["val_bpb"], loss / math.log(2), rtol=1e-5)
+
+
 def test_generate_is_deterministic_for_a_seed(run, capsys):
     wd, _ = run
     args = ["--workdir", wd, "--prompt", "def ", "--length", "12"]
