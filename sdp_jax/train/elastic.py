@@ -46,9 +46,8 @@ from sdp_jax.train import run as run_lib
 # The config fields an elastic resume may change (dotted; "x." a whole section; "masks." the
 # recorded mask recipes, which follow from the others).
 FIELDS = ("workers", "batch_per_worker", "fsdp", "sdp.", "masks.")
-HINT = ("To continue it under this run's setting instead (the full model and its optimizer "
-        "moments rebuilt from the checkpoint and laid out under new masks), resume with "
-        "--config.elastic=True.")
+HINT = ("Or continue it under this run's setting with --config.elastic=True (the full model "
+        "and its optimizer moments rebuilt and laid out under new masks).")
 
 
 def saved_workers(saved: dict) -> int:
