@@ -208,6 +208,29 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, monkeypatch):
         resolve(tiny(**{"optim.lr": 1e8}), 4)
 
 
+def test_stop_at_the_checkpoints_step_says_nothing_was_saved(tmp_path, capsys):
+    """``--config.stop_at_step`` at the step of the checkpoint a run resumes: no step runs and
+    nothing is saved, and the last line says so (not "checkpoint saved"); a stop after a step
+    that saved says that."""
+    wd = str(tmp_path / "run")
+    common = {"steps": 4, "eval_every": 0, "checkpoint_every": 2}
+    loop.train(tiny(stop_at_step=2, **common), wd)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "stopped at step 2 of 4 (checkpoint saved); rerun without --config.stop_at_step (or "
+        "with a later step) to resume.")
+    kept = os.listdir(os.path.join(wd, "checkpoints", "2", "state"))
+    again = loop.train(tiny(stop_at_step=2, **common), wd)
+    assert again["steps"] == 2 and not again["completed"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "stopped at step 2 of 4 without training: --config.stop_at_step=2 is not after the "
+        "checkpoint's step 2, so no step ran and no checkpoint was written (step 2's is the "
+        "latest); rerun without --config.stop_at_step (or with a later step) to go on.")
+    m = ckpt_lib.CheckpointManager(os.path.join(wd, "checkpoints"))
+    assert m.all_steps() == [2]
+    m.close()
+    assert os.listdir(os.path.join(wd, "checkpoints", "2", "state")) == kept
+
+
 def test_checkpoint_from_before_fsdp_and_dtype_existed_resumes(tmp_path):
     wd = tmp_path / "old"
     loop.train(tiny(stop_at_step=2, eval_every=2), str(wd))
