@@ -507,21 +507,26 @@ def task_from(name: str):
                          "without arguments: give it defaults, or name an instance.") from None
 
 
+CONFIG_HELP = ("--config.FIELD=VALUE: override a field of the run's config.json (e.g. "
+               "--config.eval_batches=4, or other evaluation data with --config.data.*; the "
+               "model and masks stay the checkpoint's; the fields: docs/configuration.md)")
+
+
 def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     """Parse a use command's flags: ``--workdir`` (or ``--export`` where ``define`` adds it),
     the tool's own (``define(fv)``), and ``--config.FIELD=VALUE`` overrides of the run's
     config.json. Simulated CPU devices are set from the config before JAX starts. Returns
-    ``(flag values, config)``; mistakes exit with one line (status 2)."""
+    ``(flag values, config)``; mistakes exit with one line (status 2); ``--help`` prints
+    ``doc``, every flag with its default and :data:`CONFIG_HELP`, and exits 0."""
     from absl import flags  # pylint: disable=g-import-not-at-top
     from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
     if argv is None:   # the command line: a signal ends it with one line, never a traceback
         cli.exit_on_signals()
     argv = [prog] + (sys.argv[1:] if argv is None else list(argv))
-    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        print(doc.strip())
-        sys.exit(0)
     fv = tool_flags(define)
+    if cli.asks_help(argv):
+        cli.exit_with_help(fv, doc, CONFIG_HELP)
     sources = _given(argv, ("--workdir", "--export"))
     named = [v for _, v in _given(argv, ("--task",))] if "task" in fv else []
     try:   # a user's Task (its module imported now: read_config needs its schema)
