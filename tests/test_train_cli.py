@@ -208,6 +208,29 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, monkeypatch):
         resolve(tiny(**{"optim.lr": 1e8}), 4)
 
 
+def test_stop_at_the_checkpoints_step_says_nothing_was_saved(tmp_path, capsys):
+    """``--config.stop_at_step`` at the step of the checkpoint a run resumes: no step runs and
+    nothing is saved, and the last line says so (not "checkpoint saved"); a stop after a step
+    that saved says that."""
+    wd = str(tmp_path / "run")
+    common = {"steps": 4, "eval_every": 0, "checkpoint_every": 2}
+    loop.train(tiny(stop_at_step=2, **common), wd)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "stopped at step 2 of 4 (checkpoint saved); rerun without --config.stop_at_step (or "
+        "with a later step) to resume.")
+    kept = os.listdir(os.path.join(wd, "checkpoints", "2", "state"))
+    again = loop.train(tiny(stop_at_step=2, **common), wd)
+    assert again["steps"] == 2 and not again["completed"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "stopped at step 2 of 4 without training: --config.stop_at_step=2 is not after the "
+        "checkpoint's step 2, so no step ran and no checkpoint was written (step 2's is the "
+        "latest); rerun without --config.stop_at_step (or with a later step) to go on.")
+    m = ckpt_lib.CheckpointManager(os.path.join(wd, "checkpoints"))
+    assert m.all_steps() == [2]
+    m.close()
+    assert os.listdir(os.path.join(wd, "checkpoints", "2", "state")) == kept
+
+
 def test_checkpoint_from_before_fsdp_and_dtype_existed_resumes(tmp_path):
     wd = tmp_path / "old"
     loop.train(tiny(stop_at_step=2, eval_every=2), str(wd))
@@ -227,7 +250,10 @@ def test_checkpoint_from_other_config_is_refused(tmp_path):
     with pytest.raises(ValueError) as e:
         loop.train(tiny(steps=2, eval_every=2, **{"model.d_model": 64}), wd)
     msg = str(e.value)
-    assert "model.d_model: checkpoint has 32, this run has 64" in msg and "--workdir" in msg
+    assert msg == (f"the checkpoint at step 2 in {wd}/checkpoints is incompatible with this run "
+                   "(written by another run config), so it is not loaded: model.d_model: "
+                   "checkpoint has 32, this run has 64. Use a new --workdir for this config, or "
+                   "rerun with the checkpoint's values to resume it.")
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before  # nothing overwritten
     with pytest.raises(ValueError, match="steps: checkpoint has 2, this run has 3 .*"
                                          r"--config\.optim\.schedule=wsd may be extended"):
@@ -362,6 +388,39 @@ def test_misspelled_override_without_config_is_one_line(tmp_path):
     assert "unknown config field 'varient'" in out.stderr and "variant" in out.stderr
 
 
+def test_an_incompatible_checkpoint_is_refused_in_one_line(tmp_path):
+    """Many differing fields: one line, the first four in full, the others by name; a mask
+    hash cut short; the masks folded into one item when other fields differ too (listed in
+    full when they alone differ); the fix last."""
+    import jax.numpy as jnp
+    saved = {"config": {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6}, "workers": 8,
+             "masks": {"mask_sha256": "e" * 64, "recipes": {"block": {"workers": 8}}}}
+    m = ckpt_lib.CheckpointManager(str(tmp_path / "c"))
+    m.save(1, {"w": jnp.zeros((4,))}, saved)
+    m.close()
+    m = ckpt_lib.CheckpointManager(str(tmp_path / "c"))
+    now = {"config": {"a": 1, "b": 20, "c": 30, "d": 40, "e": 50, "f": 60}, "workers": 6,
+           "masks": {"mask_sha256": "a" * 64, "recipes": {"block": {"workers": 6}}}}
+    try:
+        with pytest.raises(ValueError) as e:
+            m.check_compatible(1, now)
+        assert str(e.value) == (
+            f"the checkpoint at step 1 in {tmp_path / 'c'} is incompatible with this run "
+            "(written by another run config), so it is not loaded: b: checkpoint has 2, this "
+            "run has 20; c: checkpoint has 3, this run has 30; d: checkpoint has 4, this run "
+            "has 40; e: checkpoint has 5, this run has 50; and 3 more (f, workers, masks). Use "
+            "a new --workdir for this config, or rerun with the checkpoint's values to resume "
+            "it.")
+        with pytest.raises(ValueError) as e:
+            m.check_compatible(1, {**now, "config": saved["config"], "workers": 8})
+        assert ("so it is not loaded: masks.mask_sha256: checkpoint has "
+                "'eeeeeeeeeeeeeeeeeeeeeee…, this run has 'aaaaaaaaaaaaaaaaaaaaaaa…; "
+                "masks.recipes.block.workers: checkpoint has 8, this run has 6. Use a new"
+                ) in str(e.value)
+    finally:
+        m.close()
+
+
 def test_checkpoint_of_another_layout_is_incompatible_not_damaged(tmp_path):
     """A readable checkpoint whose arrays do not fit this run is called incompatible (and
     never advised for deletion); a truncated one is damaged
@@ -384,7 +443,10 @@ def test_checkpoint_of_another_layout_is_incompatible_not_damaged(tmp_path):
         (4,), jnp.float32)})["w"], np.zeros(4))   # the stored layout is read as before
     m.close()
     msg = str(e.value)
-    assert "is incompatible with this run" in msg and "['w']: checkpoint (4,), this run (5,)" in msg
+    assert msg == (f"the checkpoint at step 1 in {tmp_path / 'c'} is incompatible with this run: "
+                   "it holds another parameter layout (['w']: checkpoint (4,), this run (5,)); "
+                   "use a new --workdir for this run, or the code and config that wrote it to "
+                   "resume it.")
     assert "damaged" not in msg and "delete" not in msg and "aside" not in msg
     # A checkpoint from before the resolved W was recorded (llama_1b had workers=8, now 0 =
     # every device): its explicit workers is compared with this run's W.

@@ -54,13 +54,34 @@ def _file_fault(err: BaseException) -> bool:
     return False
 
 
+def _short(value: Any, limit: int = 32) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a mask hash, a long list) with ``…``."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 8] + "…"
+
+
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in sorted(set(a) | set(b)):
             out += _diff(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{prefix}{k}.")
         return out
-    return [] if a == b else [f"{prefix[:-1]}: checkpoint has {a!r}, this run has {b!r}"]
+    return [] if a == b else [f"{prefix[:-1]}: checkpoint has {_short(a)}, this run has "
+                              f"{_short(b)}"]
+
+
+def _name(line: str) -> str:
+    """The field (or leaf) a difference line is about: its text before the first ``": "``."""
+    return line.split(": ", 1)[0]
+
+
+def _inline(lines: list[str], shown: int = 4) -> str:
+    """Differences as one line: the first ``shown`` in full, joined by ``"; "``, then how many
+    more and their names (:func:`_name`; the first 8)."""
+    rest = [_name(ln) for ln in lines[shown:]]
+    more = (f"; and {len(rest)} more ({', '.join(rest[:8])}{', …' if len(rest) > 8 else ''})"
+            if rest else "")
+    return "; ".join(lines[:shown]) + more
 
 
 def _within(path: str, fields: tuple[str, ...]) -> bool:
@@ -104,6 +125,17 @@ def latest_step_in(directory: str) -> int | None:
         return manager.latest_step()
     finally:
         manager.close()
+
+
+def _masks_last(diffs: list[str]) -> list[str]:
+    """The differences with the masks' (``masks.*``) after the others and, when other fields
+    differ too (the masks follow from them), folded into one line naming them."""
+    masks = [d for d in diffs if _name(d).startswith("masks.")]
+    others = [d for d in diffs if d not in masks]
+    if not others or not masks:
+        return others + masks
+    names = ", ".join(_name(d)[len("masks."):] for d in masks)
+    return others + [f"masks: differ too ({names})"]
 
 
 class CheckpointManager:
@@ -205,8 +237,9 @@ class CheckpointManager:
           the lines of the accepted elastic changes ([] when none).
 
         Raises:
-          ValueError: listing every differing field, with the fix (another ``--workdir``, or
-            the original values).
+          ValueError: in one line, the differing fields (the first four in full, values cut
+            short, then the others' names; the masks' folded into one when other fields
+            differ too), then the fix (another ``--workdir``, or the original values).
         """
         saved = self.read_meta(step)
         diffs = _diff(saved.get("masks", {}), meta["masks"], "masks.")
@@ -223,25 +256,23 @@ class CheckpointManager:
             if saved_w != meta["workers"]:
                 diffs.append(f"workers: the checkpoint was trained by W = {saved_w} workers, "
                              f"this run has W = {meta['workers']} (a different W is a "
-                             f"different trajectory; resume with --config.workers={saved_w}, "
+                             f"different trajectory: resume with --config.workers={saved_w}, "
                              f"with several processes on exactly {saved_w} devices)")
         for k in may_grow:
             if k in saved_config and k in config and config[k] >= saved_config[k]:
                 config = {**config, k: saved_config[k]}
-        diffs = [d + (f" ({hints[d.split(':', 1)[0]]})"
-                      if d.split(":", 1)[0] in (hints or {}) else "")
+        diffs = [d + (f" ({hints[_name(d)]})" if _name(d) in (hints or {}) else "")
                  for d in _diff(saved_config, config)] + diffs
-        only_elastic = all(_within(d.split(":", 1)[0], elastic) for d in diffs)
+        only_elastic = all(_within(_name(d), elastic) for d in diffs)
         if allow_elastic and only_elastic:
             return diffs
         if diffs:
-            shown = "\n  ".join(diffs[:20])
             hint = f" {elastic_hint}" if elastic_hint and only_elastic else ""
             raise ValueError(
                 f"the checkpoint at step {step} in {self.directory} is incompatible with this "
-                f"run (written by a different run config), so it is not loaded:\n  {shown}\n"
-                "Use a new --workdir for this config, or rerun with the checkpoint's values to "
-                f"resume it.{hint}")
+                f"run (written by another run config), so it is not loaded: "
+                f"{_inline(_masks_last(diffs))}. Use a new --workdir for this config, or rerun "
+                f"with the checkpoint's values to resume it.{hint}")
         return []
 
     def save(self, step: int, state: Any, meta: dict) -> None:
@@ -270,11 +301,12 @@ class CheckpointManager:
                 if have.get(k, (0, None))[1] != want.get(k, (0, None))[1]]
 
     def _incompatible(self, step: int, mismatch: list[str]) -> ValueError:
-        shown = "\n  ".join(mismatch[:10])
+        """The one-line refusal of a readable checkpoint of another parameter layout
+        (``mismatch``: :meth:`_layout_mismatch`'s lines, :func:`_inline`)."""
         return ValueError(
-            f"the checkpoint at step {step} in {self.directory} is incompatible with "
-            f"this run: it holds another parameter layout:\n  {shown}\nUse a new "
-            "--workdir for this run, or the code and config that wrote it to resume it.")
+            f"the checkpoint at step {step} in {self.directory} is incompatible with this run: "
+            f"it holds another parameter layout ({_inline(mismatch)}); use a new --workdir for "
+            "this run, or the code and config that wrote it to resume it.")
 
     def restore(self, step: int, abstract_state: Any) -> Any:
         """Restore the state into ``abstract_state``'s shapes and shardings (any process

@@ -266,11 +266,20 @@ def previous_wall(summary_path: str, start: int, manager=None) -> float:
     return 0.0
 
 
-def log_stopped(step: int, total: int, interrupted: list) -> None:
-    """The last line of a run that stopped before its end (it resumes from its checkpoint)."""
-    why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
+def log_stopped(step: int, total: int, interrupted: list, trained: bool = True,
+                stop_at: int = 0) -> None:
+    """The last line of a run that stopped before its end at ``step`` (it resumes from its
+    checkpoint of that step). ``trained``: whether this invocation trained up to ``step`` and
+    saved it; when not, ``stop_at`` (``--config.stop_at_step``) was not after the step of the
+    checkpoint it resumed, and the line says that nothing was trained or saved."""
     how = ("rerun the same command" if interrupted else
            "rerun without --config.stop_at_step (or with a later step)")
+    if not trained:
+        log(f"stopped at step {step} of {total} without training: --config.stop_at_step="
+            f"{stop_at} is not after the checkpoint's step {step}, so no step ran and no "
+            f"checkpoint was written (step {step}'s is the latest); {how} to go on.")
+        return
+    why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
     log(f"{why} at step {step} of {total} (checkpoint saved); {how} to resume.")
 
 
@@ -600,7 +609,7 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
                    prev_wall + time.time() - t_start)
     out["interrupted_by"] = interrupted[0] if interrupted and not done else None
     out["elastic"] = meta["elastic"]
-    _finish(run, workdir, path, out, interrupted)
+    _finish(run, workdir, path, out, interrupted, trained=step > start)
     # (not in summary.json) a signal that came during the last step: a caller that runs
     # several trainings in turn (python -m sdp_jax.study) stops after this one
     return {**out, "signal": interrupted[0] if interrupted else None}
@@ -832,13 +841,15 @@ def _summary(run: run_lib.RunSpec, prog: _Program, step: int, last_eval: dict,
 
 
 def _finish(run: run_lib.RunSpec, workdir: str, path: str, out: dict,
-            interrupted: list) -> None:
+            interrupted: list, trained: bool) -> None:
     """Write ``summary.json`` (process 0), draw ``curves.png`` when the run is complete, and
-    log the run's last line."""
+    log the run's last line (``trained``: whether this invocation ran a step,
+    :func:`log_stopped`)."""
     if jax.process_index() == 0:
         write_atomically(path, json.dumps(out, indent=2))
     if not out["completed"]:
-        log_stopped(out["steps"], run.total_steps, interrupted)
+        log_stopped(out["steps"], run.total_steps, interrupted, trained,
+                    run.config.stop_at_step)
         return
     if jax.process_index() == 0:
         try:
