@@ -607,16 +607,6 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     gc.collect()   # orbax's abandoned reads are finalized here, under this test's filters
 
 
-def _files(directory):
-    """``{relative path: (size, mtime_ns)}`` of every file under ``directory``."""
-    out = {}
-    for d, _, names in os.walk(directory):
-        for n in names:
-            st = os.stat(os.path.join(d, n))
-            out[os.path.relpath(os.path.join(d, n), directory)] = (st.st_size, st.st_mtime_ns)
-    return out
-
-
 @pytest.mark.parametrize("item", ["meta", "state"])
 def test_a_failed_collective_during_a_read_is_not_a_damaged_checkpoint(tmp_path, monkeypatch,
                                                                        item):
