@@ -156,7 +156,7 @@ def load(workdir: str, config=None, step: int = 0, task=None, log=None) -> Train
                 checked.data = copy.deepcopy(saved.data)
         manager.check_compatible(at, loop._meta(checked, run),  # pylint: disable=protected-access
                                  **migrations.compatibility(run))
-        init_from = manager.read_meta(at).get("init_from")
+        init_from = meta.get("init_from")
     except ValueError:
         manager.close()
         raise
