@@ -43,7 +43,7 @@ from absl import app, flags, logging  # noqa: E402
 import jax  # noqa: E402  (the heavy imports after the signal handlers)
 
 from sdp_jax import mesh as mesh_lib  # noqa: E402
-from sdp_jax.train import fit, loop  # noqa: E402
+from sdp_jax.train import checkpoint, fit, loop  # noqa: E402
 from sdp_jax.train.run import resolve  # noqa: E402
 
 PROG = "python train.py"
@@ -126,6 +126,10 @@ def main(argv):
         summary = loop.train(config, flags.FLAGS.workdir)
     except (ValueError, FloatingPointError, ImportError) as e:
         cli.error(PROG, str(e))
+    except checkpoint.ReadFailed as e:   # a peer ended during a read: the watch's line if so
+        peers.follow_lost_peer()
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(peers.DEAD_PEER)
     if summary["interrupted_by"]:  # resumable, but not finished: tell the scheduler
         sys.exit(128 + int(getattr(signal, summary["interrupted_by"])))
 

@@ -189,6 +189,39 @@ def test_bad_jsonl_names_the_file(tmp_path, what, message):
     assert str(f) in str(e.value)
 
 
+def test_invalid_utf8_is_refused_for_a_text_tokenizer_and_read_raw_by_bytes(tmp_path, capsys):
+    """A text file with invalid UTF-8 (3 invalid sequences, the first at byte 6): the byte
+    tokenizer takes its raw bytes; a Hugging Face tokenizer (a run's load, a BPE's training)
+    refuses it in one line naming the file, the offset and the count, never turning it into
+    U+FFFD; the same in a JSONL file (the offset in the file) and a Parquet binary column."""
+    raw = b"hello \xff w1 \xfe\xfe w0 caf\xc3\xa9 \xef\xbf\xbd\n" * 3
+    f = tmp_path / "latin.txt"
+    f.write_bytes(raw)
+    cfg = _cfg(source="text", train_files=str(f), val_fraction=0.0)
+    assert data.load_tokens(cfg, "train", 256).tobytes() == raw + b"\n"
+    data.clear_cache()
+    word = _word_level(tmp_path, 10)
+    with pytest.raises(ValueError) as e:
+        data.load_tokens(_cfg(source="text", train_files=str(f), val_fraction=0.0,
+                              tokenizer=word), "train", 11)
+    msg = str(e.value)
+    assert msg.startswith(f"text file {f}: invalid UTF-8 at byte 6 (9 invalid byte sequences)")
+    assert "iconv" in msg and msg.splitlines()[0].endswith("(data.tokenizer='', the default)")
+    with pytest.raises(ValueError, match=r"latin.txt: invalid UTF-8 at byte 6 "):
+        corpus.train_bpe(corpus.Documents([corpus.Piece("file", str(f))]), 300,
+                         str(tmp_path / "bpe.json"))
+    j = tmp_path / "bad.jsonl"
+    j.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"jsonl file {j}: invalid UTF-8 at byte 30 \(1 .*JSON "
+                                         "Lines are UTF-8"):
+        data.load_tokens(_cfg(source="jsonl", train_files=str(j)), "train", 256)
+    p = tmp_path / "bin.parquet"
+    pq.write_table(pa.table({"text": pa.array([b"w1 w0", b"w1 \xff"], pa.binary())}), p)
+    with pytest.raises(ValueError, match=r"bin.parquet \(row group 0, row 1\): invalid UTF-8 "
+                                         r"at byte 3 \(1 invalid byte sequence\)"):
+        data.load_tokens(_cfg(source="parquet", train_files=str(p), tokenizer=word), "train", 11)
+
+
 def test_prepare_that_fails_leaves_its_folder_as_it_found_it(tmp_path, capsys):
     """A bad line met while the shards are written: one line, exit 2, the files it had
     written removed (the folder holds what it held), and the fixed corpus then prepares."""

@@ -389,6 +389,39 @@ def test_train_too_small_raises(tmp_path):
         )
 
 
+def test_a_split_too_small_names_its_files_and_the_empty_ones(tmp_path):
+    """An empty train file (text or JSONL) is refused naming it, marked empty; a split of
+    several files names their count, the first ones and the empty ones; a validation split
+    too small names its file."""
+    empty, val = tmp_path / "empty.txt", _write_texts(tmp_path, n_files=1, size=2000)[0]
+    empty.write_bytes(b"")
+    kw = dict(seq_len=16, global_batch=2, seed=0, vocab_size=256)
+    with pytest.raises(ValueError, match=rf"too small for one batch: 1 tokens from {empty} "
+                                         r"\(empty\) give 0 windows"):
+        data.make_train_iterator(_cfg(source="text", train_files=str(empty),
+                                      val_files=str(val)), **kw)
+    jsonl = tmp_path / "empty.jsonl"
+    jsonl.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"0 tokens from {jsonl} \(empty\)"):
+        data.make_train_iterator(_cfg(source="jsonl", train_files=str(jsonl),
+                                      val_files=str(jsonl)), **kw)
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(5):
+        (folder / f"{i}.txt").write_bytes(b"x" * (i % 2))
+    with pytest.raises(ValueError) as e:
+        data.make_train_iterator(_cfg(source="text", train_files=str(folder / "*.txt"),
+                                      val_files=str(val)), **kw)
+    assert (f"from 5 files ({folder}/0.txt, {folder}/1.txt, {folder}/2.txt, ...), 3 of them "
+            f"empty ({folder}/0.txt, {folder}/2.txt, {folder}/4.txt) give 0 windows"
+            in str(e.value))
+    with pytest.raises(ValueError, match=rf"validation split too small for one batch: 2 tokens "
+                                         rf"from {folder}/1.txt give"):
+        data.make_val_batches(_cfg(source="text", train_files=str(val),
+                                   val_files=str(folder / "1.txt")), seq_len=16,
+                              global_batch=2, num_batches=1, vocab_size=256)
+
+
 def test_val_batches_deterministic_and_sharded(tmp_path):
     cfg = _text_cfg(tmp_path)  # val: 4001 tokens -> 125 windows of 33
     kw = dict(seq_len=32, global_batch=8, vocab_size=256)

@@ -362,6 +362,30 @@ def _resolves(name: str) -> bool:
     return False
 
 
+def test_the_hf_extra_is_shown_with_the_cpu_build_of_torch_first():
+    """docs/using.md installs torch from PyTorch's CPU wheel index before the ``hf`` extra (on
+    Linux, PyPI's torch is the CUDA build with its nvidia wheels), as commands the check lets
+    through (``pip install``, :data:`NOT_PARSED`); pyproject.toml's comment gives the same."""
+    cpu = ["pip", "install", "torch", "--index-url", "https://download.pytorch.org/whl/cpu"]
+    using = [c for p, c in COMMANDS if p == "docs/using.md"]
+    assert cpu in using and ["pip", "install", "-e", ".[hf]"] in using
+    assert using.index(cpu) + 1 == using.index(["pip", "install", "-e", ".[hf]"])
+    assert any(cpu[:len(head)] == list(head) for head in NOT_PARSED)
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert " ".join(cpu) in f.read()
+
+
+def test_the_readme_stays_under_300_lines_and_opens_with_its_two_commands():
+    """README.md is the front page: under 300 lines (detail lives in docs/), opening with the
+    install-and-train and the install-and-test commands."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert len(text.splitlines()) < 300
+    first = _commands(re.search(r"```bash\n(.*?)```", text, re.S).group(1))
+    assert first == [["pip", "install", "-e", "."], ["python", "train.py"],
+                     ["pip", "install", "-e", ".[test]"], ["python", "-m", "pytest", "-q"]]
+
+
 def test_every_name_the_docs_cite_exists():
     """Each import line and each dotted ``sdp_jax.…`` name in README.md and docs/ resolves, so
     a moved or renamed module or function cannot leave a page pointing nowhere."""

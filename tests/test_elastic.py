@@ -234,11 +234,13 @@ def test_train_switches_from_8_to_4_workers_and_carries_the_data_on(tmp_path):
     wd = str(tmp_path / "run")
     common = {"steps": 4, "eval_every": 100, "checkpoint_every": 2, "eval_batches": 1}
     loop.train(_config(**common, stop_at_step=2), wd)
-    with pytest.raises(ValueError, match=r"(?s)W = 8 workers.*resume with --config\.elastic=True"):
+    with pytest.raises(ValueError, match=r"^[^\n]*W = 8 workers.*continue it under this run's "
+                                         r"setting with --config\.elastic=True"):
         loop.train(_config(**common, workers=4), wd)    # refused without the flag, named
     with pytest.raises(ValueError) as e:   # another seed is another run, flag or not
         loop.train(_config(**common, workers=4, elastic=True, seed=3), wd)
-    assert "seed: checkpoint has 0" in str(e.value) and "elastic=True." not in str(e.value)
+    assert "seed: checkpoint has 0" in str(e.value)
+    assert "--config.elastic=True" not in str(e.value)
     out = loop.train(_config(**common, workers=4, elastic=True), wd)
     assert out["completed"] and out["steps"] == 4
     (switch,) = out["elastic"]
@@ -251,3 +253,50 @@ def test_train_switches_from_8_to_4_workers_and_carries_the_data_on(tmp_path):
     assert meta["data_origin"] == [2, 2 * 16] and meta["elastic"] == [switch]
     with open(os.path.join(wd, "summary.json")) as f:
         assert json.load(f)["elastic"] == [switch]
+
+
+def test_tools_read_a_checkpoint_under_the_setting_that_wrote_it(tmp_path, capsys):
+    """An elastic switch 8 -> 6 workers stopped before its first save in the new layout (here
+    by ``stop_at_step`` at the checkpoint's step: config.json is written, no checkpoint):
+    config.json names W = 6 while the latest checkpoint is W = 8's. The tools read it under
+    its own setting, with the same loss as before the switch and one line saying so; an
+    override of the setting stays the caller's and is refused as before."""
+    from sdp_jax.tools import evaluate, trained
+    wd = str(tmp_path / "run")
+    common = {"steps": 4, "eval_every": 100, "checkpoint_every": 2, "eval_batches": 1}
+    loop.train(_config(**common, stop_at_step=2), wd)
+    before = evaluate.main(["--workdir", wd])
+    stopped = loop.train(_config(**common, workers=6, elastic=True, stop_at_step=2), wd)
+    assert stopped["steps"] == 2 and trained.read_config(wd).workers == 6
+    m = ckpt_lib.CheckpointManager(os.path.join(wd, "checkpoints"))
+    assert m.all_steps() == [2] and m.read_meta(2)["workers"] == 8
+    m.close()
+    capsys.readouterr()
+    after = evaluate.main(["--workdir", wd])
+    assert after == before and after["step"] == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint at step 2 was written under another setting than config.json" in err
+    assert "workers 8, variant b-sdp, coverage 0.5" in err
+    t = trained.load(wd)
+    assert t.run.workers == 8 and t.config.workers == 8 and not t.config.emulate_workers
+    with pytest.raises(SystemExit):
+        evaluate.main(["--workdir", wd, "--config.workers=4"])
+    assert "W = 8 workers, this run has W = 4" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_more_workers_than_devices_is_read_emulated():
+    """:func:`elastic.as_written`: the checkpoint's W beyond the devices present is emulated;
+    a field the caller overrode stays the caller's; ``workers=0`` stays 0 where it resolves to
+    the checkpoint's W; a config already the checkpoint's comes back as it is."""
+    given = _config(workers=6, batch_per_worker=2)
+    saved = {"config": run_lib.trajectory_config(_config(workers=8, **{"sdp.coverage": 0.25})),
+             "workers": 8}
+    got = elastic.as_written(given, saved, given, device_count=4)
+    assert got.workers == 8 and got.emulate_workers and got.sdp.coverage == 0.25
+    assert given.workers == 6 and not given.emulate_workers   # (a copy)
+    mine = _config(workers=6, batch_per_worker=2, **{"sdp.coverage": 0.75})
+    kept = elastic.as_written(mine, saved, given, device_count=8)
+    assert kept.workers == 8 and not kept.emulate_workers and kept.sdp.coverage == 0.75
+    every = _config(workers=0, **{"sdp.coverage": 0.25})
+    assert elastic.as_written(every, saved, every, device_count=8) is every
+    assert elastic.as_written(every, saved, every, device_count=6).workers == 8

@@ -106,6 +106,51 @@ def test_train_picks_the_coverage_before_training(tmp_path, monkeypatch, capsys)
         capsys.readouterr().out
 
 
+class _Accelerator:
+    """A device as JAX shows an accelerator: its platform, kind and memory limit."""
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def memory_stats(self):
+        return {"bytes_limit": 80 * fit.GIB}
+
+
+def test_a_step_that_cannot_fit_is_refused_in_one_line(monkeypatch):
+    """Every run's check before its first step (fit.check_peak, the rule of coverage=auto):
+    the peak against memory_budget_gib, an accelerator's bytes_limit, and on a CPU the host's
+    memory over the process's devices; one line with the peak, the limit and the settings not
+    yet in effect that lower it."""
+    import jax
+    c = tiny()
+    fit.set_coverage(c, 0.5)
+    cpus = jax.devices()[:4]
+    monkeypatch.setattr(fit, "host_memory_bytes", lambda: 8 * fit.GIB)
+    fit.check_peak(2 * fit.GIB, c, cpus)   # 8 GiB over 4 devices: 2 GiB each fits
+    with pytest.raises(ValueError) as e:
+        fit.check_peak(2 * fit.GIB + 1, c, cpus)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("the compiled train step peaks at 2.0 GiB per "
+                                             "device, over this host's memory (8.0 GiB of RAM "
+                                             "and swap for the 4 devices of the run in this "
+                                             "process, 2.0 GiB each): it cannot run")
+    assert msg.endswith("lower its memory with a coverage below 0.5 (--config.sdp.coverage=auto "
+                        "--config.sdp.memory_budget_gib=GIB picks the largest that fits), "
+                        "--config.remat=full, --config.fsdp=True, --config.grad_accum=2.")
+    c.sdp.memory_budget_gib = 1.0
+    with pytest.raises(ValueError, match=r"peaks at 1.5 GiB per device, over "
+                       r"--config.sdp.memory_budget_gib=1: it cannot run"):
+        fit.check_peak(int(1.5 * fit.GIB), c, cpus)
+    c.sdp.memory_budget_gib = 0.0
+    fit.check_peak(79 * fit.GIB, c, [_Accelerator()])   # (not the host's memory: the device's)
+    c.update(dict(remat="full", fsdp=True, grad_accum=2, emulate_workers=True, workers=8))
+    with pytest.raises(ValueError, match=r"peaks at 89.0 GiB per device, over the NVIDIA H100 "
+                       r"80GB HBM3's memory \(80.0 GiB, bytes_limit\): it cannot run; lower its "
+                       r"memory with a coverage below 0.5 .*fits\), fewer emulated workers "
+                       r"\(--config.workers below 8\)\.$"):
+        fit.check_peak(89 * fit.GIB, c, [_Accelerator()])
+    monkeypatch.undo()
+    assert fit.host_memory_bytes() > 0   # (Linux: /proc/meminfo)
+
+
 def test_bench_fit_table_reads_the_compiled_peaks(capsys):
     rows = bench.main(["--fit", "--budget_gib=100,1e-6", "--config", TINY, "--variants",
                        "b-sdp", "--config.workers=4"])

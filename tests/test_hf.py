@@ -105,15 +105,19 @@ def test_init_from_trains_and_refuses_another_shape(hf_export, tmp_path, capsys)
     assert loop.train(_tiny(init_from=copy, **{"sdp.variant": "ddp", "sdp.coverage": 1.0}),
                       cont)["completed"]
     assert np.isfinite(trained.evaluation(trained.load(cont))["val_loss"])
+    capsys.readouterr()
     for bad, match in ((dict(init_from=out, **{"model.d_model": 128}),
                         r"another shape.*--config.model.d_model=32"),
                        (dict(init_from=str(tmp_path)), "has no config.json")):
         wd = tmp_path / "refused"
         with pytest.raises(ValueError, match=match):
             loop.train(_tiny(**bad), str(wd))
-        assert not os.path.exists(wd / "checkpoints") or not os.listdir(wd / "checkpoints")
-    with pytest.raises(ValueError, match="rope_scaling"):
-        hf_llama.model_fields({"model_type": "llama", "rope_scaling": {"type": "linear"}})
+        assert not wd.exists()   # refused before the workdir is created ...
+        assert "data stdlib" not in capsys.readouterr().out   # ... and before the data load
+    for key, value in (("rope_scaling", {"type": "linear"}),
+                       ("rope_parameters", {"rope_type": "llama3", "factor": 8.0})):
+        with pytest.raises(ValueError, match=f"config.json: {key}="):   # the file's own key
+            hf_llama.model_fields({"model_type": "llama", key: value})
     with pytest.raises(ValueError, match="is a training run's folder.*--format hf"):
         loop.train(_tiny(init_from=cont), str(tmp_path / "from_a_run"))
     assert hf_llama.model_fields({"model_type": "llama"})["norm_eps"] == 1e-6   # transformers'
@@ -155,3 +159,148 @@ def test_transformers_loads_the_export_and_its_logits_match(hf_export):
     err = float(np.abs(ours - theirs).max())
     print(f"max |logits - transformers' logits| = {err:.2e} (float32, {tokens.shape})")
     assert err < 1e-4
+
+
+def _source(folder, cfg, shards=1, context=256):
+    """A Hugging Face LLaMA folder of ``cfg``'s shape (``max_position_embeddings`` =
+    ``context``) with random float32 weights, in ``shards`` safetensors files (with an index
+    when > 1), as ``save_pretrained`` writes one; returns its tensors."""
+    from safetensors.numpy import save_file
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**hf_llama.hf_config(cfg), "max_position_embeddings": context}, f)
+    rng = np.random.default_rng(7)
+    tensors = {k: rng.standard_normal(s).astype(np.float32)
+               for k, s in hf_llama.tensor_shapes(cfg).items()}
+    if shards == 1:
+        save_file(tensors, os.path.join(folder, hf_llama.WEIGHTS))
+        return tensors
+    names, where = list(tensors), {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in names[i::shards]}, os.path.join(folder, name))
+        where.update({k: name for k in names[i::shards]})
+    with open(os.path.join(folder, hf_llama.INDEX), "w") as f:
+        json.dump({"metadata": {}, "weight_map": where}, f)
+    return tensors
+
+
+def test_every_fault_of_a_folder_is_one_line_naming_the_file(tmp_path):
+    """A missing shard, a truncated file (cut in its data or in its header), a file that is
+    not safetensors, a tensor of the wrong shape or dtype, a missing tensor and a broken index
+    are each refused in one line naming the file and the fault, from the headers alone (the
+    same from read); the intact folder reads back exactly."""
+    from safetensors.numpy import save_file
+    import shutil
+    cfg = trained.language_model(_tiny(), "test")
+    good = str(tmp_path / "good")
+    tensors = _source(good, cfg, shards=2)
+    jax.tree.map(np.testing.assert_array_equal, hf_llama.read(good, cfg),
+                 hf_llama.from_hf(tensors, cfg))
+    assert hf_llama.check_folder(good, cfg) == {"folder": good, "max_position_embeddings": 256}
+    shard = "model-00002-of-00002.safetensors"
+
+    def cut(path, size):
+        os.truncate(path, size(os.path.getsize(path)))
+
+    def rewrite(path, change):
+        from safetensors.numpy import load_file
+        state = load_file(path)
+        change(state)
+        save_file(state, path)
+    faults = {
+        "missing": (lambda p: os.remove(p), shard,
+                    f"missing, though model.safetensors.index.json maps {len(tensors) // 2} "
+                    "tensors to it"),
+        "half": (lambda p: cut(p, lambda n: n // 2), shard, "truncated: its header places "
+                 "tensor"),
+        "header": (lambda p: cut(p, lambda n: 40), shard, "truncated: its header alone needs"),
+        "foreign": (lambda p: open(p, "wb").write(b"\x80\x02}q\x00" * 64), shard,
+                    "not a safetensors file"),
+        "shape": (lambda p: rewrite(p, lambda s: s.update(
+            {"model.layers.0.self_attn.k_proj.weight": np.zeros((8, 32), np.float32)})),
+            "model-00001-of-00002.safetensors",
+            r"tensor model.layers.0.self_attn.k_proj.weight has shape \[8, 32\], but the "
+            r"folder's config.json \(and the run\) give \[16, 32\]"),
+        "absent": (lambda p: rewrite(p, lambda s: s.pop("model.norm.weight")),
+                   "model-00002-of-00002.safetensors",
+                   "no tensor model.norm.weight in .*index.json maps it to "
+                   "model-00002-of-00002.safetensors, whose header lacks it"),
+        "int8": (lambda p: rewrite(p, lambda s: s.update(
+            {"model.norm.weight": np.zeros(32, np.int8)})), shard,
+            "tensor model.norm.weight is I8; only float weights"),
+        "index": (lambda p: open(p, "w").write("{"), hf_llama.INDEX,
+                  "not a safetensors index"),
+    }
+    for name, (fault, file, match) in faults.items():
+        folder = str(tmp_path / name)
+        shutil.copytree(good, folder)
+        fault(os.path.join(folder, file))
+        for check in (hf_llama.check_folder, hf_llama.read):
+            with pytest.raises(ValueError, match=match) as e:
+                check(folder, cfg)
+            msg = str(e.value)
+            assert "\n" not in msg and folder in msg, (name, msg)
+            assert name == "absent" or os.path.join(folder, file) in msg, (name, msg)
+
+
+def test_a_broken_folder_ends_train_py_in_one_line_with_no_workdir(tmp_path):
+    """python train.py with a truncated shard under init_from: one line, status 2, and no
+    workdir (checked before it is created)."""
+    import subprocess
+    cfg = trained.language_model(_tiny(), "test")
+    folder = str(tmp_path / "src")
+    _source(folder, cfg, shards=2)
+    shard = os.path.join(folder, "model-00002-of-00002.safetensors")
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    wd = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--config",
+         os.path.join(ROOT, "configs", "llama_tiny.py"), "--config.model.n_kv_heads=2",
+         f"--config.init_from={folder}", "--workdir", str(wd)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith(f"python train.py: error: {shard}: truncated: ")
+    assert out.stderr.count("\n") == 1 and not wd.exists()
+
+
+def test_a_hugging_face_llama_converts_and_exports_unchanged(tmp_path, capsys):
+    """--config.steps=0 with init_from writes the source's model, laid out under b-sdp's
+    masks, as the checkpoint of step 0 (no step compiled); export --format hf writes it back
+    bit for bit, with the source's config fields and context length (256, not the run's
+    model.max_seq_len 64 or seq_len 32), also as the tokenizer's model_max_length; the same
+    command again finds the run complete."""
+    import tokenizers
+    cfg = trained.language_model(_tiny(), "test")
+    src, wd, out = (str(tmp_path / n) for n in ("src", "run", "hf"))
+    tensors = _source(src, cfg, shards=3)
+    vocab = {f"w{i}": i for i in range(20)} | {"<|endoftext|>": 20}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    words = np.random.default_rng(0).integers(0, 20, 20000)
+    (tmp_path / "corpus.txt").write_text(" ".join(f"w{i}" for i in words))
+    config = _tiny(steps=0, init_from=src, **{"data.source": "text",
+                                               "data.train_files": str(tmp_path / "corpus.txt"),
+                                               "data.tokenizer": str(tmp_path)})
+    summary = loop.train(config, wd)
+    assert summary["steps"] == 0 and summary["completed"] and np.isfinite(
+        summary["final_val_loss"])
+    log = capsys.readouterr().out
+    assert "compiled train step" not in log and "is the checkpoint of step 0" in log
+    export.main(["--workdir", wd, "--format", "hf", "--out", out])
+    from safetensors.numpy import load_file
+    got = load_file(os.path.join(out, hf_llama.WEIGHTS))
+    assert sorted(got) == sorted(tensors)
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and np.array_equal(got[k], v), k   # bit for bit
+    theirs, ours = (json.load(open(os.path.join(d, "config.json"))) for d in (src, out))
+    for key in list(hf_llama.FIELDS.values()) + ["head_dim", "model_type", "architectures"]:
+        assert ours[key] == theirs[key], key
+    assert ours["max_position_embeddings"] == 256
+    assert json.load(open(os.path.join(out, "tokenizer_config.json")))["model_max_length"] == 256
+    again = loop.train(_tiny(steps=0, init_from=src, **{
+        "data.source": "text", "data.train_files": str(tmp_path / "corpus.txt"),
+        "data.tokenizer": str(tmp_path)}), wd)
+    assert again["steps"] == 0 and "already complete" in capsys.readouterr().out

@@ -335,16 +335,26 @@ def test_before_the_first_step_a_signal_or_a_dead_peer_ends_every_process_in_one
     assert not os.path.exists(runs["unequal"])
 
 
-def test_elastic_launcher_carries_on_as_one_process_after_a_sigkill(tmp_path):
-    """``launch --elastic``: process 1 of 2 (2 devices each, W = 4) is killed with SIGKILL
-    once the checkpoint of step 10 exists; process 0 ends in one line (status 75), and the
-    launcher starts the run again as the 1 process left, which resumes that checkpoint on its
-    2 devices (W = 2, --config.elastic=True: the model re-laid out, the data carried on in
-    examples) and finishes: a 2-process run continued as 1 process."""
+def _checkpoint_meta(workdir, step):
+    """The ``meta`` item of ``workdir``'s checkpoint at ``step`` (its JSON file, read
+    directly: no JAX in the test process is needed)."""
+    with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
+        return json.load(f)
+
+
+def test_elastic_launcher_carries_on_as_two_processes_after_a_sigkill(tmp_path):
+    """``launch --elastic`` on a cluster's layout (issue 47): process 1 of 3 (2 devices each,
+    W = 6) is killed with SIGKILL once the checkpoint of step 5 exists; processes 0 and 2 end
+    in one line each (status 75), and the launcher starts the run again as the 2 processes
+    left, which re-lay out that checkpoint on their 4 devices (W = 4, --config.elastic=True:
+    each process computes the layout on its own CPU device and places only its own shares;
+    it used to crash in process 1 and call the checkpoint damaged in process 0) and finish.
+    The data carry on in examples: the stream after the switch starts at the first example the
+    3-process run had not read."""
     wd = tmp_path / "run"
-    cmd = [sys.executable, "-m", "sdp_jax.train.launch", "--processes", "2", "--elastic",
+    cmd = [sys.executable, "-m", "sdp_jax.train.launch", "--processes", "3", "--elastic",
            f"--timeout={TIMEOUT - 60}", "--", "python", "train.py", *BASE[:2],
-           "--config.steps=40", "--config.checkpoint_every=5", "--config.eval_every=100",
+           "--config.steps=30", "--config.checkpoint_every=5", "--config.eval_every=100",
            "--config.eval_batches=1", "--config.num_cpu_devices=2", "--config.workers=0",
            f"--workdir={wd}"]
     err_path = tmp_path / "launcher.err"
@@ -353,10 +363,10 @@ def test_elastic_launcher_carries_on_as_one_process_after_a_sigkill(tmp_path):
                                 stderr=err)
     try:
         deadline = time.monotonic() + TIMEOUT - 60
-        while not (wd / "checkpoints" / "10").is_dir() and time.monotonic() < deadline:
+        while not (wd / "checkpoints" / "5").is_dir() and time.monotonic() < deadline:
             assert proc.poll() is None, err_path.read_text()[-3000:]
             time.sleep(0.2)
-        pids = re.search(r"2 process\(es\), pids (\d+) (\d+)", err_path.read_text())
+        pids = re.search(r"3 process\(es\), pids (\d+) (\d+) (\d+)", err_path.read_text())
         os.kill(int(pids.group(2)), signal.SIGKILL)   # the launcher's own child, by pid
         assert proc.wait(timeout=TIMEOUT) == 0, err_path.read_text()[-3000:]
     finally:
@@ -364,14 +374,116 @@ def test_elastic_launcher_carries_on_as_one_process_after_a_sigkill(tmp_path):
             proc.kill()
             proc.wait()
     log = err_path.read_text()
-    assert "process 1 of 2 died without a word" in log and "exiting with status 75" in log
-    assert "process(es) 1 lost; restarting the run as the 1 process(es) left" in log
+    for survivor in (0, 2):
+        assert (f"process 1 of 3 died without a word (killed or crashed) before the run "
+                f"finished; this is process {survivor}, exiting with status 75") in log, log
+    assert "exit statuses [75, 137, 75]" in log, log
+    assert "process(es) 1 lost; restarting the run as the 2 process(es) left" in log, log
+    assert "damaged" not in log and "Traceback" not in log.split("restarting")[1], log
     with open(wd / "summary.json") as f:
         summary = json.load(f)
-    assert summary["completed"] and summary["steps"] == 40 and summary["workers"] == 2
+    assert summary["completed"] and summary["steps"] == 30 and summary["workers"] == 4
     (switch,) = summary["elastic"]
-    assert switch["step"] >= 10 and switch["from"]["workers"] == 4
-    assert switch["to"] == {**switch["from"], "workers": 2, "global_batch": 4}
+    s = switch["step"]
+    assert s % 5 == 0 and s >= 5 and switch["from"]["workers"] == 6
+    assert switch["to"] == {**switch["from"], "workers": 4, "global_batch": 8}
+    meta = _checkpoint_meta(wd, 30)
+    assert meta["workers"] == 4 and meta["elastic"] == [switch]
+    assert meta["data_origin"] == [s, s * 12]   # s steps of 6 workers x 2 windows were read
+    assert [r["step"] for r in metrics(wd)] == list(range(1, 31))
+
+
+def _probe(workdir, processes, devices, args):
+    """tests/elastic_probe.py launched as ``processes`` x ``devices`` with the config flags
+    ``args``: the latest checkpoint of ``workdir`` re-laid out and joined again, bit for bit
+    equal to the checkpoint's full state in every process. Returns process 0's JSON line."""
+    out = subprocess.run(
+        [sys.executable, "-m", "sdp_jax.train.launch", "--processes", str(processes),
+         f"--timeout={TIMEOUT - 60}", "--", "python", "tests/elastic_probe.py", str(workdir),
+         *BASE[:2], "--config.steps=20", f"--config.num_cpu_devices={devices}",
+         "--config.workers=0", *args],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    return json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("{")))
+
+
+def _elastic_run(workdir, processes, devices, args, stop):
+    """``train.py`` with ``args`` as ``processes`` x ``devices`` (the launcher when several),
+    W = every device, stopped with a checkpoint at step ``stop``; returns its stdout."""
+    run = [*BASE[:2], "--config.steps=20", "--config.eval_every=0",
+           "--config.checkpoint_every=0", f"--config.num_cpu_devices={devices}",
+           "--config.workers=0", f"--config.stop_at_step={stop}", *args, f"--workdir={workdir}"]
+    cmd = ([sys.executable, "-m", "sdp_jax.train.launch", "--processes", str(processes),
+            f"--timeout={TIMEOUT - 60}", "--", "python", "train.py", *run] if processes > 1
+           else [sys.executable, "train.py", *run])
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    return out.stdout
+
+
+def test_elastic_resume_on_several_processes_is_exact(tmp_path):
+    """Issue 47: elastic resumes whose new layout spans several processes. 1 process x 2
+    devices (W = 2, ddp) grows to 2 processes x 2 devices (W = 4, b-sdp C = 1/2), whose
+    checkpoint is then resumed by 4 processes x 1 device (W = 4, b-sdp C = 3/4). Each time
+    the re-laid-out state, gathered from every process and joined again, equals the
+    checkpoint's full parameters and Adam moments bit for bit (tests/elastic_probe.py, in
+    every process), and train.py then continues the run through the switch, with the data
+    stream carried on in examples."""
+    wd = tmp_path / "run"
+    half = ["--config.sdp.variant=b-sdp", "--config.sdp.coverage=0.5", "--config.elastic=True"]
+    _elastic_run(wd, 1, 2, [], stop=2)
+    probe = _probe(wd, 2, 2, half)
+    assert probe["step"] == 2 and probe["workers"] == 4 and probe["processes"] == 2
+    assert probe["leaves"] >= 3 * 9   # the parameters and both Adam moments of every leaf
+    out = _elastic_run(wd, 2, 2, half, stop=4)
+    assert ("elastic resume (--config.elastic) at step 2: workers 2 -> 4, variant ddp -> "
+            "b-sdp, coverage 1.0 -> 0.5, global_batch 4 -> 8") in out, out[-2000:]
+    assert _checkpoint_meta(wd, 4)["data_origin"] == [2, 2 * 4]
+    three_quarters = [half[0], "--config.sdp.coverage=0.75"]
+    probe = _probe(wd, 4, 1, three_quarters)
+    assert probe["step"] == 4 and probe["processes"] == 4
+    assert probe["change"] == "coverage 0.5 -> 0.75"
+    out = _elastic_run(wd, 4, 1, [*three_quarters, "--config.elastic=True"], stop=6)
+    assert "at step 4: coverage 0.5 -> 0.75" in out, out[-2000:]
+    meta = _checkpoint_meta(wd, 6)
+    assert meta["workers"] == 4 and meta["data_origin"] == [2, 8]   # G = 8 since step 2
+    assert [e["step"] for e in meta["elastic"]] == [2, 4]
+    assert [r["step"] for r in metrics(wd)] == list(range(1, 7))
+
+
+def test_a_peer_killed_during_a_resume_leaves_the_checkpoint_as_it_is(tmp_path):
+    """Issue 47: process 1 of 2 is killed with SIGKILL while the pair resumes a checkpoint
+    (once process 0 has loaded its data, before it reads the checkpoint): process 0 ends
+    within seconds with the one line naming process 1 and status 75; nothing calls the
+    checkpoint damaged, and its files are as they were (nothing moved aside or rewritten)."""
+    wd = tmp_path / "run"
+    train(wd, [], stop=2)   # 1 process x 4 devices, W = 4
+    checkpoints = wd / "checkpoints"
+    files = {p: (p.stat().st_size, p.stat().st_mtime_ns)
+             for p in checkpoints.rglob("*") if p.is_file()}
+    procs = _pair(str(wd))   # 2 processes x 2 devices, W = 4: a plain resume
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while time.monotonic() < deadline and "data " not in _text(str(wd), 0, "out"):
+            assert procs[0].poll() is None, _text(str(wd), 0, "err")[-3000:]
+            time.sleep(0.02)
+        procs[1].kill()
+        killed = time.monotonic()
+        procs[0].wait(timeout=60)
+        ended = time.monotonic()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    err = _text(str(wd), 0, "err").strip()
+    assert procs[0].returncode == 75, err[-3000:]
+    assert err.splitlines()[-1].startswith("stopping: process 1 of 2 died without a word"), err
+    assert "damaged" not in err and "aside" not in err and ended - killed < 30
+    assert sorted(os.listdir(checkpoints)) == ["2"]
+    assert {p: (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in checkpoints.rglob("*") if p.is_file()} == files
 
 
 # ---------------------- issue 47: a signal before the watch, a hung process, a killed coordinator

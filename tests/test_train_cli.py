@@ -208,6 +208,29 @@ def test_non_finite_state_is_never_checkpointed(tmp_path, monkeypatch):
         resolve(tiny(**{"optim.lr": 1e8}), 4)
 
 
+def test_stop_at_the_checkpoints_step_says_nothing_was_saved(tmp_path, capsys):
+    """``--config.stop_at_step`` at the step of the checkpoint a run resumes: no step runs and
+    nothing is saved, and the last line says so (not "checkpoint saved"); a stop after a step
+    that saved says that."""
+    wd = str(tmp_path / "run")
+    common = {"steps": 4, "eval_every": 0, "checkpoint_every": 2}
+    loop.train(tiny(stop_at_step=2, **common), wd)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "stopped at step 2 of 4 (checkpoint saved); rerun without --config.stop_at_step (or "
+        "with a later step) to resume.")
+    kept = os.listdir(os.path.join(wd, "checkpoints", "2", "state"))
+    again = loop.train(tiny(stop_at_step=2, **common), wd)
+    assert again["steps"] == 2 and not again["completed"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "stopped at step 2 of 4 without training: --config.stop_at_step=2 is not after the "
+        "checkpoint's step 2, so no step ran and no checkpoint was written (step 2's is the "
+        "latest); rerun without --config.stop_at_step (or with a later step) to go on.")
+    m = ckpt_lib.CheckpointManager(os.path.join(wd, "checkpoints"))
+    assert m.all_steps() == [2]
+    m.close()
+    assert os.listdir(os.path.join(wd, "checkpoints", "2", "state")) == kept
+
+
 def test_checkpoint_from_before_fsdp_and_dtype_existed_resumes(tmp_path):
     wd = tmp_path / "old"
     loop.train(tiny(stop_at_step=2, eval_every=2), str(wd))
@@ -227,11 +250,54 @@ def test_checkpoint_from_other_config_is_refused(tmp_path):
     with pytest.raises(ValueError) as e:
         loop.train(tiny(steps=2, eval_every=2, **{"model.d_model": 64}), wd)
     msg = str(e.value)
-    assert "model.d_model: checkpoint has 32, this run has 64" in msg and "--workdir" in msg
+    assert msg == (f"the checkpoint at step 2 in {wd}/checkpoints is incompatible with this run "
+                   "(written by another run config), so it is not loaded: model.d_model: "
+                   "checkpoint has 32, this run has 64. Use a new --workdir for this config, or "
+                   "rerun with the checkpoint's values to resume it.")
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before  # nothing overwritten
     with pytest.raises(ValueError, match="steps: checkpoint has 2, this run has 3 .*"
                                          r"--config\.optim\.schedule=wsd may be extended"):
         loop.train(tiny(steps=3, eval_every=2), wd)   # cosine: no extension
+
+
+def _files(folder):
+    """{path: (bytes, mtime)} of every file under ``folder`` but the lock."""
+    out = {}
+    for d, _, names in os.walk(folder):
+        for n in names:
+            p = os.path.join(d, n)
+            if n != ".lock":
+                out[p] = (open(p, "rb").read(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def test_a_run_refused_before_its_first_step_leaves_no_workdir(tmp_path, monkeypatch):
+    """A step over the memory budget is refused after its compile, in one line, before the
+    first step: a fresh workdir is then removed and an existing run's is left as it was
+    (config.json, metrics, checkpoints); an allocation that fails anyway at the first step
+    (XLA's RESOURCE_EXHAUSTED) is one line too, and leaves no fresh workdir either."""
+    fresh, run = tmp_path / "fresh", tmp_path / "run"
+    tight = {"sdp.memory_budget_gib": 1e-4, "steps": 2}
+    with pytest.raises(ValueError, match=r"the compiled train step peaks at .* per device, "
+                       r"over --config.sdp.memory_budget_gib=0.0001: it cannot run; lower") as e:
+        loop.train(tiny(**tight), str(fresh))
+    assert "\n" not in str(e.value) and not fresh.exists()
+    loop.train(tiny(steps=2, stop_at_step=1), str(run))
+    before = _files(run)
+    assert any(p.endswith("metrics.jsonl") for p in before)
+    with pytest.raises(ValueError, match="it cannot run"):
+        loop.train(tiny(**tight), str(run))   # (the budget is no part of the trajectory)
+    assert _files(run) == before
+
+    def oom(self, state, batch, step):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                         "allocate 95.56GiB.\nmore of XLA's lines")
+    monkeypatch.setattr(loop._Program, "one_step", oom)
+    with pytest.raises(ValueError, match=r"^out of memory on the device \(Out of memory while "
+                       r"trying to allocate 95.56GiB.\); lower the run's memory with an SDP "
+                       r"variant .*--config.remat=full") as e:
+        loop.train(tiny(steps=2), str(fresh))
+    assert "\n" not in str(e.value) and not fresh.exists()
 
 
 def test_a_workdir_in_use_is_refused(tmp_path):
@@ -322,6 +388,39 @@ def test_misspelled_override_without_config_is_one_line(tmp_path):
     assert "unknown config field 'varient'" in out.stderr and "variant" in out.stderr
 
 
+def test_an_incompatible_checkpoint_is_refused_in_one_line(tmp_path):
+    """Many differing fields: one line, the first four in full, the others by name; a mask
+    hash cut short; the masks folded into one item when other fields differ too (listed in
+    full when they alone differ); the fix last."""
+    import jax.numpy as jnp
+    saved = {"config": {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6}, "workers": 8,
+             "masks": {"mask_sha256": "e" * 64, "recipes": {"block": {"workers": 8}}}}
+    m = ckpt_lib.CheckpointManager(str(tmp_path / "c"))
+    m.save(1, {"w": jnp.zeros((4,))}, saved)
+    m.close()
+    m = ckpt_lib.CheckpointManager(str(tmp_path / "c"))
+    now = {"config": {"a": 1, "b": 20, "c": 30, "d": 40, "e": 50, "f": 60}, "workers": 6,
+           "masks": {"mask_sha256": "a" * 64, "recipes": {"block": {"workers": 6}}}}
+    try:
+        with pytest.raises(ValueError) as e:
+            m.check_compatible(1, now)
+        assert str(e.value) == (
+            f"the checkpoint at step 1 in {tmp_path / 'c'} is incompatible with this run "
+            "(written by another run config), so it is not loaded: b: checkpoint has 2, this "
+            "run has 20; c: checkpoint has 3, this run has 30; d: checkpoint has 4, this run "
+            "has 40; e: checkpoint has 5, this run has 50; and 3 more (f, workers, masks). Use "
+            "a new --workdir for this config, or rerun with the checkpoint's values to resume "
+            "it.")
+        with pytest.raises(ValueError) as e:
+            m.check_compatible(1, {**now, "config": saved["config"], "workers": 8})
+        assert ("so it is not loaded: masks.mask_sha256: checkpoint has "
+                "'eeeeeeeeeeeeeeeeeeeeeee…, this run has 'aaaaaaaaaaaaaaaaaaaaaaa…; "
+                "masks.recipes.block.workers: checkpoint has 8, this run has 6. Use a new"
+                ) in str(e.value)
+    finally:
+        m.close()
+
+
 def test_checkpoint_of_another_layout_is_incompatible_not_damaged(tmp_path):
     """A readable checkpoint whose arrays do not fit this run is called incompatible (and
     never advised for deletion); a truncated one is damaged
@@ -344,7 +443,10 @@ def test_checkpoint_of_another_layout_is_incompatible_not_damaged(tmp_path):
         (4,), jnp.float32)})["w"], np.zeros(4))   # the stored layout is read as before
     m.close()
     msg = str(e.value)
-    assert "is incompatible with this run" in msg and "['w']: checkpoint (4,), this run (5,)" in msg
+    assert msg == (f"the checkpoint at step 1 in {tmp_path / 'c'} is incompatible with this run: "
+                   "it holds another parameter layout (['w']: checkpoint (4,), this run (5,)); "
+                   "use a new --workdir for this run, or the code and config that wrote it to "
+                   "resume it.")
     assert "damaged" not in msg and "delete" not in msg and "aside" not in msg
     # A checkpoint from before the resolved W was recorded (llama_1b had workers=8, now 0 =
     # every device): its explicit workers is compared with this run's W.
@@ -503,6 +605,49 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     assert f"move {wd / 'checkpoints' / '4'} aside" in msg and "resume from step 2" in msg
     assert victim.stat().st_size == 100  # nothing rewritten
     gc.collect()   # orbax's abandoned reads are finalized here, under this test's filters
+
+
+@pytest.mark.parametrize("item", ["meta", "state"])
+def test_a_failed_collective_during_a_read_is_not_a_damaged_checkpoint(tmp_path, monkeypatch,
+                                                                       item):
+    """Issue 47: a read of an intact checkpoint that fails because a collective failed (a
+    peer process died: gloo's 'Connection closed by peer') used to be reported as a damaged
+    checkpoint, advising to move it aside. Now it is ReadFailed, one line saying the files
+    are intact, and nothing on disk changes; the same checkpoint then resumes. A checkpoint
+    whose own metadata does not parse is still damaged, whatever the error was."""
+    import orbax.checkpoint as ocp
+    wd = tmp_path / "run"
+    loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0, stop_at_step=4), str(wd))
+    before = _files(wd / "checkpoints")
+    real = ocp.CheckpointManager.restore
+
+    def failing(self, step, *a, args=None, **kw):
+        if args is not None and item in args.keys():
+            raise jax.errors.JaxRuntimeError(
+                "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547]"
+                " Connection closed by peer [127.0.0.1]:17545")
+        return real(self, step, *a, args=args, **kw)
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", failing)
+    with pytest.raises(ckpt_lib.ReadFailed) as e:
+        loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
+    msg = str(e.value)
+    assert msg.startswith("reading the checkpoint at step 4 in ") and "\n" not in msg
+    assert f"({item}: JaxRuntimeError: UNKNOWN: Gloo AllGather failed" in msg
+    assert "the checkpoint is intact and kept: rerun to resume" in msg
+    assert "damaged" not in msg and "aside" not in msg and "delete" not in msg
+    assert _files(wd / "checkpoints") == before   # nothing moved, written or removed
+    # its own metadata unreadable: damaged, with the fallback, even after such an error
+    name = "meta/metadata" if item == "meta" else "state/_METADATA"
+    meta = wd / "checkpoints" / "4" / name
+    text = meta.read_text()
+    meta.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"checkpoint at step 4 .* is damaged \(" + item
+                       + r": OSError: .*" + name.split("/")[1] + r": JSONDecodeError"):
+        loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
+    meta.write_text(text)
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", real)
+    s = loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
+    assert s["completed"] and s["steps"] == 6
 
 
 @pytest.mark.parametrize("variant,extra", [

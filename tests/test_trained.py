@@ -59,6 +59,41 @@ def test_evaluate_reproduces_the_runs_final_loss(run, tmp_path, capsys):
         assert e.value.code == 2 and fragment in capsys.readouterr().err
 
 
+def test_evaluate_is_the_documented_recipe(run):
+    """docs/data.md's recipe reproduces ``evaluate``: windows of ``seq_len + 1`` tokens of the
+    validation split stepping by ``seq_len``, the first ``eval_batches * G`` in order, the mean
+    next-token cross-entropy of the full model (a plain forward pass here) over them, and
+    ``val_bpb = val_loss / ln 2`` for bytes."""
+    import math
+
+    import jax
+    from flax import nnx
+
+    from sdp_jax.train import data as data_lib
+    from sdp_jax.train.families import LanguageModel
+    wd, _ = run
+    with open(os.path.join(ROOT, "docs", "data.md")) as f:
+        doc = " ".join(f.read().split())
+    for fact in ("Window `i` of a split of `n` tokens is tokens `i * seq_len` to `i * seq_len + "
+                 "seq_len` (inclusive)", "over the first `eval_batches * G` validation windows",
+                 "`val_bpb = val_loss / ln 2`"):
+        assert fact in doc, fact
+    t = trained.load(wd)
+    want = trained.evaluation(t)
+    c, G = t.config, t.run.global_batch
+    tokens = np.asarray(data_lib.load_tokens(c.data, "val", c.model.vocab_size), np.int32)
+    T = c.seq_len
+    windows = np.stack([tokens[i * T:i * T + T + 1] for i in range(c.eval_batches * G)])
+    model = nnx.merge(LanguageModel(trained.language_model(c, "test")).graphdef,
+                      jax.tree.map(np.asarray, t.full_params()))
+    logits = np.asarray(model(windows[:, :-1]), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    loss = -np.take_along_axis(logp, windows[:, 1:, None], -1).mean()
+    np.testing.assert_allclose(want["val_loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(want["val_bpb"], loss / math.log(2), rtol=1e-5)
+
+
 def test_generate_is_deterministic_for_a_seed(run, capsys):
     wd, _ = run
     args = ["--workdir", wd, "--prompt", "def ", "--length", "12"]
@@ -299,7 +334,10 @@ def test_harness_help_names_the_models_arguments(capsys):
         out = capsys.readouterr().out
         assert out.startswith("usage: python -m sdp_jax.tools.harness --model sdp_jax")
         for key in params:
-            assert re.search(rf"^  {key} +\S", out, re.M), key
+            default = inspect.signature(harness.SDPJaxLM.__init__).parameters[key].default
+            line = re.search(rf"^  {key} +\S.*$", out, re.M)
+            assert line, key
+            assert line.group(0).endswith(f" (default: {default})") == (default is not None)
         assert "--include_path" in out and "--tasks" in out and "run --help" in out
     pytest.importorskip("lm_eval")
     with pytest.raises(SystemExit) as e:
@@ -311,6 +349,47 @@ def test_harness_help_names_the_models_arguments(capsys):
     assert harness.model_args(["--model_args", "workdir=a,step=2", "batch_size=4", "--tasks",
                                "t", "--model_args=export=b"]) == {
         "workdir": "a", "step": "2", "batch_size": "4", "export": "b"}
+
+
+def _help_blocks(out: str) -> dict:
+    """``{flag name: its lines}`` of absl's flag listing in a ``--help`` output."""
+    blocks, name = {}, None
+    for line in out.splitlines():
+        m = re.match(r"  --(?:\[no\])?([\w.]+):", line)
+        if m:
+            name = m.group(1)
+            blocks[name] = line
+        elif name and line.startswith("    "):
+            blocks[name] += "\n" + line
+        else:
+            name = None
+    return blocks
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "generate", "export", "prepare", "plot"])
+def test_help_lists_every_flag_with_its_default(tool, capsys):
+    """``--help`` of each command prints its docstring and every flag of its own with the
+    flag's help and default (the use tools also how to override the run's config); nothing
+    is read, status 0."""
+    from sdp_jax.tools import plot, prepare
+    module = {"evaluate": evaluate, "generate": generate, "export": export, "prepare": prepare,
+              "plot": plot}[tool]
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(module.__doc__.strip().splitlines()[0])
+    if tool == "plot":
+        flags = {"out": None}
+    else:
+        fv = prepare._define([prepare.PROG]) if tool == "prepare" else trained.tool_flags(
+            module.define)
+        flags = {n: fv[n].default_as_str for n in fv if n not in ("flagfile", "undefok")}
+    blocks = _help_blocks(out)
+    assert len(flags) >= (1 if tool == "plot" else 3)
+    for name, default in flags.items():
+        assert name in blocks, name
+        assert (f"(default: {default})" in blocks[name]) == (default is not None), name
+    assert (trained.CONFIG_HELP in out) == (tool in ("evaluate", "generate", "export"))
 
 
 def documented_local_task_command() -> list[str]:

@@ -21,6 +21,7 @@ none and is refused.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -46,39 +47,9 @@ MODEL_ARGS = {
     "workdir": "a training run's folder (train.py --workdir): its latest checkpoint",
     "export": "instead of workdir, a folder python -m sdp_jax.tools.export wrote",
     "step": "with workdir, the checkpoint of this step (one the run keeps; 0 = the latest)",
-    "batch_size": "sequences per forward pass (default 8; the harness's --batch_size sets it)",
+    "batch_size": "sequences per forward pass (the harness's --batch_size sets it)",
 }
 _EXAMPLE = f"{PROG} --model {MODEL_NAME} --model_args workdir=runs/default"
-HELP = "\n".join([
-    (f"usage: {PROG} --model {MODEL_NAME} --model_args workdir=RUN[,step=N] "
-     "--tasks TASK[,TASK...] [lm-eval flags]"),
-    "",
-    "Runs lm-evaluation-harness (lm_eval; pip install -e '.[eval]') on a trained sdp_jax",
-    "language model (its text encoded by the run's tokenizer: bytes, or data.tokenizer's;",
-    "the full model on one device), registered as the",
-    f"harness's model '{MODEL_NAME}'.",
-    "",
-    "model arguments (--model_args key=value,key=value):",
-    *(f"  {k:<12}{v}" for k, v in MODEL_ARGS.items()),
-    "",
-    "tasks:",
-    "  --tasks arc_easy,boolq        the harness's tasks (it downloads their datasets, or reads",
-    "                                its cache)",
-    "  --tasks NAME --include_path DIR",
-    "                                a local task: DIR holds a YAML with 'task: NAME' (its data",
-    "                                may be a local JSON file); examples/lm_eval_task/ is one",
-    "                                (its data path is relative: run it from the repository's",
-    "                                root; docs/using.md)",
-    f"  {PROG} ls tasks",
-    "                                the tasks the harness knows",
-    "",
-    "examples:",
-    f"  {_EXAMPLE} --tasks arc_easy,boolq --batch_size 16",
-    f"  {_EXAMPLE},step=500 --include_path examples/lm_eval_task --tasks sdp_jax_python_choice",
-    "",
-    "The harness's own flags (--limit, --num_fewshot, --output_path, --log_samples, ...):",
-    f"  {PROG} run --help",
-])
 
 
 @register_model(MODEL_NAME)
@@ -209,6 +180,45 @@ class SDPJaxLM(LM):
             cut = min([text.find(u) for u in until if u and u in text] or [len(text)])
             out.append(text[:cut])
         return out
+
+
+def _default(arg: str) -> str:
+    """`` (default: X)`` of a model argument (:class:`SDPJaxLM`'s parameter), or ``""`` when it
+    has none (``None``)."""
+    value = inspect.signature(SDPJaxLM.__init__).parameters[arg].default
+    return "" if value is None else f" (default: {value})"
+
+
+HELP = "\n".join([
+    (f"usage: {PROG} --model {MODEL_NAME} --model_args workdir=RUN[,step=N] "
+     "--tasks TASK[,TASK...] [lm-eval flags]"),
+    "",
+    "Runs lm-evaluation-harness (lm_eval; pip install -e '.[eval]') on a trained sdp_jax",
+    "language model (its text encoded by the run's tokenizer: bytes, or data.tokenizer's;",
+    "the full model on one device), registered as the",
+    f"harness's model '{MODEL_NAME}'.",
+    "",
+    "model arguments (--model_args key=value,key=value):",
+    *(f"  {k:<12}{v}{_default(k)}" for k, v in MODEL_ARGS.items()),
+    "",
+    "tasks:",
+    "  --tasks arc_easy,boolq        the harness's tasks (it downloads their datasets, or reads",
+    "                                its cache)",
+    "  --tasks NAME --include_path DIR",
+    "                                a local task: DIR holds a YAML with 'task: NAME' (its data",
+    "                                may be a local JSON file); examples/lm_eval_task/ is one",
+    "                                (its data path is relative: run it from the repository's",
+    "                                root; docs/using.md)",
+    f"  {PROG} ls tasks",
+    "                                the tasks the harness knows",
+    "",
+    "examples:",
+    f"  {_EXAMPLE} --tasks arc_easy,boolq --batch_size 16",
+    f"  {_EXAMPLE},step=500 --include_path examples/lm_eval_task --tasks sdp_jax_python_choice",
+    "",
+    "The harness's own flags (--limit, --num_fewshot, --output_path, --log_samples, ...):",
+    f"  {PROG} run --help",
+])
 
 
 def model_args(argv: list[str]) -> dict[str, str]:

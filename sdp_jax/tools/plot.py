@@ -26,9 +26,8 @@ def main(argv=None, check_only: bool = False) -> str | None:
     fv = flags.FlagValues()
     flags.DEFINE_string("out", None, "folder for curves.png (default: the first run's)",
                         flag_values=fv)
-    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        print(__doc__.strip() + "\n\n" + fv.get_help())
-        sys.exit(0)
+    if cli.asks_help(argv):
+        cli.exit_with_help(fv, __doc__)
     try:
         dirs = fv(argv)[1:]
     except flags.Error as e:

@@ -10,7 +10,9 @@ The command lines are thin wrappers over this module:
 Each reads ``WORKDIR/config.json`` (written by :func:`sdp_jax.train.loop.train` when a run starts)
 and accepts ``--config.FIELD=VALUE`` overrides of it (e.g. ``--config.data.source=text
 --config.data.val_files=...`` to evaluate on other data). The checkpoint must come from the
-same trajectory config (:meth:`sdp_jax.train.checkpoint.CheckpointManager.check_compatible`).
+same trajectory config (:meth:`sdp_jax.train.checkpoint.CheckpointManager.check_compatible`);
+it is read under the setting that wrote it (:func:`load`), which after an elastic switch not yet
+saved is not config.json's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from sdp_jax.models import hf_llama
 from sdp_jax.models.llama import LlamaConfig, init_cache
 from sdp_jax.spec import flatten, unflatten
 from sdp_jax.train import checkpoint as ckpt_lib
-from sdp_jax.train import cli, families, loop, migrations
+from sdp_jax.train import cli, elastic, families, loop, migrations
 from sdp_jax.train import data as data_lib
 from sdp_jax.train import run as run_lib
 from sdp_jax.train import task as task_lib
@@ -49,13 +51,15 @@ EXPORT_FILE = "model.safetensors"
 class Trained:
     """A run restored for use: ``config`` (ConfigDict), ``run`` (the resolved run,
     :class:`sdp_jax.train.run.RunSpec`), ``builder`` (:class:`sdp_jax.step.SDPStep`),
-    ``state`` (its train state on the mesh) and ``step`` (the checkpoint's step; None for an
-    export)."""
+    ``state`` (its train state on the mesh), ``step`` (the checkpoint's step; None for an
+    export) and ``init_from`` (what the checkpoint records of the Hugging Face LLaMA the run
+    started from, :func:`sdp_jax.models.hf_llama.check_folder`'s; None without one)."""
     config: Any
     run: Any
     builder: Any
     state: dict
     step: int | None
+    init_from: dict | None = None
 
     def full_params(self) -> dict:
         """The full model's parameters (nested dict of host float32 numpy arrays), each
@@ -102,8 +106,12 @@ def _builder(config, task=None):
     return run, loop.make_step(run, loop.make_mesh(run))
 
 
-def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
-    """The run in ``workdir`` at checkpoint ``step`` (0: the latest).
+def load(workdir: str, config=None, step: int = 0, task=None, log=None) -> Trained:
+    """The run in ``workdir`` at checkpoint ``step`` (0: the latest), under the setting that
+    wrote that checkpoint: after an elastic switch (``--config.elastic=True``) stopped before
+    its first save, ``config.json`` names the new setting while the checkpoint is the old
+    one's, whose recorded workers, batch per worker, FSDP and ``sdp`` section are then used
+    (:func:`sdp_jax.train.elastic.as_written`; said in one line to ``log``, default stderr).
 
     Args:
       config: the run's config (default :func:`read_config`), e.g. with overrides.
@@ -115,17 +123,12 @@ def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
         checkpoint of another config, or an unreadable one (before any compute)."""
     saved = read_config(workdir, task)
     config = saved if config is None else config
+    log = log or (lambda line: print(line, file=sys.stderr))
     path = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(path):
         raise ValueError(f"{workdir!r} has no checkpoints/" + (
             ": it is an export; give it as --export" if os.path.isfile(
                 os.path.join(workdir, EXPORT_FILE)) else "; train first."))
-    run, builder = _builder(config, task)
-    # The checkpoint must be of this trajectory; other evaluation data is not another one.
-    checked = copy.deepcopy(config)
-    if "data" in saved:   # (a user's task may have no data section)
-        with checked.unlocked():
-            checked.data = copy.deepcopy(saved.data)
     manager = ckpt_lib.CheckpointManager(path, keep=config.keep_checkpoints)
     try:
         steps = manager.all_steps()
@@ -135,14 +138,31 @@ def load(workdir: str, config=None, step: int = 0, task=None) -> Trained:
             raise ValueError(f"--step={step}: {workdir!r} keeps the checkpoints of steps "
                              f"{steps}; choose one of them (0 = the latest).")
         at = step or max(steps)
+        meta = manager.read_meta(at)
+        meta["config"] = ckpt_lib.with_defaults(meta.get("config", {}), (
+            task or families.family_of(config)).added_fields())
+        written = elastic.as_written(config, meta, saved, jax.device_count())
+        if written is not config:
+            shown = elastic.describe(meta["config"], elastic.saved_workers(meta))
+            log(f"the checkpoint at step {at} was written under another setting than "
+                "config.json names (an elastic switch stopped before its first save): read "
+                f"under its own, {', '.join(f'{k} {v}' for k, v in shown.items())}")
+        config = written
+        run, builder = _builder(config, task)
+        # The checkpoint must be of this trajectory; other evaluation data is not another one.
+        checked = copy.deepcopy(config)
+        if "data" in saved:   # (a user's task may have no data section)
+            with checked.unlocked():
+                checked.data = copy.deepcopy(saved.data)
         manager.check_compatible(at, loop._meta(checked, run),  # pylint: disable=protected-access
                                  **migrations.compatibility(run))
+        init_from = meta.get("init_from")
     except ValueError:
         manager.close()
         raise
     state, _ = loop.restore_or_init(manager, at, builder, config.seed, announce=False)
     manager.close()
-    return Trained(config, run, builder, state, at)
+    return Trained(config, run, builder, state, at, init_from)
 
 
 def evaluation(trained: Trained, log=None) -> dict:
@@ -202,7 +222,10 @@ def export_hf(trained: Trained, out: str) -> str:
     and layouts, float32, :func:`sdp_jax.models.hf_llama.to_hf`), the run's tokenizer when it
     had a Hugging Face one (``tokenizer.json`` and a ``tokenizer_config.json`` naming
     ``PreTrainedTokenizerFast`` and its end-of-text token) and the run's own config as
-    ``sdp_jax_config.json``. Returns the weights' path.
+    ``sdp_jax_config.json``. The context length (``max_position_embeddings`` and the
+    tokenizer's ``model_max_length``) is the one of the Hugging Face LLaMA the run started
+    from (``config.init_from``, recorded in its checkpoints) when that gave one, else the
+    run's ``model.max_seq_len`` and ``seq_len``. Returns the weights' path.
 
     Raises:
       ValueError: as :func:`export`."""
@@ -210,6 +233,10 @@ def export_hf(trained: Trained, out: str) -> str:
     path = export_target(out)
     tok = tokenizer(trained.config)
     hf_tok = tok is not None and tok.name != "bytes"
+    # the context of the Hugging Face LLaMA the run started from, when it gave one
+    source = (trained.init_from or {}).get("max_position_embeddings")
+    if source:
+        cfg = dataclasses.replace(cfg, max_seq_len=source)
     if os.path.exists(os.path.join(out, HF_RUN_CONFIG)):
         raise ValueError(f"{os.path.join(out, HF_RUN_CONFIG)!r} exists; choose another --out "
                          "(an export is never overwritten).")
@@ -218,7 +245,7 @@ def export_hf(trained: Trained, out: str) -> str:
         shutil.copyfile(tok.path, os.path.join(out, "tokenizer.json"))
         loop.write_atomically(os.path.join(out, "tokenizer_config.json"), json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
-            "model_max_length": context(trained.config)}, indent=2))
+            "model_max_length": source or context(trained.config)}, indent=2))
     loop.write_atomically(os.path.join(out, HF_RUN_CONFIG), trained.config.to_json(indent=2))
     loop.write_atomically(os.path.join(out, "config.json"), json.dumps(
         hf_llama.hf_config(cfg, tok.eot_id if hf_tok else None), indent=2))
@@ -490,21 +517,26 @@ def task_from(name: str):
                          "without arguments: give it defaults, or name an instance.") from None
 
 
+CONFIG_HELP = ("--config.FIELD=VALUE: override a field of the run's config.json (e.g. "
+               "--config.eval_batches=4, or other evaluation data with --config.data.*; the "
+               "model and masks stay the checkpoint's; the fields: docs/configuration.md)")
+
+
 def command(prog: str, doc: str, argv, define) -> tuple[Any, Any]:
     """Parse a use command's flags: ``--workdir`` (or ``--export`` where ``define`` adds it),
     the tool's own (``define(fv)``), and ``--config.FIELD=VALUE`` overrides of the run's
     config.json. Simulated CPU devices are set from the config before JAX starts. Returns
-    ``(flag values, config)``; mistakes exit with one line (status 2)."""
+    ``(flag values, config)``; mistakes exit with one line (status 2); ``--help`` prints
+    ``doc``, every flag with its default and :data:`CONFIG_HELP`, and exits 0."""
     from absl import flags  # pylint: disable=g-import-not-at-top
     from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
     if argv is None:   # the command line: a signal ends it with one line, never a traceback
         cli.exit_on_signals()
     argv = [prog] + (sys.argv[1:] if argv is None else list(argv))
-    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        print(doc.strip())
-        sys.exit(0)
     fv = tool_flags(define)
+    if cli.asks_help(argv):
+        cli.exit_with_help(fv, doc, CONFIG_HELP)
     sources = _given(argv, ("--workdir", "--export"))
     named = [v for _, v in _given(argv, ("--task",))] if "task" in fv else []
     try:   # a user's Task (its module imported now: read_config needs its schema)

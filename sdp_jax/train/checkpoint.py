@@ -20,10 +20,44 @@ while saving leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Any
 
 import orbax.checkpoint as ocp
+
+# How TensorStore and orbax word a fault of a checkpoint's own files (a byte range past a
+# truncated file's end, a missing or undecodable file): found in a read error's message.
+_FILE_FAULT = re.compile(r"local file|Error (reading|opening|decoding)|byte range|No such file"
+                         r"|DATA_LOSS|[Cc]orrupt|[Tt]runcat|[Ii]ncomplete")
+
+
+class ReadFailed(RuntimeError):
+    """Reading a checkpoint failed for a reason outside its files: a collective or JAX's
+    coordination service failed (another process ended or hung during the read). The
+    checkpoint is intact and kept; rerunning once every process runs resumes it."""
+
+
+def _file_fault(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) says that a file could not be read:
+    an ``OSError`` (missing, unreadable), undecodable JSON or text, or TensorStore's words
+    for a truncated or missing file (:data:`_FILE_FAULT`)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (OSError, json.JSONDecodeError, UnicodeDecodeError)):
+            return True
+        if _FILE_FAULT.search(str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _short(value: Any, limit: int = 32) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a mask hash, a long list) with ``…``."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 8] + "…"
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -32,7 +66,22 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
         for k in sorted(set(a) | set(b)):
             out += _diff(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{prefix}{k}.")
         return out
-    return [] if a == b else [f"{prefix[:-1]}: checkpoint has {a!r}, this run has {b!r}"]
+    return [] if a == b else [f"{prefix[:-1]}: checkpoint has {_short(a)}, this run has "
+                              f"{_short(b)}"]
+
+
+def _name(line: str) -> str:
+    """The field (or leaf) a difference line is about: its text before the first ``": "``."""
+    return line.split(": ", 1)[0]
+
+
+def _inline(lines: list[str], shown: int = 4) -> str:
+    """Differences as one line: the first ``shown`` in full, joined by ``"; "``, then how many
+    more and their names (:func:`_name`; the first 8)."""
+    rest = [_name(ln) for ln in lines[shown:]]
+    more = (f"; and {len(rest)} more ({', '.join(rest[:8])}{', …' if len(rest) > 8 else ''})"
+            if rest else "")
+    return "; ".join(lines[:shown]) + more
 
 
 def _within(path: str, fields: tuple[str, ...]) -> bool:
@@ -60,6 +109,33 @@ def _leaf_shapes(tree: Any) -> dict[tuple, tuple[str, tuple]]:
         plain = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
         out[plain] = (jax.tree_util.keystr(path), tuple(getattr(x, "shape", ()) or ()))
     return out
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
+
+
+def latest_step_in(directory: str) -> int | None:
+    """The step of the latest finished checkpoint in ``directory`` (a run's
+    ``checkpoints/``), or None: none there, or no such folder (which is not created)."""
+    if not os.path.isdir(directory):
+        return None
+    manager = CheckpointManager(directory)
+    try:
+        return manager.latest_step()
+    finally:
+        manager.close()
+
+
+def _masks_last(diffs: list[str]) -> list[str]:
+    """The differences with the masks' (``masks.*``) after the others and, when other fields
+    differ too (the masks follow from them), folded into one line naming them."""
+    masks = [d for d in diffs if _name(d).startswith("masks.")]
+    others = [d for d in diffs if d not in masks]
+    if not others or not masks:
+        return others + masks
+    names = ", ".join(_name(d)[len("masks."):] for d in masks)
+    return others + [f"masks: differ too ({names})"]
 
 
 class CheckpointManager:
@@ -93,16 +169,52 @@ class CheckpointManager:
         fix = (f"move {path} aside (e.g. to {path}.damaged) to resume from step {max(older)}"
                if older else f"move {path} aside to start afresh")
         return ValueError(f"the checkpoint at step {step} in {self.directory} is damaged "
-                          f"({what}: {type(err).__name__}: {str(err)[:300]}); {fix}, or use "
-                          "a new --workdir.")
+                          f"({what}: {type(err).__name__}: {_first_line(err)[:300]}); {fix}, "
+                          "or use a new --workdir.")
+
+    def _own_files_fault(self, step: int, what: str) -> str:
+        """What is wrong with the files of item ``what`` (``meta`` or ``state``) of the
+        checkpoint at ``step``, read on this host alone (no collective): ``""`` when its
+        metadata files are present and parse."""
+        item = os.path.join(self.directory, str(step), what)
+        name = "metadata" if what == "meta" else "_METADATA"
+        path = os.path.join(item, name)
+        try:
+            with open(path) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{path}: {type(e).__name__}: {_first_line(e)[:200]}"
+        return ""
+
+    def _read_error(self, step: int, what: str, err: Exception) -> Exception:
+        """The error for a failed read of item ``what`` of the checkpoint at ``step``:
+        *damaged* (:meth:`_damaged`, with the fallback) only when the checkpoint's own files
+        are shown unreadable (its metadata does not parse on this host, or the error is a
+        file's: :func:`_file_fault`); otherwise :class:`ReadFailed` (a collective or the
+        coordination service failed around the read; the checkpoint is intact)."""
+        fault = self._own_files_fault(step, what)
+        if fault:
+            return self._damaged(step, what, OSError(fault))
+        if _file_fault(err):
+            return self._damaged(step, what, err)
+        return ReadFailed(
+            f"reading the checkpoint at step {step} in {self.directory} failed, but not "
+            f"because of its files ({what}: {type(err).__name__}: {_first_line(err)[:200]}): "
+            "a collective or the coordination service failed around the read (another "
+            "process ended or hung?); the checkpoint is intact and kept: rerun to resume once "
+            "every process runs.")
 
     def read_meta(self, step: int) -> dict:
-        """The ``meta`` item of ``step``. Raises ValueError naming the step if unreadable."""
+        """The ``meta`` item of ``step``.
+
+        Raises:
+          ValueError: its files are unreadable (damaged: names the step and the fallback).
+          ReadFailed: the read failed around the files (a peer process ended)."""
         try:
             return self._mngr.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # orbax/json/OS errors of a damaged checkpoint
-            raise self._damaged(step, "meta", e) from e
+        except Exception as e:  # noqa: BLE001 (orbax/json/OS errors, or a failed collective)
+            raise self._read_error(step, "meta", e) from e
 
     def check_compatible(self, step: int, meta: dict, defaults: dict | None = None,
                          may_grow: tuple[str, ...] = (), hints: dict | None = None,
@@ -125,8 +237,9 @@ class CheckpointManager:
           the lines of the accepted elastic changes ([] when none).
 
         Raises:
-          ValueError: listing every differing field, with the fix (another ``--workdir``, or
-            the original values).
+          ValueError: in one line, the differing fields (the first four in full, values cut
+            short, then the others' names; the masks' folded into one when other fields
+            differ too), then the fix (another ``--workdir``, or the original values).
         """
         saved = self.read_meta(step)
         diffs = _diff(saved.get("masks", {}), meta["masks"], "masks.")
@@ -143,25 +256,23 @@ class CheckpointManager:
             if saved_w != meta["workers"]:
                 diffs.append(f"workers: the checkpoint was trained by W = {saved_w} workers, "
                              f"this run has W = {meta['workers']} (a different W is a "
-                             f"different trajectory; resume with --config.workers={saved_w}, "
+                             f"different trajectory: resume with --config.workers={saved_w}, "
                              f"with several processes on exactly {saved_w} devices)")
         for k in may_grow:
             if k in saved_config and k in config and config[k] >= saved_config[k]:
                 config = {**config, k: saved_config[k]}
-        diffs = [d + (f" ({hints[d.split(':', 1)[0]]})"
-                      if d.split(":", 1)[0] in (hints or {}) else "")
+        diffs = [d + (f" ({hints[_name(d)]})" if _name(d) in (hints or {}) else "")
                  for d in _diff(saved_config, config)] + diffs
-        only_elastic = all(_within(d.split(":", 1)[0], elastic) for d in diffs)
+        only_elastic = all(_within(_name(d), elastic) for d in diffs)
         if allow_elastic and only_elastic:
             return diffs
         if diffs:
-            shown = "\n  ".join(diffs[:20])
             hint = f" {elastic_hint}" if elastic_hint and only_elastic else ""
             raise ValueError(
                 f"the checkpoint at step {step} in {self.directory} is incompatible with this "
-                f"run (written by a different run config), so it is not loaded:\n  {shown}\n"
-                "Use a new --workdir for this config, or rerun with the checkpoint's values to "
-                f"resume it.{hint}")
+                f"run (written by another run config), so it is not loaded: "
+                f"{_inline(_masks_last(diffs))}. Use a new --workdir for this config, or rerun "
+                f"with the checkpoint's values to resume it.{hint}")
         return []
 
     def save(self, step: int, state: Any, meta: dict) -> None:
@@ -190,11 +301,12 @@ class CheckpointManager:
                 if have.get(k, (0, None))[1] != want.get(k, (0, None))[1]]
 
     def _incompatible(self, step: int, mismatch: list[str]) -> ValueError:
-        shown = "\n  ".join(mismatch[:10])
+        """The one-line refusal of a readable checkpoint of another parameter layout
+        (``mismatch``: :meth:`_layout_mismatch`'s lines, :func:`_inline`)."""
         return ValueError(
-            f"the checkpoint at step {step} in {self.directory} is incompatible with "
-            f"this run: it holds another parameter layout:\n  {shown}\nUse a new "
-            "--workdir for this run, or the code and config that wrote it to resume it.")
+            f"the checkpoint at step {step} in {self.directory} is incompatible with this run: "
+            f"it holds another parameter layout ({_inline(mismatch)}); use a new --workdir for "
+            "this run, or the code and config that wrote it to resume it.")
 
     def restore(self, step: int, abstract_state: Any) -> Any:
         """Restore the state into ``abstract_state``'s shapes and shardings (any process
@@ -210,7 +322,9 @@ class CheckpointManager:
 
         Raises:
           ValueError: the checkpoint holds another parameter layout (incompatible: names the
-            leaves) or cannot be read (damaged: names the step and how to fall back).
+            leaves) or its files cannot be read (damaged: names the step and how to fall
+            back).
+          ReadFailed: the read failed around the files (a collective; the checkpoint is kept).
         """
         mismatch = self._layout_mismatch(step, abstract_state)
         if mismatch:
@@ -218,8 +332,8 @@ class CheckpointManager:
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
-        except Exception as e:  # truncated tensors, missing items, another tree
-            raise self._damaged(step, "state", e) from e
+        except Exception as e:  # noqa: BLE001 (truncated tensors, missing items, a collective)
+            raise self._read_error(step, "state", e) from e
         return out["state"]
 
     def close(self) -> None:

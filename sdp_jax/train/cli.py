@@ -95,6 +95,20 @@ def exit_on_signals() -> dict:
     return handle_signals(lambda signum, frame: exit_on_signal(signum))
 
 
+def asks_help(argv: list[str]) -> bool:
+    """Whether a command line (``argv[0]`` the program) asks for help: ``--help``, ``-h`` or
+    ``--helpfull``."""
+    return any(a in ("--help", "-h", "--helpfull") for a in argv[1:])
+
+
+def exit_with_help(fv: flags.FlagValues, doc: str = "", note: str = "") -> NoReturn:
+    """Print ``doc``, every flag of ``fv`` with its help and default (absl's listing, by
+    module) and ``note``, then exit 0: the ``--help`` of every command line."""
+    print((doc.strip() + "\n\n" if doc else "") + fv.get_help()
+          + (f"\n\n{note}" if note else ""))
+    sys.exit(0)
+
+
 def error(prog: str, message: str) -> NoReturn:
     """Print ``prog: error: message`` to stderr and exit with status 2 (a usage error)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
@@ -140,9 +154,8 @@ def parse(fv: flags.FlagValues, argv: list[str], prog: str, doc: str = "",
     Returns:
       the arguments that are not flags (``argv[0]`` first).
     """
-    if any(a in ("--help", "-h", "--helpfull") for a in argv[1:]):
-        print((doc.strip() + "\n\n" if doc else "") + fv.get_help())
-        sys.exit(0)
+    if asks_help(argv):
+        exit_with_help(fv, doc)
     names = sorted({n for n in fv if isinstance(   # --config and its kin (study_sdp)
         fv[n].parser, config_flags.config_flags.ConfigFileFlagParser)})
     for name in names:

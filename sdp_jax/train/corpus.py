@@ -28,12 +28,16 @@ which writes the same tokens as llm.c shards.
 Tokenizers (``data.tokenizer``):
 
 * ``''`` (default): :class:`ByteTokenizer`, UTF-8 bytes as tokens (vocab 256), a document's
-  bytes followed by ``DOC_SEPARATOR`` (``b"\\n"``); text files are taken byte for byte.
+  bytes followed by ``DOC_SEPARATOR`` (``b"\\n"``); text files are taken byte for byte
+  (invalid UTF-8 included).
 * a path to a Hugging Face ``tokenizer.json`` (or a folder holding one):
   :class:`HFTokenizer` (the ``tokenizers`` library), a document's ids (no special tokens
   added) followed by the end-of-text token (``data.eot_token``, or the first of
-  :data:`EOT_CANDIDATES` the vocabulary has). :func:`train_bpe` trains a byte-level BPE of a
-  given vocabulary on a corpus.
+  :data:`EOT_CANDIDATES` the vocabulary has). It reads text: a document that is not UTF-8 is
+  refused, naming its file and the first invalid byte's offset (:func:`invalid_utf8`), as
+  the strict decoding of Python's ``open`` and of ``datasets``' text loader would, never
+  replaced silently by U+FFFD. :func:`train_bpe` trains a byte-level BPE of a given
+  vocabulary on a corpus.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import os
 import pathlib
 import sysconfig
 import zlib
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -276,6 +280,11 @@ def _jsonl_documents(piece: Piece, field: str) -> list[str]:
             where = f"jsonl file {piece.path} (line at byte {offset})"
             try:
                 record = json.loads(line)
+            except UnicodeDecodeError as e:   # (json reads bytes as UTF-8)
+                raise ValueError(invalid_utf8(
+                    f"jsonl file {piece.path}", offset + e.start, line,
+                    "JSON Lines are UTF-8: convert the file (e.g. iconv -f LATIN1 -t UTF-8) or "
+                    "leave the line out")) from None
             except ValueError as e:
                 raise ValueError(f"{where}: not JSON ({e}); each line must be one JSON object "
                                  "with a text field") from None
@@ -307,24 +316,34 @@ def _parquet_documents(piece: Piece, field: str) -> list[str]:
 class Documents(grain.sources.RandomAccessDataSource):
     """A grain data source over the pieces of a corpus: item ``i`` is the list of documents of
     piece ``i`` (``bytes`` for text files, taken byte for byte; ``str`` for JSONL and Parquet;
-    as stored for tfds).
+    as stored for tfds), or with ``text`` every document as ``str``.
 
     Args:
       pieces: from :func:`file_pieces` / :func:`tfds_pieces`.
       field: the JSONL field, Parquet column or tfds feature holding the text.
+      text: decode ``bytes`` documents as UTF-8 (what a tokenizer that reads text needs,
+        :class:`HFTokenizer`; the byte tokenizer reads the raw bytes).
 
     ``__getitem__`` raises ValueError naming the file (and the line's byte offset) for a JSONL
-    line that is not a JSON object with a text ``field``, a Parquet file without a text column
-    ``field``, or a tfds record without the feature."""
+    line that is not a JSON object with a text ``field`` or not UTF-8, a Parquet file without a
+    text column ``field``, a tfds record without the feature, or (``text``) a document that is
+    not UTF-8 (naming its file or record and the first invalid byte's offset,
+    :func:`invalid_utf8`)."""
 
-    def __init__(self, pieces: Sequence[Piece], field: str = "text"):
-        self.pieces, self.field = list(pieces), field
+    def __init__(self, pieces: Sequence[Piece], field: str = "text", text: bool = False):
+        self.pieces, self.field, self.text = list(pieces), field, bool(text)
 
     def __len__(self) -> int:
         return len(self.pieces)
 
     def __getitem__(self, index: int) -> list:
-        piece = self.pieces[index]
+        docs = self._read(self.pieces[index])
+        if not self.text:
+            return docs
+        return [_text(d, lambda k=k: self._where(self.pieces[index], k))
+                for k, d in enumerate(docs)]
+
+    def _read(self, piece: Piece) -> list:
         if piece.kind == "file":
             return [pathlib.Path(piece.path).read_bytes()]
         if piece.kind == "jsonl":
@@ -333,19 +352,60 @@ class Documents(grain.sources.RandomAccessDataSource):
             return _parquet_documents(piece, self.field)
         name, split, data_dir = piece.path.split("|", 2)
         source = _tfds_source(name, split, data_dir)
-        return [_field(source[i], self.field, f"tfds dataset {name!r} split {split!r} record {i}",
+        return [_field(source[i], self.field, self._where(piece, i - piece.start),
                        "tfds_text_key") for i in range(piece.start, piece.stop)]
 
+    @staticmethod
+    def _where(piece: Piece, k: int) -> str:
+        """Document ``k`` of ``piece``, for a message (a text file is one document)."""
+        if piece.kind == "file":
+            return f"text file {piece.path}"
+        if piece.kind == "parquet":
+            return f"parquet file {piece.path} (row group {piece.start}, row {k})"
+        if piece.kind == "jsonl":
+            return f"jsonl file {piece.path}"
+        name, split, _ = piece.path.split("|", 2)
+        return f"tfds dataset {name!r} split {split!r} record {piece.start + k}"
+
+    def as_text(self) -> "Documents":
+        """The same documents as ``str`` (``text=True``)."""
+        return Documents(self.pieces, self.field, text=True)
+
     def __repr__(self) -> str:
-        return f"Documents(pieces={len(self.pieces)}, field={self.field!r})"
+        return f"Documents(pieces={len(self.pieces)}, field={self.field!r}, text={self.text})"
 
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizers
 # ----------------------------------------------------------------------------------------------
 
-def _text(doc: str | bytes) -> str:
-    return doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
+TEXT_TOKENIZER_FIX = ("a tokenizer that reads text (data.tokenizer) needs UTF-8: convert it "
+                      "(e.g. iconv -f LATIN1 -t UTF-8) or leave it out, or read raw bytes with "
+                      "the byte tokenizer (data.tokenizer='', the default)")
+
+
+def invalid_utf8(where: str, offset: int, data: bytes, fix: str = TEXT_TOKENIZER_FIX) -> str:
+    """The one-line refusal of bytes that are not UTF-8: ``where``, ``offset`` (the first
+    invalid byte's offset in ``where``), the count of invalid byte sequences in ``data`` (as
+    many as a decoder would replace by U+FFFD) and ``fix``."""
+    count = data.decode("utf-8", errors="replace").count("\ufffd") - data.count(
+        "\ufffd".encode())
+    return (f"{where}: invalid UTF-8 at byte {offset} ({count} invalid byte sequence"
+            f"{'s' if count != 1 else ''}); {fix}")
+
+
+def _text(doc: str | bytes, where: Callable[[], str] = lambda: "a document") -> str:
+    """A document as text: ``str`` as it is, ``bytes`` decoded as UTF-8.
+
+    Raises:
+      ValueError: bytes that are not UTF-8 (:func:`invalid_utf8`, naming ``where()``): never
+        replaced silently by U+FFFD."""
+    if not isinstance(doc, bytes):
+        return doc
+    try:
+        return doc.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(invalid_utf8(where(), e.start, doc)) from None
 
 
 class ByteTokenizer:
@@ -353,6 +413,7 @@ class ByteTokenizer:
     its bytes followed by ``DOC_SEPARATOR`` (id 10, :attr:`eot_id`)."""
 
     name = "bytes"
+    reads_text = False   # documents are taken as bytes (invalid UTF-8 included)
     vocab_size = VOCAB_BYTES
     eot_id = DOC_SEPARATOR[0]
     dtype = np.dtype(np.uint8)
@@ -416,6 +477,7 @@ class HFTokenizer:
       ImportError: the ``tokenizers`` library is missing."""
 
     name = "huggingface"
+    reads_text = True   # documents decoded as UTF-8 first (:class:`Documents` ``text``)
 
     def __init__(self, path: str, eot_token: str = ""):
         self.path = tokenizer_file(path)
@@ -473,7 +535,10 @@ def token_stream(documents: Documents, tokenizer, threads: int = 8) -> Iterator[
     """The tokens of every piece of ``documents``, in order, one 1-D array per piece
     (``tokenizer.tokenize``, on ``threads`` grain reader threads).
 
-    Raises what reading a piece (:class:`Documents`) raises."""
+    Raises what reading a piece (:class:`Documents`) raises, invalid UTF-8 included for a
+    tokenizer that reads text."""
+    if tokenizer.reads_text:
+        documents = documents.as_text()
     ds = grain.MapDataset.source(documents).map(tokenizer.tokenize)
     return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, threads),
                                                      prefetch_buffer_size=2 * max(1, threads))))
@@ -495,7 +560,8 @@ def train_bpe(documents: Documents, vocab_size: int, out: str,
       the tokenizer, read back from ``out``.
 
     Raises:
-      ValueError: ``vocab_size`` below 257 or a corpus without documents.
+      ValueError: ``vocab_size`` below 257, a corpus without documents, or a document that is
+        not UTF-8 (:class:`Documents` ``text``).
     """
     if vocab_size < VOCAB_BYTES + 1:
         raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least "
@@ -507,7 +573,7 @@ def train_bpe(documents: Documents, vocab_size: int, out: str,
     trainer = tk.trainers.BpeTrainer(
         vocab_size=int(vocab_size), special_tokens=[eot_token], show_progress=False,
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
-    seen = 0
+    seen, documents = 0, documents.as_text()
 
     def texts():
         nonlocal seen
@@ -516,7 +582,7 @@ def train_bpe(documents: Documents, vocab_size: int, out: str,
                 if max_documents and seen >= max_documents:
                     return
                 seen += 1
-                yield _text(doc)
+                yield doc
 
     tok.train_from_iterator(texts(), trainer=trainer)
     if not seen:

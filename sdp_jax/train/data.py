@@ -322,7 +322,8 @@ def _file_lists(key: _Key) -> tuple[list, list | None]:
 class Corpus(NamedTuple):
     """The documents of a data config, as :func:`document_corpus` finds them: the pieces of each
     split (``val`` None: one file, whose tokens :func:`split_tokens` divides), their counts and
-    unit (``files`` or ``records``), the field holding the text, and the tokenizer."""
+    unit (``files`` or ``records``), the field holding the text, the tokenizer, and the names
+    of each split's files (a tfds split by name) for messages."""
 
     train: list
     val: list | None
@@ -330,6 +331,7 @@ class Corpus(NamedTuple):
     unit: str
     field: str
     tokenizer: Any
+    files: tuple
 
 
 def _corpus(key: _Key) -> Corpus:
@@ -339,12 +341,15 @@ def _corpus(key: _Key) -> Corpus:
         name, train_split, val_split, data_dir = key.tfds
         (train, n_train), (val, n_val) = (corpus.tfds_pieces(name, s, data_dir)
                                           for s in (train_split, val_split))
-        return Corpus(train, val, (n_train, n_val), "records", key.field, tokenizer)
+        return Corpus(train, val, (n_train, n_val), "records", key.field, tokenizer,
+                      tuple([f"tfds dataset {name!r} split {s!r}"]
+                            for s in (train_split, val_split)))
     kind = "text" if key.source == "stdlib" else key.source
     train, val = _file_lists(key)
     return Corpus(corpus.file_pieces(kind, train),
                   None if val is None else corpus.file_pieces(kind, val),
-                  (len(train), 1 if val is None else len(val)), "files", key.field, tokenizer)
+                  (len(train), 1 if val is None else len(val)), "files", key.field, tokenizer,
+                  tuple([str(f) for f in fs] for fs in (train, train if val is None else val)))
 
 
 def document_corpus(data_cfg: Any) -> Corpus:
@@ -398,9 +403,10 @@ def _document_splits(key: _Key) -> dict:
     if c.val is None:
         train, val = split_tokens(tokenize_pieces(c.train, c, "train"), key.val_fraction)
         return dict(train=(train,), val=(val,), counts=(1, 1 if val.size else 0),
-                    unit="file (split by tokens)")
+                    unit="file (split by tokens)", files=c.files)
     return dict(train=(tokenize_pieces(c.train, c, "train"),),
-                val=(tokenize_pieces(c.val, c, "val"),), counts=c.counts, unit=c.unit)
+                val=(tokenize_pieces(c.val, c, "val"),), counts=c.counts, unit=c.unit,
+                files=c.files)
 
 
 def _llmc_splits(key: _Key) -> dict:
@@ -417,7 +423,21 @@ def _llmc_splits(key: _Key) -> dict:
         )
     return dict(train=tuple(read_llmc_shard(f) for f in train_files),
                 val=tuple(read_llmc_shard(f) for f in val_files),
-                counts=(len(train_files), len(val_files)), unit="shards")
+                counts=(len(train_files), len(val_files)), unit="shards",
+                files=tuple([str(f) for f in fs] for fs in (train_files, val_files)))
+
+
+def _split_origin(data_cfg: Any, split: str, shown: int = 3) -> str:
+    """Where a split's tokens come from, for a message: its file (``(empty)`` when it has no
+    bytes), or the count of its files, the first ``shown`` and the empty ones; a tfds split by
+    name."""
+    files = _load_splits(_cache_key(data_cfg))["files"][_SPLITS.index(split)]
+    empty = [f for f in files if os.path.isfile(f) and os.path.getsize(f) == 0]
+    more = lambda fs: ", ".join(fs[:shown]) + (", ..." if len(fs) > shown else "")  # noqa: E731
+    if len(files) == 1:
+        return files[0] + (" (empty)" if empty else "")
+    return (f"{len(files)} files ({more(files)})"
+            + (f", {len(empty)} of them empty ({more(empty)})" if empty else ""))
 
 
 @functools.lru_cache(maxsize=8)
@@ -810,8 +830,8 @@ def train_dataset(
 
     Raises:
       ValueError: bad batch / process arguments, a train split with fewer windows than one
-        global batch (names the sizes and what to change), plus the errors of
-        :func:`load_tokens`; token ids >= ``vocab_size`` in llm.c shards raise
+        global batch (names its files, the empty ones, the sizes and what to change), plus the
+        errors of :func:`load_tokens`; token ids >= ``vocab_size`` in llm.c shards raise
         ``ValueError`` when read.
       ImportError: ``source='tfds'`` without tensorflow-datasets.
     """
@@ -824,14 +844,16 @@ def train_dataset(
 
 def _train_windows(data_cfg: Any, seq_len: int, vocab_size: int,
                    global_batch: int) -> "TokenWindowSource":
-    """The train split's windows. Raises ValueError when they fill no global batch."""
+    """The train split's windows. Raises ValueError when they fill no global batch (naming
+    the split's files, :func:`_split_origin`)."""
     shards = _split_shards(data_cfg, "train", vocab_size)
     source = TokenWindowSource(shards, seq_len, vocab_size)
     n_windows = len(source)
     if n_windows < global_batch:
         n_tokens = sum(len(a) for a in shards)
         raise ValueError(
-            f"train split too small for one batch: {n_tokens} tokens give "
+            f"train split too small for one batch: {n_tokens} tokens from "
+            f"{_split_origin(data_cfg, 'train')} give "
             f"{n_windows} windows of seq_len+1={seq_len + 1} tokens, but one global_batch "
             f"needs {global_batch} windows; use more training data, a smaller global batch "
             f"or a shorter seq_len"
@@ -914,7 +936,7 @@ def make_val_batches(
 
     Raises:
       ValueError: ``num_batches < 1``, bad batch / process arguments, a val split
-        without one full global batch (names the sizes and fixes), a token id
+        without one full global batch (names its files, the sizes and fixes), a token id
         >= ``vocab_size``, plus the errors of :func:`load_tokens`.
     """
     first, per_process = process_rows(global_batch, process_index, process_count, rows)
@@ -926,7 +948,8 @@ def make_val_batches(
     if fit < 1:
         n_tokens = sum(len(a) for a in shards)
         raise ValueError(
-            f"validation split too small for one batch: {n_tokens} tokens give "
+            f"validation split too small for one batch: {n_tokens} tokens from "
+            f"{_split_origin(data_cfg, 'val')} give "
             f"{len(source)} windows of seq_len+1={seq_len + 1} tokens, but one "
             f"global batch needs {global_batch}; use more validation data "
             f"(data.val_fraction / data.val_files), a smaller batch or a shorter "

@@ -46,9 +46,8 @@ from sdp_jax.train import run as run_lib
 # The config fields an elastic resume may change (dotted; "x." a whole section; "masks." the
 # recorded mask recipes, which follow from the others).
 FIELDS = ("workers", "batch_per_worker", "fsdp", "sdp.", "masks.")
-HINT = ("To continue it under this run's setting instead (the full model and its optimizer "
-        "moments rebuilt from the checkpoint and laid out under new masks), resume with "
-        "--config.elastic=True.")
+HINT = ("Or continue it under this run's setting with --config.elastic=True (the full model "
+        "and its optimizer moments rebuilt and laid out under new masks).")
 
 
 def saved_workers(saved: dict) -> int:
@@ -77,23 +76,83 @@ def change_line(saved: dict, run: run_lib.RunSpec) -> str:
     return ", ".join(moved) or "the mask recipe (another mask seed or option)"
 
 
+def recorded_setting(saved: dict) -> dict:
+    """The setting a checkpoint was written under (``saved``: its ``meta``), as dotted
+    config fields: the resolved ``workers``, ``batch_per_worker``, ``fsdp`` and every
+    ``sdp.KEY``: the fields an elastic resume may change (:data:`FIELDS`; the mask recipes
+    follow from them)."""
+    old = saved["config"]
+    out = {"workers": saved_workers(saved), "batch_per_worker": old["batch_per_worker"],
+           "fsdp": old["fsdp"]}
+    out.update({f"sdp.{k}": tuple(v) if isinstance(v, list) else v
+                for k, v in old["sdp"].items()})
+    return out
+
+
+def _field(config, name: str):
+    """The dotted field ``name`` of ``config``."""
+    section, _, key = name.rpartition(".")
+    return (config[section] if section else config)[key]
+
+
+def _set(config, name: str, value) -> None:
+    """Set the dotted field ``name`` of an unlocked ``config``."""
+    section, _, key = name.rpartition(".")
+    (config[section] if section else config)[key] = value
+
+
 def checkpoint_run(run: run_lib.RunSpec, saved: dict) -> run_lib.RunSpec:
     """The run that wrote a checkpoint (its ``meta`` item ``saved``), resolved as this run's
-    config with the checkpoint's elastic fields, emulated on one local device (its layout
-    only: nothing of it is compiled).
+    config with the checkpoint's elastic fields (:func:`recorded_setting`), emulated on one
+    local device (its layout only: nothing of it is compiled).
 
     Raises:
       ValueError: the checkpoint's config no longer resolves (names the field)."""
     config = copy.deepcopy(run.config)
-    old = saved["config"]
     with config.unlocked():
-        for k, v in old["sdp"].items():
-            config.sdp[k] = tuple(v) if isinstance(v, list) else v
-        config.batch_per_worker, config.fsdp = old["batch_per_worker"], old["fsdp"]
-        config.workers, config.emulate_workers = saved_workers(saved), True
+        for name, value in recorded_setting(saved).items():
+            _set(config, name, value)
+        config.emulate_workers = True
         config.grad_accum, config.align_every = 1, 0
         config.profile_start = config.profile_stop = 0
     return run_lib.resolve(config, 1, run.family, processes=1)
+
+
+def as_written(config, saved: dict, given, device_count: int):
+    """``config`` (a copy) under the setting of the checkpoint whose meta is ``saved``, for
+    reading the checkpoint back as it is (the tools, :func:`sdp_jax.tools.trained.load`).
+
+    ``config.json`` names a run's newest setting as soon as it starts: after an elastic
+    switch (``--config.elastic=True``) that stopped before its first save, the latest
+    checkpoint is still the old setting's. Every field of :func:`recorded_setting` that
+    ``config`` holds as ``given`` does (``given``: the run's config.json; a field the caller
+    overrode stays the caller's, and the compatibility check names it) is taken from the
+    checkpoint; ``workers`` only when the resolved ``W`` differs (``workers=0`` stays 0 when
+    it resolves to the checkpoint's ``W`` on ``device_count`` devices). A checkpoint's ``W``
+    larger than ``device_count`` is emulated on one device (``emulate_workers``: the same
+    results, to float rounding). A config that already is the checkpoint's is returned as
+    it is."""
+    setting = recorded_setting(saved)
+    stages = int(config.get("pipeline", {}).get("stages", 1))
+    try:
+        same_w = run_lib.resolve_workers(config, device_count, stages, processes=1) \
+            == setting["workers"]
+    except ValueError:   # (more workers than devices: not the checkpoint's W here either)
+        same_w = False
+    moved = {name: value for name, value in setting.items()
+             if name != "workers" and _field(config, name) != value
+             and _field(config, name) == _field(given, name)}
+    if not same_w and config.workers == given.workers:
+        moved["workers"] = setting["workers"]
+    if not moved:
+        return config
+    config = copy.deepcopy(config)
+    with config.unlocked(), config.ignore_type():
+        for name, value in moved.items():
+            _set(config, name, value)
+        if config.workers > device_count and stages == 1:
+            config.emulate_workers = True
+    return config
 
 
 def check(run: run_lib.RunSpec, saved: dict, stream) -> None:
@@ -133,12 +192,13 @@ def full_state(builder, state: dict, average: bool) -> dict:
 
 def _lay(fn, full, abstract):
     """``fn(full)`` (full host arrays -> a stored tree), placed as ``abstract``
-    (ShapeDtypeStructs with shardings): computed on the host's CPU backend, each device then
-    given only its own slice, so no device holds more than its share; without a CPU backend
-    (``JAX_PLATFORMS`` without ``cpu``), computed on the mesh, where every device briefly
-    holds ``full``."""
+    (ShapeDtypeStructs with shardings): computed on this process's own CPU device (with
+    several processes ``jax.devices("cpu")[0]`` is process 0's, which no other process can
+    read back), each of this process's devices then given only its own slice, so no device
+    holds more than its share; without a CPU backend (``JAX_PLATFORMS`` without ``cpu``),
+    computed on the mesh, where every device briefly holds ``full``."""
     try:
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return jax.jit(fn, out_shardings=jax.tree.map(lambda a: a.sharding, abstract))(full)
     with jax.default_device(cpu):
@@ -171,10 +231,11 @@ def lay_out(builder, full: dict, step: int) -> dict:
     return state
 
 
-def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
-            log: Callable[[str], None]) -> dict:
-    """The checkpoint at ``step`` (``saved``: its ``meta``) laid out for ``run``'s
-    ``builder`` (:func:`checkpoint_run`, :func:`full_state`, :func:`lay_out`).
+def read_full(manager, step: int, saved: dict, run: run_lib.RunSpec):
+    """``(full, old)``: the checkpoint at ``step`` (``saved``: its ``meta``) read to this
+    process's host memory in its own layout (emulated on one local device) and joined into
+    the full model and optimizer state (:func:`full_state`); ``old``: the checkpoint's run
+    (:func:`checkpoint_run`). Every process reads the whole checkpoint.
 
     Raises:
       ValueError: an unreadable checkpoint, or one whose layout is not its recorded run's
@@ -184,9 +245,20 @@ def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
     old_builder = old.family.step(old, mesh)
     target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), old_builder.abstract_state())
     state = manager.restore(step, target)
+    return full_state(old_builder, state, old.settings.averaging == "parameters"), old
+
+
+def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
+            log: Callable[[str], None]) -> dict:
+    """The checkpoint at ``step`` (``saved``: its ``meta``) laid out for ``run``'s
+    ``builder`` (:func:`read_full`, then :func:`lay_out`: each process places only its own
+    devices' shares), with one line logged.
+
+    Raises:
+      ValueError: an unreadable checkpoint, or one whose layout is not its recorded run's
+        (names the leaves)."""
+    full, old = read_full(manager, step, saved, run)
     average = old.settings.averaging == "parameters"
-    full = full_state(old_builder, state, average)
-    del state
     log(f"elastic resume (--config.elastic) at step {step}: {change_line(saved, run)}; the "
         f"full model and its optimizer moments rebuilt from the checkpoint's {old.workers} "
         "workers" + (" (holders' copies averaged)" if average else "")

@@ -531,16 +531,26 @@ class LanguageModelFamily(Family):
         return language_model_step(run.model, run.plan, run.optim, mesh, run.total_steps,
                                    pipe=run.pipe, **run.settings.kwargs())
 
+    def check_start(self, run):
+        """``config.init_from``'s Hugging Face LLaMA checked against the run's model from its
+        ``config.json`` and safetensors headers (:func:`sdp_jax.models.hf_llama.check_folder`:
+        a missing, truncated or foreign file, another shape); its folder and context length
+        (``max_position_embeddings``, which ``export --format hf`` writes back) are recorded.
+        None without ``init_from``."""
+        folder = run.config.get("init_from")
+        return hf_llama.check_folder(folder, run.model) if folder else None
+
     def initial_state(self, run, builder, log):
         """The model's initializer, or the Hugging Face LLaMA of ``config.init_from``
         (:func:`sdp_jax.models.hf_llama.read`) laid out under the run's masks: every holder of
         a component starts from its values (continued pre-training under any variant). The
-        folder is read, and its shape checked, only here: a run that resumes from its own
-        checkpoint, and the tools, never need it.
+        folder is read only by a run without a checkpoint (:meth:`check_start` checked it
+        before the workdir was created): a run that resumes from its own checkpoint, and the
+        tools, never need it.
 
         Raises:
-          ValueError: no LLaMA checkpoint in the folder, or one of another shape (naming the
-            ``--config.model.FIELD=VALUE`` flags to set); before any compile."""
+          ValueError: the folder's faults (:func:`sdp_jax.models.hf_llama.check_folder`);
+            before any compile."""
         folder = run.config.get("init_from")
         if not folder:
             return builder.init_state(run.config.seed)

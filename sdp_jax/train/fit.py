@@ -15,6 +15,10 @@ decides what is realizable, e.g. ``W * C`` whole unless ``sdp.allow_nonuniform``
 The budget is ``config.sdp.memory_budget_gib`` GiB per device; 0 takes an accelerator's
 memory (``memory_stats()['bytes_limit']``) times :data:`SAFETY`, and is refused on a CPU.
 
+Every run, whatever its coverage, is checked by the same rule (:func:`fits`) before its first
+step (:func:`check_peak`): its compiled peak against ``memory_budget_gib`` when given, an
+accelerator's ``bytes_limit``, and on a CPU the host's memory shared by the process's devices.
+
 A resumed ``auto`` run does not pick again: it takes the coverage its latest checkpoint
 recorded (the config a checkpoint records holds the chosen number, never ``auto``), so the
 budget or another compiler cannot change ``C`` in the middle of a run.
@@ -39,6 +43,8 @@ GIB = 2**30
 SAFETY = 0.9   # the part of an accelerator's memory a budget of 0 takes (the rest: the runtime's)
 BUDGET_FLAG = "--config.sdp.memory_budget_gib"
 KIND_NAMES = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}   # (in the tables)
+MEMINFO = "/proc/meminfo"
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +58,15 @@ class Candidate:
     compile_s: float
 
     def fits(self, budget_bytes: float) -> bool:
-        """Whether the peak is at most ``budget_bytes`` (bytes per device)."""
-        return self.peak_bytes <= budget_bytes
+        """Whether the peak fits ``budget_bytes`` (bytes per device; :func:`fits`)."""
+        return fits(self.peak_bytes, budget_bytes)
+
+
+def fits(peak_bytes: int, budget_bytes: float) -> bool:
+    """Whether a compiled train step that peaks at ``peak_bytes`` per device fits
+    ``budget_bytes`` per device: the one rule of ``coverage='auto'`` (:meth:`Candidate.fits`)
+    and of every run's check before its first step (:func:`check_peak`)."""
+    return peak_bytes <= budget_bytes
 
 
 def is_auto(config) -> bool:
@@ -90,7 +103,7 @@ def budget_bytes(config) -> int:
       ValueError: a budget of 0 on a CPU, or on a device that reports no memory limit."""
     gib = config.sdp.memory_budget_gib
     if gib:
-        return int(gib * GIB)
+        return round(gib * GIB)
     device = jax.devices()[0]
     if device.platform == "cpu":
         raise ValueError(f"config.sdp.coverage='auto' on a CPU needs a per-device budget: add "
@@ -100,6 +113,106 @@ def budget_bytes(config) -> int:
         raise ValueError(f"config.sdp.coverage='auto': the {device.device_kind} reports no "
                          f"memory limit; add {BUDGET_FLAG}=GIB.")
     return int(limit * SAFETY)
+
+
+def host_memory_bytes() -> int | None:
+    """The most memory this host can give a process, in bytes: its RAM (``MemTotal`` of
+    ``/proc/meminfo``, at most the cgroup's limit: v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) plus its swap (``SwapTotal``); None where ``/proc/meminfo``
+    cannot be read (not Linux). An upper bound: what needs more cannot run here, whatever else
+    runs beside it."""
+    try:
+        with open(MEMINFO) as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in
+                    (line.split(":", 1) for line in f if ":" in line) if v.split()}
+    except (OSError, ValueError):
+        return None
+    ram = info.get("MemTotal")
+    if not ram:
+        return None
+    for path in CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():   # ("max": no limit)
+            ram = min(ram, int(text))
+    return ram + info.get("SwapTotal", 0)
+
+
+def limits(config, devices: list) -> list[tuple[int, str]]:
+    """What a run's compiled train step must fit, as ``(bytes per device, what sets it)``:
+    ``sdp.memory_budget_gib`` when > 0; on an accelerator its memory (``bytes_limit`` of
+    ``memory_stats()``); on a CPU this host's memory (:func:`host_memory_bytes`) over
+    ``devices``, the run's devices of this process (they all live in it)."""
+    out, gib, first = [], config.sdp.memory_budget_gib, devices[0]
+    if gib:
+        out.append((round(gib * GIB), f"{BUDGET_FLAG}={gib:g}"))
+    if first.platform == "cpu":
+        host, n = host_memory_bytes(), len(devices)
+        if host:
+            out.append((host // n, f"this host's memory ({costs.fmt_bytes(host)} of RAM and "
+                                   "swap" + (f" for the {n} devices of the run in this process, "
+                                             f"{costs.fmt_bytes(host // n)} each" if n > 1
+                                             else "") + ")"))
+        return out
+    try:
+        limit = (first.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 (a backend without memory statistics)
+        limit = None
+    if limit:
+        out.append((int(limit), f"the {first.device_kind}'s memory "
+                                f"({costs.fmt_bytes(limit)}, bytes_limit)"))
+    return out
+
+
+def remedies(config, coverage: bool = True) -> str:
+    """The settings, not yet in effect, that lower a train step's peak per device, as the
+    flags to give: a smaller coverage (``coverage``; an SDP variant for ddp), ``remat=full``,
+    ``fsdp``, more ``grad_accum`` microbatches, fewer emulated workers."""
+    s, out = config.sdp, []
+    if coverage and s.variant == "ddp":
+        out.append(f"an SDP variant (--config.sdp.variant=b-sdp --config.sdp.coverage=auto "
+                   f"{BUDGET_FLAG}=GIB)")
+    elif coverage and not is_auto(config):
+        out.append(f"a coverage below {s.coverage:g} (--config.sdp.coverage=auto "
+                   f"{BUDGET_FLAG}=GIB picks the largest that fits)")
+    if config.remat != "full":
+        out.append("--config.remat=full")
+    if not config.fsdp:
+        out.append("--config.fsdp=True")
+    b, k = config.batch_per_worker, config.grad_accum
+    more = next((m for m in range(k + 1, b + 1) if b % m == 0), None)
+    if more:
+        out.append(f"--config.grad_accum={more}")
+    if config.emulate_workers:
+        out.append(f"fewer emulated workers (--config.workers below {config.workers})")
+    return ", ".join(out) or "a smaller model or batch"
+
+
+def check_peak(peak_bytes: int, config, devices: list) -> None:
+    """Refuse, before the first step, a run whose compiled train step (``peak_bytes`` per
+    device, :func:`sdp_jax.costs.memory_stats`) does not fit (:func:`fits`) one of its
+    :func:`limits` (``devices``: the run's devices of this process).
+
+    Raises:
+      ValueError: one line with the peak, the limit and the settings that lower the peak
+        (:func:`remedies`)."""
+    for limit, what in limits(config, devices):
+        if not fits(peak_bytes, limit):
+            raise ValueError(f"the compiled train step peaks at {costs.fmt_bytes(peak_bytes)} "
+                             f"per device, over {what}: it cannot run; lower its memory with "
+                             f"{remedies(config)}.")
+
+
+def allocation_failure(error: Exception, config) -> str:
+    """The one line for an allocation that failed anyway (XLA's ``RESOURCE_EXHAUSTED``,
+    ``error``): XLA's own first line and the settings that lower the memory
+    (:func:`remedies`)."""
+    first = (str(error).strip().splitlines() or [""])[0].replace("RESOURCE_EXHAUSTED: ", "")
+    return (f"out of memory on the device ({first[:200]}); lower the run's memory with "
+            f"{remedies(config)} (checkpoints already written are kept).")
 
 
 def coverages(config, device_count: int, task=None) -> tuple[run_lib.RunSpec, list[float]]:
@@ -167,6 +280,20 @@ def scan(config, device_count: int, budgets: tuple = (), task=None,
     return out
 
 
+def check_start(config, device_count: int, task=None):
+    """What a run without a checkpoint starts from (``config.init_from``), checked before
+    any compile, also before ``coverage='auto'`` compiles its candidates (the run at C = 1
+    then: the files do not depend on the coverage): the family's
+    :meth:`~sdp_jax.train.task.Family.check_start`, whose record it returns.
+
+    Raises:
+      ValueError: an invalid field (:func:`sdp_jax.train.run.resolve`), or a fault of the
+        files, in one line naming the file."""
+    run = run_lib.resolve(with_coverage(config, 1.0) if is_auto(config) else config,
+                          device_count, task)
+    return run.family.check_start(run)
+
+
 def recorded_coverage(workdir: str | None) -> tuple[int, float] | None:
     """``(step, C)`` of the latest checkpoint in ``workdir/checkpoints``, or None (none)."""
     path = os.path.join(workdir or "", "checkpoints")
@@ -220,8 +347,8 @@ def resolve(config, device_count: int, task=None, workdir: str | None = None,
         raise ValueError(
             f"config.sdp.coverage='auto': no coverage of {config.sdp.variant} fits "
             f"{_gib(budget)} GiB per device (the smallest, C={last.coverage:g}, peaks at "
-            f"{costs.fmt_bytes(last.peak_bytes)}); raise {BUDGET_FLAG}, or add "
-            "--config.remat=full or --config.fsdp=True.")
+            f"{costs.fmt_bytes(last.peak_bytes)}); raise {BUDGET_FLAG}, or lower the "
+            f"step's memory with {remedies(config, coverage=False)}.")
     set_coverage(config, compiled[-1].coverage)
     log(f"coverage auto: C={compiled[-1].coverage:g} ({compiled[-1].held}), the largest that "
         f"fits {_gib(budget)} GiB per device")

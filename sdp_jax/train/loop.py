@@ -7,10 +7,16 @@ one, :func:`sdp_jax.train.families.family_of`, or a user's :class:`sdp_jax.train
 given as ``task``: the spec, the data, the :class:`sdp_jax.step.SDPStep`, the evaluation and
 the family's log and summary fields), and then, written once for every family:
 
-* refuses, before any compute, a ``workdir`` whose latest checkpoint another config wrote;
+* refuses, before any compute, a ``workdir`` whose latest checkpoint another config wrote,
+  and, before the workdir exists, a fresh run's faulty starting files (``init_from``:
+  :meth:`sdp_jax.train.task.Family.check_start`);
 * restores the latest checkpoint (the train state; the data position is the step) or
-  initializes;
-* writes the run's config to ``config.json``;
+  initializes (``steps=0``: saves that state as the checkpoint of step 0 and stops);
+* refuses a compiled step that cannot fit the memory before the first step
+  (:func:`sdp_jax.train.fit.check_peak`), and an allocation that fails anyway in one line;
+  a workdir that this invocation created and left with nothing to read is removed
+  (:func:`remove_unwritten`);
+* writes the run's config to ``config.json`` (once its step is compiled);
 * trains with a tqdm progress bar, appending one JSON record per logged step to
   ``metrics.jsonl`` and TensorBoard event files (:class:`Metrics`; truncated to the restored
   step on resume);
@@ -60,6 +66,14 @@ def log(msg: str) -> None:
     """Print on process 0 only."""
     if jax.process_index() == 0:
         print(msg, flush=True)
+
+
+def write_config(workdir: str, config) -> None:
+    """The run's resolved config as ``workdir/config.json`` (process 0), for people and the
+    tools; written once the run's step is compiled and fits, so that a run refused before
+    leaves an earlier run's file as it was."""
+    if jax.process_index() == 0:
+        write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=2))
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -252,11 +266,20 @@ def previous_wall(summary_path: str, start: int, manager=None) -> float:
     return 0.0
 
 
-def log_stopped(step: int, total: int, interrupted: list) -> None:
-    """The last line of a run that stopped before its end (it resumes from its checkpoint)."""
-    why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
+def log_stopped(step: int, total: int, interrupted: list, trained: bool = True,
+                stop_at: int = 0) -> None:
+    """The last line of a run that stopped before its end at ``step`` (it resumes from its
+    checkpoint of that step). ``trained``: whether this invocation trained up to ``step`` and
+    saved it; when not, ``stop_at`` (``--config.stop_at_step``) was not after the step of the
+    checkpoint it resumed, and the line says that nothing was trained or saved."""
     how = ("rerun the same command" if interrupted else
            "rerun without --config.stop_at_step (or with a later step)")
+    if not trained:
+        log(f"stopped at step {step} of {total} without training: --config.stop_at_step="
+            f"{stop_at} is not after the checkpoint's step {step}, so no step ran and no "
+            f"checkpoint was written (step {step}'s is the latest); {how} to go on.")
+        return
+    why = f"interrupted by {interrupted[0]}" if interrupted else "stopped"
     log(f"{why} at step {step} of {total} (checkpoint saved); {how} to resume.")
 
 
@@ -482,16 +505,54 @@ def train(config, workdir: str, task: Family | None = None) -> dict[str, Any]:
       came during the last step, or None.
 
     Raises:
-      ValueError: invalid config or data, or a checkpoint in ``workdir`` from another config
-        (raised before any training step).
+      ValueError: invalid config or data, a faulty ``config.init_from`` folder (before the
+        workdir is created), a checkpoint in ``workdir`` from another config, or a compiled
+        step that cannot fit the memory (all before any training step); an allocation that
+        failed anyway (XLA's ``RESOURCE_EXHAUSTED``), in one line naming the settings that
+        lower the memory. A workdir this call created is removed when it holds nothing to
+        read after such an error (:func:`remove_unwritten`).
       ImportError: a dataset's optional dependency is missing.
       FloatingPointError: a non-finite loss or norm (that state is not saved).
     """
     lock = WorkdirLock(workdir)   # one run per workdir (:class:`WorkdirLock`)
+    fresh = not os.path.exists(workdir)
     try:
-        return _train(config, workdir, lock, task)
+        try:
+            return _train(config, workdir, lock, task)
+        except jax.errors.JaxRuntimeError as e:   # an allocation that failed anyway
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise ValueError(fit.allocation_failure(e, config)) from e
+    except BaseException:
+        if fresh and lock.file is not None:   # (held: the folder is this invocation's)
+            remove_unwritten(workdir)
+        raise
     finally:
         lock.release()
+
+
+def remove_unwritten(workdir: str) -> None:
+    """Remove the ``workdir`` that a failed invocation created (process 0) when it holds
+    nothing a user reads: no checkpoint, no summary, no metric record (so a run refused before
+    its first step leaves no folder). Only what a run writes is removed (its ``.lock``,
+    ``config.json``, an empty ``checkpoints/`` and ``metrics.jsonl``, TensorBoard files), and
+    the folder itself when that empties it."""
+    ckpts, metrics = os.path.join(workdir, "checkpoints"), os.path.join(workdir, "metrics.jsonl")
+    if jax.process_index() != 0 or (os.path.isdir(ckpts) and os.listdir(ckpts)) \
+            or os.path.exists(os.path.join(workdir, "summary.json")) \
+            or (os.path.isfile(metrics) and os.path.getsize(metrics)):
+        return
+    for name in os.listdir(workdir):
+        path = os.path.join(workdir, name)
+        if name in (".lock", "config.json", "metrics.jsonl") \
+                or name.startswith("events.out.tfevents."):
+            os.remove(path)
+        elif name == "checkpoints":
+            os.rmdir(path)
+    try:
+        os.rmdir(workdir)
+    except OSError:   # something else is in it: kept
+        pass
 
 
 def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict[str, Any]:
@@ -500,6 +561,9 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     import matplotlib  # noqa: F401  (the writers of the end: a broken install fails now)
     import tensorboardX  # noqa: F401
     check_workdir_is_dir(workdir)
+    # what a fresh run starts from (init_from) is checked before any compile or folder
+    fresh = ckpt_lib.latest_step_in(os.path.join(workdir, "checkpoints")) is None
+    start_from = fit.check_start(config, jax.device_count(), task) if fresh else None
     # coverage=auto: the checkpoint's, or the largest whose compiled step fits the budget
     run = fit.resolve(config, jax.device_count(), task, workdir, log)
     mesh = make_mesh(run)
@@ -509,24 +573,21 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     manager, latest, changes = open_checkpoints(config, workdir, meta, _compatibility(run),
                                                 run, lock)
     saved = _saved_meta(manager, latest, run, stream, changes)
-    if jax.process_index() == 0:   # the run's resolved config, for people and tools
-        write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=2))
+    # (what the run started from, kept by every checkpoint: export --format hf reads it)
+    meta["init_from"] = start_from if saved is None else saved.get("init_from")
     path = os.path.join(workdir, "summary.json")
     if latest is not None and latest >= run.total_steps and os.path.exists(path):
-        manager.close()   # nothing to train: keep the run's own figures, compile nothing
-        peers.done()   # every process takes this path: no collective follows
-        with open(path) as f:
-            stored = json.load(f)
-        log(f"already complete: {stored['steps']} steps; {run.family.done_line(stored)} "
-            f"(from {path})")
-        return {**stored, "signal": None}
+        return _already_complete(run, manager, path)
     builder = make_step(run, mesh)
     _log_run(run, builder, mesh)
     # Restore before compiling: an unreadable checkpoint is reported before any compute.
     state, start = _start_state(run, builder, manager, latest, saved, changes)
     prev_wall = previous_wall(path, start, manager)  # a resumed run adds the earlier time
     train_iter = _data_from(stream, saved, start, run, meta, changes)
-    prog = _Program.compile(run, builder, eval_data)
+    if run.total_steps == 0:   # nothing to train: the initial state is the run
+        return _save_initial(run, builder, state, manager, latest, meta, eval_data, workdir,
+                             lambda: prev_wall + time.time() - t_start)
+    prog = _Program.compile(run, builder, eval_data, manager, workdir)
     devices, per_item = list(mesh.devices.flat), prog.flops_per_item
     # steps profile_start..profile_stop traced (stopped however the loop ends)
     with profiling.StepWindow(workdir, config.profile_start, config.profile_stop, start,
@@ -548,10 +609,57 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
                    prev_wall + time.time() - t_start)
     out["interrupted_by"] = interrupted[0] if interrupted and not done else None
     out["elastic"] = meta["elastic"]
-    _finish(run, workdir, path, out, interrupted)
+    _finish(run, workdir, path, out, interrupted, trained=step > start)
     # (not in summary.json) a signal that came during the last step: a caller that runs
     # several trainings in turn (python -m sdp_jax.study) stops after this one
     return {**out, "signal": interrupted[0] if interrupted else None}
+
+
+def _already_complete(run: run_lib.RunSpec, manager, path: str) -> dict[str, Any]:
+    """A finished run rerun: its summary (``path``) read back, nothing compiled."""
+    manager.close()   # nothing to train: keep the run's own figures, compile nothing
+    peers.done()   # every process takes this path: no collective follows
+    with open(path) as f:
+        stored = json.load(f)
+    log(f"already complete: {stored['steps']} steps; {run.family.done_line(stored)} "
+        f"(from {path})")
+    return {**stored, "signal": None}
+
+
+def _save_initial(run: run_lib.RunSpec, builder, state, manager, latest, meta: dict,
+                  eval_data, workdir: str, wall: Callable[[], float]) -> dict[str, Any]:
+    """``config.steps=0``: the initial state (``config.init_from``'s model laid out under the
+    run's masks, or the initializer's) saved as the checkpoint of step 0 (once) and
+    evaluated, with no train step compiled; ``config.json`` and ``summary.json`` written. How
+    a Hugging Face LLaMA becomes a run that ``export --format hf`` writes back unchanged.
+
+    Returns:
+      :func:`train`'s summary (``steps`` 0, ``completed``)."""
+    try:
+        if latest is None:
+            check_state_finite(state, 0, manager)   # no checkpoint holds NaN
+            manager.save(0, state, {**meta, "wall_s": wall()})
+    finally:
+        manager.close()   # waits for the save
+    write_config(workdir, run.config)
+    last_eval = run.family.evaluator(run, builder, eval_data, batch_putter(builder),
+                                     log)(state)
+    peers.done()   # the last collective is behind
+    out = {**run.family.summary(run, 0, last_eval, {}), "variant": run.config.sdp.variant,
+           "coverage": run.plan.coverage, "workers": run.workers, "steps": 0,
+           "total_steps": 0, "completed": True, "wall_s": wall(),
+           "init_from": meta["init_from"], "interrupted_by": None}
+    path = os.path.join(workdir, "summary.json")
+    if jax.process_index() == 0:
+        write_atomically(path, json.dumps(out, indent=2))
+    source = meta["init_from"]
+    log(f"done: config.steps=0, so no step was trained: the initial state"
+        + (f" (the Hugging Face LLaMA in {source['folder']})" if source else "")
+        + f" is the checkpoint of step 0 in {manager.directory}; "
+        f"{run.family.done_line(out)}; summary in {path}"
+        + (f"; python -m sdp_jax.tools.export --workdir {workdir} --format hf --out DIR "
+           "writes it back" if source else ""))
+    return {**out, "signal": None}
 
 
 @peers.busy("restoring")   # (the others allow it --hang_timeout)
@@ -650,14 +758,32 @@ class _Program:
 
     @classmethod
     @peers.busy("compiling")   # (the others allow it --hang_timeout)
-    def compile(cls, run: run_lib.RunSpec, builder, eval_data) -> "_Program":
-        """Compile the run's programs, logging their compile times and the peak memory."""
+    def compile(cls, run: run_lib.RunSpec, builder, eval_data, manager=None,
+                workdir: str | None = None) -> "_Program":
+        """Compile the run's programs, logging their compile times and the peak memory; a
+        step that cannot fit is refused (:func:`sdp_jax.train.fit.check_peak`; ``manager``
+        then closed). Then writes the run's config to ``workdir/config.json`` (process 0)."""
+        try:
+            prog = cls._compile(run, builder, eval_data)
+        except BaseException:
+            if manager is not None:
+                manager.close()
+            raise
+        if workdir is not None:
+            write_config(workdir, run.config)
+        return prog
+
+    @classmethod
+    def _compile(cls, run: run_lib.RunSpec, builder, eval_data) -> "_Program":
         family, t0 = run.family, time.time()
         shapes = family.batch_shapes(run)
         compiled = builder.compiled_train_step(shapes)
         mem = memory_stats(compiled)
         log(f"compiled train step in {time.time() - t0:.1f}s: peak "
             f"{fmt_bytes(mem['peak_bytes_per_device'])} per device")
+        # a step that cannot fit is refused now, in one line, not by the allocator at step 1
+        fit.check_peak(mem["peak_bytes_per_device"], run.config, [
+            d for d in builder.mesh.devices.flat if d.process_index == jax.process_index()])
         lines, from_compiled = family.compiled(run, compiled)
         for line in lines:
             log(line)
@@ -717,13 +843,15 @@ def _summary(run: run_lib.RunSpec, prog: _Program, step: int, last_eval: dict,
 
 
 def _finish(run: run_lib.RunSpec, workdir: str, path: str, out: dict,
-            interrupted: list) -> None:
+            interrupted: list, trained: bool) -> None:
     """Write ``summary.json`` (process 0), draw ``curves.png`` when the run is complete, and
-    log the run's last line."""
+    log the run's last line (``trained``: whether this invocation ran a step,
+    :func:`log_stopped`)."""
     if jax.process_index() == 0:
         write_atomically(path, json.dumps(out, indent=2))
     if not out["completed"]:
-        log_stopped(out["steps"], run.total_steps, interrupted)
+        log_stopped(out["steps"], run.total_steps, interrupted, trained,
+                    run.config.stop_at_step)
         return
     if jax.process_index() == 0:
         try:

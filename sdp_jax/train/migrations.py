@@ -51,7 +51,7 @@ def compatibility(run) -> dict:
     run; under ``cosine`` the refusal names that option)."""
     wsd = run.optim.schedule == "wsd"
     return {"defaults": run.family.added_fields(), "may_grow": ("steps",) if wsd else (),
-            "hints": {} if wsd else {"steps": "the cosine schedule is fitted to steps; a run "
+            "hints": {} if wsd else {"steps": "the cosine schedule is fitted to steps: a run "
                                               "trained with --config.optim.schedule=wsd may be "
                                               "extended"}}
 

@@ -37,7 +37,8 @@ SECTION_CONTROL = ("data.worker_count", "sdp.memory_budget_gib")
 # checkpoint resumes under other values.
 MODEL_EXECUTION = ("attention", "attention_chunk")
 # What an integer field's message adds after its rule.
-HINTS = {"data.worker_count": "0 = read data in the training process"}
+HINTS = {"data.worker_count": "0 = read data in the training process",
+         "steps": "0 = save the initial state, e.g. config.init_from's model, as step 0"}
 
 
 @dataclasses.dataclass
@@ -181,7 +182,7 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
                         fix="set --config.align_every=0")
     total = total_steps(config, plan.coverage)
     _check_profile(config.profile_start, config.profile_stop, total)
-    if optim.warmup_steps > total:
+    if optim.warmup_steps > total > 0:   # (0 steps: the initial state saved, no schedule)
         raise ValueError(f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
                          f"({total} steps); lower --config.optim.warmup_steps.")
     return RunSpec(family, model, optim, plan, workers, total,
@@ -213,11 +214,11 @@ def _check_run_control(config, family) -> None:
 
     Raises:
       ValueError: naming the field, its value and what it must be."""
-    for name in ("batch_per_worker", "steps", "log_every", "keep_checkpoints",
+    for name in ("batch_per_worker", "log_every", "keep_checkpoints",
                  "num_cpu_devices") + family.positive_fields:
         _integer(_value(config, name), name, 1, HINTS.get(name, ""))
-    for name in ("eval_every", "checkpoint_every", "stop_at_step", "seed", "align_every",
-                 "profile_start", "profile_stop") + family.non_negative_fields:
+    for name in ("steps", "eval_every", "checkpoint_every", "stop_at_step", "seed",
+                 "align_every", "profile_start", "profile_stop") + family.non_negative_fields:
         _integer(_value(config, name), name, 0, HINTS.get(name, ""))
     pf = config.peak_flops
     if isinstance(pf, bool) or not isinstance(pf, (int, float)) or not 0 <= pf < math.inf:

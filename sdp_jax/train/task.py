@@ -218,6 +218,16 @@ class Family:
         :func:`sdp_jax.train.loop.make_mesh`), with ``init_fn(seed)``."""
         raise self._undefined("step")
 
+    def check_start(self, run) -> dict | None:
+        """Check, before the workdir is created, the files a run without a checkpoint starts
+        from (those :meth:`initial_state` reads; none by default) and return what its
+        checkpoints record of them (``meta["init_from"]``, which the tools read back), or
+        None.
+
+        Raises:
+          ValueError: one line naming the file and what is wrong with it."""
+        return None
+
     def initial_state(self, run, builder: step_lib.SDPStep, log: Callable) -> dict:
         """The train state a run without a checkpoint starts from: by default
         ``builder.init_state(config.seed)`` (the model's initializer)."""
