@@ -465,7 +465,7 @@ def start(client, process_id: int, num_processes: int, host: str, timeout: float
     except Exception as e:  # noqa: BLE001 (socket errors, JAX's key-value store timing out)
         return (f"warning: process {process_id} could not join the other processes' watch "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); a process "
-                "that dies is noticed only by JAX's heartbeat (100 s)")
+                "that dies is noticed only by JAX's own heartbeat, after --hang_timeout + 60 s")
     watch = _Watch(process_id, num_processes, conns, (hang_timeout, hang_step_multiple))
     _WATCH.append(watch)
     for pid, conn in conns.items():
@@ -476,7 +476,8 @@ def start(client, process_id: int, num_processes: int, host: str, timeout: float
     missing = sorted(set(range(num_processes)) - set(conns) - {process_id})
     if process_id == 0 and missing:
         return (f"warning: processes {missing} did not join the watch within {timeout:.0f}s; "
-                "if one of them dies, the others notice only by JAX's heartbeat (100 s)")
+                "if one of them dies, the others notice only by JAX's own heartbeat, after "
+                "--hang_timeout + 60 s")
     return ""
 
 
