@@ -6,12 +6,13 @@ under ``python -m sdp_jax.train.launch``, each process with its own simulated CP
 Every process resolves the run of the config flags (``train.py``'s, read by the same loader,
 :mod:`sdp_jax.train.cli`; ``--config.elastic=True`` is implied) on
 the launched processes, reads WORKDIR's latest checkpoint (written under another W, coverage or
-process layout) into the full model and optimizer state (:func:`sdp_jax.train.elastic.read_full`,
-what ``train.py`` does), lays it out on the mesh (:func:`sdp_jax.train.elastic.lay_out`: each
-process places only its own devices' shares), gathers the laid-out state from every process
-and joins it again under the new masks: the result must equal the checkpoint's full state bit
-for bit in every process. Process 0 prints one JSON line: ``{"leaves", "step", "workers",
-"processes", "change"}``; a mismatch is an AssertionError naming the leaf (status 1).
+process layout) and lays it out on the mesh as ``train.py`` does
+(:func:`sdp_jax.train.elastic.rebuild`: each process places only its own devices' shares),
+gathers the laid-out state from every process and joins it again under the new masks: the
+result must equal the checkpoint's full model and optimizer state
+(:func:`sdp_jax.train.elastic.read_full`, read again) bit for bit in every process. Process 0
+prints one JSON line: ``{"leaves", "step", "workers", "processes", "change"}``; a mismatch is an
+AssertionError naming the leaf (status 1).
 """
 
 import json
@@ -49,8 +50,9 @@ def main(workdir: str, config) -> None:
     assert changes, "the probe's run is the checkpoint's: no elastic switch to check"
     saved = manager.read_meta(step)
     saved["config"] = ckpt_lib.with_defaults(saved["config"], run.family.added_fields())
-    full, _ = elastic.read_full(manager, step, saved, run)
-    state = elastic.lay_out(builder, full, step)
+    state = elastic.rebuild(manager, step, saved, run, builder,   # what train.py runs
+                            lambda line: print(line, file=sys.stderr))
+    full, _ = elastic.read_full(manager, step, saved, run)          # the reference, again
     manager.close()
     gathered = multihost_utils.process_allgather(state, tiled=True)
     again = elastic.full_state(builder, gathered, average=False)

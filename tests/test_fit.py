@@ -182,3 +182,26 @@ def test_bench_fit_flags_are_checked(capsys):
                        "--fit_fsdp=false,true", "--config.sdp.coverage=auto"],
                       check_only=True) == []
     assert os.path.isfile(TINY)
+
+
+def test_host_memory_is_capped_by_the_process_cgroups(tmp_path, monkeypatch):
+    """The host's memory for the CPU check: MemTotal + SwapTotal, with the RAM capped by the
+    root cgroup's and the process's own cgroups' limits (v2 memory.max, v1
+    memory.limit_in_bytes; a scheduler's cgroup seen without a namespace), "max" meaning none."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16777216 kB\nSwapTotal:       1048576 kB\n")
+    root = tmp_path / "cgroup"
+    (root / "slurm" / "job_7").mkdir(parents=True)
+    (root / "memory" / "batch").mkdir(parents=True)
+    (root / "memory.max").write_text("max\n")
+    own = tmp_path / "self_cgroup"
+    own.write_text("0::/slurm/job_7\n4:memory:/batch\n3:cpuset:/elsewhere\n")
+    monkeypatch.setattr(fit, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(fit, "CGROUP", str(root))
+    real = fit._cgroup_limit_files
+    monkeypatch.setattr(fit, "_cgroup_limit_files", lambda: real(str(own)))
+    assert fit.host_memory_bytes() == 17 * fit.GIB      # no limit: 16 GiB RAM + 1 GiB swap
+    (root / "slurm" / "job_7" / "memory.max").write_text(str(4 * fit.GIB))
+    assert fit.host_memory_bytes() == 5 * fit.GIB       # the job's v2 limit
+    (root / "memory" / "batch" / "memory.limit_in_bytes").write_text(str(2 * fit.GIB))
+    assert fit.host_memory_bytes() == 3 * fit.GIB       # the v1 memory controller's, smaller

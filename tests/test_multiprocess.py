@@ -14,6 +14,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -661,38 +662,51 @@ def test_a_held_signal_leaves_through_the_watch_or_after_its_bound(tmp_path):
     assert out["after"] == ("released\n", left) and ended["after"] - sent["after"][0] < 1.0
 
 
+def _script(processes, body, capfd, **kw):
+    """``launch.run`` of a small Python program (no JAX) as ``processes`` processes, elastic:
+    ``(status, seconds, the launcher's stderr)``."""
+    t0 = time.monotonic()
+    status = launch.run([sys.executable, "-c", "import os, signal, sys, time\n" + body],
+                        processes, env=_env(), elastic=True, **kw)
+    return status, time.monotonic() - t0, capfd.readouterr().err
+
+
+# Process 1 never ends, process 0 ends with 75 (its peer hung); a restart of 1 process ends 0.
+_HUNG_ONE = ("if os.environ['JAX_NUM_PROCESSES'] == '1': sys.exit(0)\n"
+             "time.sleep(120) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(1)\n"
+             "sys.exit(75)\n")
+
+
 def test_the_launcher_takes_a_process_left_running_by_a_lost_peer_as_hung(tmp_path, capfd):
     """Process 0 ends with status 75 (its peer hung) while process 1 never ends: the launcher
     kills process 1 (SIGKILL) launch.HUNG_AFTER s later and counts it lost, so that --elastic
-    restarts the run as the 1 process left (which finishes). And a process ended by SIGTERM
-    before it could handle it has the signal passed on twice to the others. (No JAX.)"""
-    code = ("import os, sys, time\n"
-            "if os.environ['JAX_NUM_PROCESSES'] == '1': sys.exit(0)\n"
-            "time.sleep(120) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(1)\n"
-            "sys.exit(75)\n")
-    t0 = time.monotonic()
-    status = launch.run([sys.executable, "-c", code], 2, env=_env(), elastic=True,
-                        restarts=1)
-    took = time.monotonic() - t0
-    err = capfd.readouterr().err
+    restarts the run as the 1 process left (which finishes), also with a --grace shorter than
+    that. A process that ends with 76 (peers.TAKEN_AS_HUNG: its peers took it as stuck) is
+    lost too. And a process ended by SIGTERM before it could handle it has the signal passed
+    on twice to the others. (No JAX.)"""
+    status, took, err = _script(2, _HUNG_ONE, capfd, restarts=1)
     assert status == 0 and 1 + launch.HUNG_AFTER < took < 30, (took, err)
     assert ("process(es) 1 still running 5s after the others ended with status 75 (a peer "
             "lost or hung): taken as hung, killed (SIGKILL)") in err, err
     assert "exit statuses [75, 137]" in err
     assert "process(es) 1 lost; restarting the run as the 1 process(es) left" in err, err
-    code = ("import os, signal, sys, time\n"
-            "if os.environ['JAX_PROCESS_ID'] == '1':\n"
-            "    time.sleep(1); os.kill(os.getpid(), signal.SIGTERM)\n"
-            "got = []\n"
-            "def held(signum, frame):\n"
-            "    got.append(signum)\n"
-            "    if len(got) == 2: os._exit(128 + signum)\n"
-            "signal.signal(signal.SIGTERM, held)\n"
-            "time.sleep(60)\n")
-    t0 = time.monotonic()
-    status = launch.run([sys.executable, "-c", code], 2, env=_env(), elastic=True)
-    err = capfd.readouterr().err
-    assert status == 143 and time.monotonic() - t0 < 10, err
+    status, _, err = _script(2, _HUNG_ONE, capfd, restarts=1, grace=1.0)
+    assert status == 0 and "process(es) 1 lost; restarting" in err, err   # (hung first)
+    status, _, err = _script(3, "if os.environ['JAX_NUM_PROCESSES'] == '2': sys.exit(0)\n"
+                                "time.sleep(1)\n"
+                                "sys.exit(76 if os.environ['JAX_PROCESS_ID'] == '2' else 75)\n",
+                             capfd, restarts=1, grace=1.0)
+    assert status == 0 and "exit statuses [75, 75, 76]" in err, err
+    assert "process(es) 2 lost; restarting the run as the 2 process(es) left" in err, err
+    status, took, err = _script(2, "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+                                   "    time.sleep(1); os.kill(os.getpid(), signal.SIGTERM)\n"
+                                   "got = []\n"
+                                   "def held(signum, frame):\n"
+                                   "    got.append(signum)\n"
+                                   "    if len(got) == 2: os._exit(128 + signum)\n"
+                                   "signal.signal(signal.SIGTERM, held)\n"
+                                   "time.sleep(60)\n", capfd)
+    assert status == 143 and took < 10, err
     assert ("process 1 was ended by SIGTERM before it could handle it; passing it on to the "
             "others") in err and "exit statuses [143, 143]" in err, err
     assert "restarting" not in err   # a signal is not a lost process
@@ -729,6 +743,55 @@ def test_a_process_declares_its_hang_bound(monkeypatch):
                        ((300, 1.5), "--hang_step_multiple=1.5 must be at least 2")]:
         with pytest.raises(ValueError, match=match):
             launch.initialize("false", 300, hang_timeout=bad[0], hang_step_multiple=bad[1])
+
+
+def test_the_verdict_names_a_silent_or_a_stuck_process():
+    """Process 0's verdict (no processes: a watch of 3 fed by hand). A peer silent past the
+    bound it declared is hung ("silent"). A peer that is heard but whose progress age (sent in
+    its heartbeats, ``h BOUND PHASE AGE``) is past its bound is hung ("stuck") only when every
+    process, process 0 included, is past its own: then the one stuck the longest is named (the
+    others waited for it); one process within its bound, a bound of 0, or a process other than
+    0 (which hears only process 0) gives no stuck verdict. A peer that stops reading never
+    blocks a send: the message is given up after SEND_WITHIN s and that connection takes no
+    more."""
+    import socket
+    pairs = [socket.socketpair() for _ in range(2)]
+    watch = peers._Watch(0, 3, {1: pairs[0][0], 2: pairs[1][0]}, (60.0, 10.0))
+    now = time.monotonic()
+    assert watch.verdict(now) is None
+    watch.heard[2], watch.bounds[2], watch.phases[2] = now - 45, 40.0, "training"
+    assert watch.verdict(now) == (2, pytest.approx(45), 40.0, "training", "silent")
+    watch.heard[2] = now
+    for pid, (mine, theirs) in enumerate(pairs, 1):   # the reader threads, as start() runs
+        threading.Thread(target=watch.read, args=(pid, mine), daemon=True).start()
+        theirs.sendall(f"h 30 training {60 - 10 * pid}\n".encode())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and watch.ages[2][0] != 40.0:
+        time.sleep(0.01)
+    assert watch.bounds == {1: 30.0, 2: 30.0} and watch.ages[1][0] == 50.0
+    now = time.monotonic()
+    watch.heard = {1: now, 2: now}
+    watch.mark, watch.mine = now - 35, (30.0, "training")   # process 0 waits too, past 30 s
+    assert watch.verdict(now) == (1, pytest.approx(50, abs=1), 30.0, "training", "stuck")
+    watch.mark = now - 10                                   # process 0 within its bound
+    assert watch.verdict(now) is None
+    watch.mark, watch.mine = now - 35, (0.0, "training")     # 0: never
+    assert watch.verdict(now) is None
+    other = peers._Watch(1, 3, {0: pairs[0][0]}, (60.0, 10.0))
+    other.ages[0], other.mark = (500.0, now), now - 500
+    assert other.verdict(now) is None                        # only process 0 judges progress
+    full, t0 = b"x" * (1 << 20), time.monotonic()
+    sent = next((k for k in range(64) if not peers._send_within(pairs[1][0], full, 0.3)), None)
+    assert sent is not None and time.monotonic() - t0 < 10   # a full buffer: given up
+    peers_within, peers.SEND_WITHIN = peers.SEND_WITHIN, 0.2
+    try:
+        watch.send("h 1 training 0\n", to={2})
+        assert 2 in watch.stuck
+    finally:
+        peers.SEND_WITHIN = peers_within
+    for a, b in pairs:
+        a.close()
+        b.close()
 
 
 HANG = ["--hang_timeout=8", "--hang_step_multiple=3", "--config.stop_at_step=400"]
@@ -802,12 +865,12 @@ def test_a_hung_process_or_a_killed_coordinator_ends_the_others_in_one_line(tmp_
     last = {k: [e.split("\n")[-1] for e in errs] for k, errs in err.items()}
     for k in ("hung1", "hung0"):
         v = victim[k]
-        assert status[k] == [75, 75], (k, status[k], err[k])
+        assert status[k] == [76 if i == v else 75 for i in (0, 1)], (k, status[k], err[k])
         assert last[k][1 - v].startswith(f"stopping: process {v} of 2 made no progress for "), (
             k, err[k])
-        assert "(hung? stopped, frozen, or its host gone; its bound while training was " in (
-            last[k][1 - v])
-        assert last[k][v].startswith(f"stopping: this process ({v} of 2) was silent for "), (
+        assert "(hung? silent: stopped, frozen, or its host gone; its bound while training " \
+               "was " in last[k][1 - v]
+        assert last[k][v].startswith(f"stopping: this process ({v} of 2) made no progress "), (
             k, err[k])
         assert ended[k, 1 - v] - acted[k] < 8 + 20   # the bound and a heartbeat; JAX's: 100 s
         for e in err[k]:

@@ -607,47 +607,77 @@ def test_damaged_checkpoint_is_reported_before_compute(tmp_path):
     gc.collect()   # orbax's abandoned reads are finalized here, under this test's filters
 
 
+_GLOO = ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] "
+         "Connection closed by peer [127.0.0.1]:17545")
+
+
 @pytest.mark.parametrize("item", ["meta", "state"])
 def test_a_failed_collective_during_a_read_is_not_a_damaged_checkpoint(tmp_path, monkeypatch,
                                                                        item):
-    """Issue 47: a read of an intact checkpoint that fails because a collective failed (a
-    peer process died: gloo's 'Connection closed by peer') used to be reported as a damaged
-    checkpoint, advising to move it aside. Now it is ReadFailed, one line saying the files
-    are intact, and nothing on disk changes; the same checkpoint then resumes. A checkpoint
-    whose own metadata does not parse is still damaged, whatever the error was."""
+    """Issue 47: a read of an intact checkpoint that fails because the processes around it
+    failed (a peer died: gloo's 'Connection closed by peer', orbax's TimeoutError waiting for
+    a key, a reset connection) used to be reported as a damaged checkpoint, advising to move it
+    aside. With several processes it is now ReadFailed, one line saying the files are intact,
+    and nothing on disk changes; with one process, or for another error (out of memory), the
+    error is raised as it is. A checkpoint whose own metadata does not parse is damaged,
+    whatever the error was; the checkpoint then resumes."""
     import orbax.checkpoint as ocp
     wd = tmp_path / "run"
     loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0, stop_at_step=4), str(wd))
     before = _files(wd / "checkpoints")
-    real = ocp.CheckpointManager.restore
+    real, raised = ocp.CheckpointManager.restore, []
 
     def failing(self, step, *a, args=None, **kw):
         if args is not None and item in args.keys():
-            raise jax.errors.JaxRuntimeError(
-                "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547]"
-                " Connection closed by peer [127.0.0.1]:17545")
+            raise raised[-1]
         return real(self, step, *a, args=args, **kw)
     monkeypatch.setattr(ocp.CheckpointManager, "restore", failing)
-    with pytest.raises(ckpt_lib.ReadFailed) as e:
-        loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
-    msg = str(e.value)
-    assert msg.startswith("reading the checkpoint at step 4 in ") and "\n" not in msg
-    assert f"({item}: JaxRuntimeError: UNKNOWN: Gloo AllGather failed" in msg
-    assert "the checkpoint is intact and kept: rerun to resume" in msg
-    assert "damaged" not in msg and "aside" not in msg and "delete" not in msg
+    manager = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
+    read = ((lambda: manager.read_meta(4)) if item == "meta" else
+            (lambda: manager.restore(4, _state_of(wd))))
+    peer_faults = [jax.errors.JaxRuntimeError(_GLOO),
+                   TimeoutError("Timeout waiting for key 'orbax/restore/barrier' after 600 s"),
+                   ConnectionResetError(104, "Connection reset by peer")]
+    for processes in (2, 1):
+        monkeypatch.setattr(ckpt_lib, "_processes", lambda n=processes: n)
+        for err in peer_faults + [RuntimeError("RESOURCE_EXHAUSTED: out of memory")]:
+            raised.append(err)
+            if processes == 2 and err in peer_faults:
+                with pytest.raises(ckpt_lib.ReadFailed) as e:
+                    read()
+                msg = str(e.value)
+                assert msg.startswith("reading the checkpoint at step 4 in ") and "\n" not in msg
+                assert f"({item}: {type(err).__name__}: {str(err).splitlines()[0][:40]}" in msg
+                assert "the checkpoint is intact and kept: rerun to resume" in msg
+                assert "damaged" not in msg and "aside" not in msg and "delete" not in msg
+            else:   # one process, or not a failure of the processes: as it is
+                with pytest.raises(type(err)) as e:
+                    read()
+                assert e.value is err
+    manager.close()
     assert _files(wd / "checkpoints") == before   # nothing moved, written or removed
+    monkeypatch.setattr(ckpt_lib, "_processes", lambda: 2)
+    raised.append(peer_faults[0])
     # its own metadata unreadable: damaged, with the fallback, even after such an error
     name = "meta/metadata" if item == "meta" else "state/_METADATA"
     meta = wd / "checkpoints" / "4" / name
     text = meta.read_text()
     meta.write_text(text[: len(text) // 2])
+    manager = ckpt_lib.CheckpointManager(str(wd / "checkpoints"))
     with pytest.raises(ValueError, match=r"checkpoint at step 4 .* is damaged \(" + item
                        + r": OSError: .*" + name.split("/")[1] + r": JSONDecodeError"):
-        loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
+        read()
+    manager.close()
     meta.write_text(text)
-    monkeypatch.setattr(ocp.CheckpointManager, "restore", real)
+    monkeypatch.undo()
     s = loop.train(tiny(steps=6, checkpoint_every=2, eval_every=0), str(wd))
     assert s["completed"] and s["steps"] == 6
+
+
+def _state_of(wd):
+    """The abstract train state of the tiny run's checkpoints in ``wd``."""
+    run = resolve(tiny(steps=6), jax.device_count())
+    return loop.make_step(run, loop.make_mesh(run)).abstract_state()
 
 
 @pytest.mark.parametrize("variant,extra", [

@@ -356,7 +356,7 @@ def read(folder: str, cfg: LlamaConfig) -> dict:
     Raises:
       ValueError: the errors of :func:`check_folder` (checked first, from the headers), or a
         file that cannot be read after all (naming it)."""
-    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+    from safetensors import SafetensorError, safe_open  # pylint: disable=g-import-not-at-top
 
     check_folder(folder, cfg)
     wanted, state = tensor_shapes(cfg), {}
@@ -367,7 +367,7 @@ def read(folder: str, cfg: LlamaConfig) -> dict:
                 for key in f.keys():
                     if key in wanted:
                         state[key] = np.asarray(f.get_tensor(key).astype("float32"))
-        except Exception as e:  # noqa: BLE001 (safetensors' errors of a file changed since)
+        except (OSError, SafetensorError) as e:   # (a file changed since it was checked)
             raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {str(e)[:200]}); "
                              f"{AGAIN}") from None
     return from_hf(state, cfg, folder)

@@ -7,7 +7,7 @@ The command lines are thin wrappers over this module:
     python -m sdp_jax.tools.generate --workdir runs/default --prompt "def " --length 200
     python -m sdp_jax.tools.export --workdir runs/default --out runs/default/export
 
-Each reads ``WORKDIR/config.json`` (written by :func:`sdp_jax.train.loop.train` when a run starts)
+Each reads ``WORKDIR/config.json`` (written by :func:`sdp_jax.train.loop.train` once a run's step is compiled)
 and accepts ``--config.FIELD=VALUE`` overrides of it (e.g. ``--config.data.source=text
 --config.data.val_files=...`` to evaluate on other data). The checkpoint must come from the
 same trajectory config (:meth:`sdp_jax.train.checkpoint.CheckpointManager.check_compatible`);
@@ -145,7 +145,7 @@ def load(workdir: str, config=None, step: int = 0, task=None, log=None) -> Train
         if written is not config:
             shown = elastic.describe(meta["config"], elastic.saved_workers(meta))
             log(f"the checkpoint at step {at} was written under another setting than "
-                "config.json names (an elastic switch stopped before its first save): read "
+                "config.json names (an earlier setting of an elastic run): read "
                 f"under its own, {', '.join(f'{k} {v}' for k, v in shown.items())}")
         config = written
         run, builder = _builder(config, task)
@@ -224,8 +224,9 @@ def export_hf(trained: Trained, out: str) -> str:
     ``PreTrainedTokenizerFast`` and its end-of-text token) and the run's own config as
     ``sdp_jax_config.json``. The context length (``max_position_embeddings`` and the
     tokenizer's ``model_max_length``) is the one of the Hugging Face LLaMA the run started
-    from (``config.init_from``, recorded in its checkpoints) when that gave one, else the
-    run's ``model.max_seq_len`` and ``seq_len``. Returns the weights' path.
+    from (``config.init_from``, recorded in its checkpoints) when that gave one and the run
+    did not lengthen it (``model.max_seq_len``, ``seq_len``: the longer counts), else the run's
+    ``model.max_seq_len`` and ``seq_len``. Returns the weights' path.
 
     Raises:
       ValueError: as :func:`export`."""
@@ -235,7 +236,8 @@ def export_hf(trained: Trained, out: str) -> str:
     hf_tok = tok is not None and tok.name != "bytes"
     # the context of the Hugging Face LLaMA the run started from, when it gave one
     source = (trained.init_from or {}).get("max_position_embeddings")
-    if source:
+    if source:   # (never shorter than the run's own: a run may lengthen the context)
+        source = max(int(source), cfg.max_seq_len)
         cfg = dataclasses.replace(cfg, max_seq_len=source)
     if os.path.exists(os.path.join(out, HF_RUN_CONFIG)):
         raise ValueError(f"{os.path.join(out, HF_RUN_CONFIG)!r} exists; choose another --out "
@@ -245,7 +247,7 @@ def export_hf(trained: Trained, out: str) -> str:
         shutil.copyfile(tok.path, os.path.join(out, "tokenizer.json"))
         loop.write_atomically(os.path.join(out, "tokenizer_config.json"), json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
-            "model_max_length": source or context(trained.config)}, indent=2))
+            "model_max_length": max(source or 0, context(trained.config))}, indent=2))
     loop.write_atomically(os.path.join(out, HF_RUN_CONFIG), trained.config.to_json(indent=2))
     loop.write_atomically(os.path.join(out, "config.json"), json.dumps(
         hf_llama.hf_config(cfg, tok.eot_id if hf_tok else None), indent=2))

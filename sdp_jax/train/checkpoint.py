@@ -31,6 +31,15 @@ import orbax.checkpoint as ocp
 # truncated file's end, a missing or undecodable file): found in a read error's message.
 _FILE_FAULT = re.compile(r"local file|Error (reading|opening|decoding)|byte range|No such file"
                          r"|DATA_LOSS|[Cc]orrupt|[Tt]runcat|[Ii]ncomplete")
+# The errors of a file that cannot be read: missing, a folder, not readable, not decodable.
+_FILE_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
+                json.JSONDecodeError, UnicodeDecodeError)
+# How gloo, JAX's coordination service and orbax's multi-process signals word a failure of
+# the processes around a read (a peer that died or hung: a closed connection, a barrier or a
+# key that timed out).
+_PEER_FAULT = re.compile(r"Gloo|UNAVAILABLE|DEADLINE_EXCEEDED|[Bb]arrier|coordination service"
+                         r"|Connection (closed|reset|refused)|[Tt]ime(d )?out waiting|"
+                         r"[Tt]imed out")
 
 
 class ReadFailed(RuntimeError):
@@ -39,19 +48,37 @@ class ReadFailed(RuntimeError):
     checkpoint is intact and kept; rerunning once every process runs resumes it."""
 
 
-def _file_fault(err: BaseException) -> bool:
-    """Whether ``err`` (or an error it was raised from) says that a file could not be read:
-    an ``OSError`` (missing, unreadable), undecodable JSON or text, or TensorStore's words
-    for a truncated or missing file (:data:`_FILE_FAULT`)."""
+def _chain(err: BaseException):
+    """``err`` and the errors it was raised from (``raise ... from``: ``__cause__``)."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, (OSError, json.JSONDecodeError, UnicodeDecodeError)):
-            return True
-        if _FILE_FAULT.search(str(err)):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+        yield err
+        err = err.__cause__
+
+
+def _file_fault(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) says that a file could not be read:
+    missing, a folder, not readable, undecodable JSON or text (:data:`_FILE_ERRORS`; not a
+    ``TimeoutError`` or ``ConnectionError``, also ``OSError``\ s), or TensorStore's words for
+    a truncated or missing file (:data:`_FILE_FAULT`)."""
+    return any(isinstance(e, _FILE_ERRORS) or _FILE_FAULT.search(str(e)) for e in _chain(err))
+
+
+def _processes() -> int:
+    """The processes of the run (``jax.process_count()``)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    return jax.process_count()
+
+
+def _peer_fault(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) is a failure of the processes around
+    a read: a ``TimeoutError`` or ``ConnectionError``, or the words of gloo, JAX's
+    coordination service or a barrier (:data:`_PEER_FAULT`); only with several processes."""
+    if _processes() < 2:
+        return False
+    return any(isinstance(e, (TimeoutError, ConnectionError)) or _PEER_FAULT.search(str(e))
+               for e in _chain(err))
 
 
 def _short(value: Any, limit: int = 32) -> str:
@@ -186,17 +213,20 @@ class CheckpointManager:
             return f"{path}: {type(e).__name__}: {_first_line(e)[:200]}"
         return ""
 
-    def _read_error(self, step: int, what: str, err: Exception) -> Exception:
+    def _read_error(self, step: int, what: str, err: Exception) -> Exception | None:
         """The error for a failed read of item ``what`` of the checkpoint at ``step``:
         *damaged* (:meth:`_damaged`, with the fallback) only when the checkpoint's own files
         are shown unreadable (its metadata does not parse on this host, or the error is a
-        file's: :func:`_file_fault`); otherwise :class:`ReadFailed` (a collective or the
-        coordination service failed around the read; the checkpoint is intact)."""
+        file's: :func:`_file_fault`); :class:`ReadFailed` when the processes around the read
+        failed (:func:`_peer_fault`: the checkpoint is intact); None for any other error
+        (e.g. out of memory), which the caller raises as it is."""
         fault = self._own_files_fault(step, what)
         if fault:
             return self._damaged(step, what, OSError(fault))
         if _file_fault(err):
             return self._damaged(step, what, err)
+        if not _peer_fault(err):
+            return None
         return ReadFailed(
             f"reading the checkpoint at step {step} in {self.directory} failed, but not "
             f"because of its files ({what}: {type(err).__name__}: {_first_line(err)[:200]}): "
@@ -209,12 +239,16 @@ class CheckpointManager:
 
         Raises:
           ValueError: its files are unreadable (damaged: names the step and the fallback).
-          ReadFailed: the read failed around the files (a peer process ended)."""
+          ReadFailed: the read failed around the files (a peer process ended).
+          Any other error of the read as it is (:meth:`_read_error`)."""
         try:
             return self._mngr.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 (orbax/json/OS errors, or a failed collective)
-            raise self._read_error(step, "meta", e) from e
+            known = self._read_error(step, "meta", e)
+            if known is None:
+                raise
+            raise known from e
 
     def check_compatible(self, step: int, meta: dict, defaults: dict | None = None,
                          may_grow: tuple[str, ...] = (), hints: dict | None = None,
@@ -325,6 +359,7 @@ class CheckpointManager:
             leaves) or its files cannot be read (damaged: names the step and how to fall
             back).
           ReadFailed: the read failed around the files (a collective; the checkpoint is kept).
+          Any other error of the read as it is (e.g. out of memory; :meth:`_read_error`).
         """
         mismatch = self._layout_mismatch(step, abstract_state)
         if mismatch:
@@ -333,7 +368,10 @@ class CheckpointManager:
             out = self._mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
         except Exception as e:  # noqa: BLE001 (truncated tensors, missing items, a collective)
-            raise self._read_error(step, "state", e) from e
+            known = self._read_error(step, "state", e)
+            if known is None:
+                raise
+            raise known from e
         return out["state"]
 
     def close(self) -> None:

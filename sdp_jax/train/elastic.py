@@ -122,9 +122,10 @@ def as_written(config, saved: dict, given, device_count: int):
     """``config`` (a copy) under the setting of the checkpoint whose meta is ``saved``, for
     reading the checkpoint back as it is (the tools, :func:`sdp_jax.tools.trained.load`).
 
-    ``config.json`` names a run's newest setting as soon as it starts: after an elastic
-    switch (``--config.elastic=True``) that stopped before its first save, the latest
-    checkpoint is still the old setting's. Every field of :func:`recorded_setting` that
+    ``config.json`` names a run's newest setting once its step is compiled: after an elastic
+    switch (``--config.elastic=True``) that stopped before its first save, or for an earlier
+    checkpoint (``--step``) of a run that switched since, the checkpoint read is the old
+    setting's. Every field of :func:`recorded_setting` that
     ``config`` holds as ``given`` does (``given``: the run's config.json; a field the caller
     overrode stays the caller's, and the compatibility check names it) is taken from the
     checkpoint; ``workers`` only when the resolved ``W`` differs (``workers=0`` stays 0 when

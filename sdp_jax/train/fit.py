@@ -44,7 +44,7 @@ SAFETY = 0.9   # the part of an accelerator's memory a budget of 0 takes (the re
 BUDGET_FLAG = "--config.sdp.memory_budget_gib"
 KIND_NAMES = {"block": "blocks", "mlp": "neurons", "heads": "kv-groups"}   # (in the tables)
 MEMINFO = "/proc/meminfo"
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+CGROUP = "/sys/fs/cgroup"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +117,8 @@ def budget_bytes(config) -> int:
 
 def host_memory_bytes() -> int | None:
     """The most memory this host can give a process, in bytes: its RAM (``MemTotal`` of
-    ``/proc/meminfo``, at most the cgroup's limit: v2 ``memory.max``, v1
-    ``memory.limit_in_bytes``) plus its swap (``SwapTotal``); None where ``/proc/meminfo``
+    ``/proc/meminfo``, at most the limits of its cgroups, :func:`_cgroup_limit_files`) plus
+    its swap (``SwapTotal``); None where ``/proc/meminfo``
     cannot be read (not Linux). An upper bound: what needs more cannot run here, whatever else
     runs beside it."""
     try:
@@ -130,7 +130,7 @@ def host_memory_bytes() -> int | None:
     ram = info.get("MemTotal")
     if not ram:
         return None
-    for path in CGROUP_LIMITS:
+    for path in _cgroup_limit_files():
         try:
             with open(path) as f:
                 text = f.read().strip()
@@ -139,6 +139,25 @@ def host_memory_bytes() -> int | None:
         if text.isdigit():   # ("max": no limit)
             ram = min(ram, int(text))
     return ram + info.get("SwapTotal", 0)
+
+
+def _cgroup_limit_files(own: str = "/proc/self/cgroup") -> list[str]:
+    """The memory-limit files that may bound this process: the root cgroup's and those of
+    the cgroups ``own`` names (a scheduler's, e.g. SLURM's or systemd's, seen without a
+    cgroup namespace): v2 ``memory.max``, v1 ``memory/.../memory.limit_in_bytes``."""
+    v2, v1 = {""}, {""}
+    try:
+        with open(own) as f:
+            for line in f:   # "0::/path" (v2) or "4:memory:/path" (v1)
+                _, controllers, path = line.strip().split(":", 2)
+                if not controllers:
+                    v2.add(path.strip("/"))
+                elif "memory" in controllers.split(","):
+                    v1.add(path.strip("/"))
+    except (OSError, ValueError):
+        pass
+    return ([os.path.join(CGROUP, p, "memory.max") for p in sorted(v2)]
+            + [os.path.join(CGROUP, "memory", p, "memory.limit_in_bytes") for p in sorted(v1)])
 
 
 def limits(config, devices: list) -> list[tuple[int, str]]:

@@ -21,8 +21,9 @@ launcher's own child processes are ever signalled.
 
 With ``--elastic`` the launcher carries on when processes are lost (killed by SIGKILL, which it
 sends while the run goes only to a hung process: the out-of-memory killer, a reclaimed device,
-a hung process): once every process has ended, it starts the command again as the processes that are left, with ``--config.elastic=True``
-appended, so that the run resumes from its latest checkpoint on the devices that remain, under
+a silent process; or ended with status 76, taken as stuck by its peers): once every process
+has ended, it starts the command again as the processes that are left, with
+``--config.elastic=True`` appended, so that the run resumes from its latest checkpoint on the devices that remain, under
 masks drawn for the new worker count (:mod:`sdp_jax.train.elastic`; at most ``--restarts``
 times).
 """
@@ -124,7 +125,8 @@ def _attempt(command: list, processes: int, port: int, grace: float, timeout: fl
              env: dict | None, cwd: str | None, signalled: list) -> tuple[int, list]:
     """One start of ``processes`` processes (:func:`run`): ``(status, the ids of the processes
     lost: killed by SIGKILL, which the launcher sends while a run is going only to a hung
-    process (:func:`_wait`); a crash of the program itself, e.g. SIGSEGV or SIGABRT, is not a
+    process (:func:`_wait`), or ended with :data:`sdp_jax.train.peers.TAKEN_AS_HUNG` (its
+    peers took it as stuck); a crash of the program itself, e.g. SIGSEGV or SIGABRT, is not a
     lost process)``."""
     port = port or free_port()
     children: list[subprocess.Popen] = []
@@ -150,8 +152,8 @@ def _attempt(command: list, processes: int, port: int, grace: float, timeout: fl
               file=sys.stderr, flush=True)
         stopped: list[int] = []
         status = _wait(children, grace, timeout, signalled, stopped)
-        lost = [i for i, c in enumerate(children)
-                if c.returncode == -signal.SIGKILL and i not in stopped]
+        lost = [i for i, c in enumerate(children) if i not in stopped and c.returncode in (
+            -signal.SIGKILL, peers.TAKEN_AS_HUNG)]
         return status, ([] if signalled else lost)
     finally:
         for c in children:   # never leave a process of ours behind
@@ -218,8 +220,9 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
             return first_bad
         hung = [i for i, code in enumerate(codes) if code is None]
         left = [codes[i] for i in ends]
-        if (not signalled and peers.DEAD_PEER in left and now - max(ends.values()) > HUNG_AFTER
-                and all(code in (peers.DEAD_PEER, -signal.SIGKILL) for code in left)):
+        lost_peer = (not signalled and peers.DEAD_PEER in left and all(
+            code in (peers.DEAD_PEER, peers.TAKEN_AS_HUNG, -signal.SIGKILL) for code in left))
+        if lost_peer and now - max(ends.values()) > HUNG_AFTER:
             print(f"{PROG}: process(es) {', '.join(map(str, hung))} still running "
                   f"{HUNG_AFTER:.0f}s after the others ended with status {peers.DEAD_PEER} (a "
                   "peer lost or hung): taken as hung, killed (SIGKILL)", file=sys.stderr,
@@ -228,7 +231,7 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
                 children[i].kill()
                 children[i].wait()
             continue
-        if ended_at is not None and now - ended_at > grace:
+        if ended_at is not None and now - ended_at > grace and not lost_peer:   # (hung first)
             print(f"{PROG}: a process ended {grace:.0f}s ago; terminating the ones still "
                   "running", file=sys.stderr, flush=True)
             _stop(children, stopped=stopped)

@@ -572,22 +572,37 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     meta = _meta(config, run)
     manager, latest, changes = open_checkpoints(config, workdir, meta, _compatibility(run),
                                                 run, lock)
-    saved = _saved_meta(manager, latest, run, stream, changes)
-    # (what the run started from, kept by every checkpoint: export --format hf reads it)
-    meta["init_from"] = start_from if saved is None else saved.get("init_from")
-    path = os.path.join(workdir, "summary.json")
-    if latest is not None and latest >= run.total_steps and os.path.exists(path):
-        return _already_complete(run, manager, path)
-    builder = make_step(run, mesh)
-    _log_run(run, builder, mesh)
-    # Restore before compiling: an unreadable checkpoint is reported before any compute.
-    state, start = _start_state(run, builder, manager, latest, saved, changes)
-    prev_wall = previous_wall(path, start, manager)  # a resumed run adds the earlier time
-    train_iter = _data_from(stream, saved, start, run, meta, changes)
-    if run.total_steps == 0:   # nothing to train: the initial state is the run
-        return _save_initial(run, builder, state, manager, latest, meta, eval_data, workdir,
-                             lambda: prev_wall + time.time() - t_start)
-    prog = _Program.compile(run, builder, eval_data, manager, workdir)
+    try:   # the run's checkpoint manager: closed by the loop, or here on any error
+        saved = _saved_meta(manager, latest, run, stream, changes)
+        # (what the run started from, kept by every checkpoint: export --format hf reads it)
+        meta["init_from"] = start_from if saved is None else saved.get("init_from")
+        path = os.path.join(workdir, "summary.json")
+        if latest is not None and latest >= run.total_steps and os.path.exists(path):
+            return _already_complete(run, manager, path)
+        builder = make_step(run, mesh)
+        _log_run(run, builder, mesh)
+        # Restore before compiling: an unreadable checkpoint is reported before any compute.
+        state, start = _start_state(run, builder, manager, latest, saved, changes)
+        prev_wall = previous_wall(path, start, manager)  # a resumed run adds the earlier time
+        wall = lambda: prev_wall + time.time() - t_start  # noqa: E731
+        train_iter = _data_from(stream, saved, start, run, meta, changes)
+        if run.total_steps == 0:   # nothing to train: the initial state is the run
+            return _save_initial(run, builder, state, manager, latest, meta, eval_data,
+                                 workdir, wall)
+        prog = _Program.compile(run, builder, eval_data)
+        write_config(workdir, run.config)   # (once the step fits: a refused run leaves none)
+        return _train_compiled(run, prog, workdir, manager, meta, state, start, train_iter,
+                               wall)
+    except BaseException:
+        manager.close()
+        raise
+
+
+def _train_compiled(run: run_lib.RunSpec, prog: "_Program", workdir: str, manager, meta: dict,
+                    state, start: int, train_iter, wall: Callable[[], float]) -> dict[str, Any]:
+    """:func:`train` once its program is compiled: the loop from step ``start + 1`` (within
+    the profiler's window), the last evaluation, ``summary.json`` and the last line."""
+    config, mesh = run.config, prog.builder.mesh
     devices, per_item = list(mesh.devices.flat), prog.flops_per_item
     # steps profile_start..profile_stop traced (stopped however the loop ends)
     with profiling.StepWindow(workdir, config.profile_start, config.profile_stop, start,
@@ -595,7 +610,7 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
         state, step, last_eval, interrupted, last_rec = _loop(
             config, workdir, run.family, window.wrap(prog.one_step), prog.evaluate, prog.items,
             state=state, start=start, total=run.total_steps, manager=manager, meta=meta,
-            train_iter=train_iter, wall=lambda: prev_wall + time.time() - t_start,
+            train_iter=train_iter, wall=wall,
             flops_per_item=None if per_item is None else per_item / len(devices),
             peak=costs.peak_flops(devices[0].device_kind, config.peak_flops),
             once={"peak_bytes_per_device": prog.memory["peak_bytes_per_device"]})
@@ -605,11 +620,11 @@ def _train(config, workdir: str, lock: WorkdirLock, task: Family | None) -> dict
     if done and not last_eval:
         last_eval = prog.evaluate(state)
     peers.done()   # the last collective is behind: the other processes' ends are expected
-    out = _summary(run, prog, step, last_eval, last_rec,
-                   prev_wall + time.time() - t_start)
+    out = _summary(run, prog.builder, prog, step, last_eval, last_rec, wall())
     out["interrupted_by"] = interrupted[0] if interrupted and not done else None
     out["elastic"] = meta["elastic"]
-    _finish(run, workdir, path, out, interrupted, trained=step > start)
+    _finish(run, workdir, os.path.join(workdir, "summary.json"), out, interrupted,
+            trained=step > start)
     # (not in summary.json) a signal that came during the last step: a caller that runs
     # several trainings in turn (python -m sdp_jax.study) stops after this one
     return {**out, "signal": interrupted[0] if interrupted else None}
@@ -629,36 +644,28 @@ def _already_complete(run: run_lib.RunSpec, manager, path: str) -> dict[str, Any
 def _save_initial(run: run_lib.RunSpec, builder, state, manager, latest, meta: dict,
                   eval_data, workdir: str, wall: Callable[[], float]) -> dict[str, Any]:
     """``config.steps=0``: the initial state (``config.init_from``'s model laid out under the
-    run's masks, or the initializer's) saved as the checkpoint of step 0 (once) and
-    evaluated, with no train step compiled; ``config.json`` and ``summary.json`` written. How
-    a Hugging Face LLaMA becomes a run that ``export --format hf`` writes back unchanged.
+    run's masks, or the initializer's) saved as the checkpoint of step 0 (once,
+    :func:`_save`) and evaluated, with no train step compiled; ``config.json`` and
+    ``summary.json`` written (:func:`_summary`, :func:`_finish`). How a Hugging Face LLaMA
+    becomes a run that ``export --format hf`` writes back unchanged.
 
     Returns:
       :func:`train`'s summary (``steps`` 0, ``completed``)."""
-    try:
-        if latest is None:
-            check_state_finite(state, 0, manager)   # no checkpoint holds NaN
-            manager.save(0, state, {**meta, "wall_s": wall()})
-    finally:
-        manager.close()   # waits for the save
+    if latest is None:
+        _save(manager, state, 0, {**meta, "wall_s": wall()})
+    manager.close()   # waits for the save
     write_config(workdir, run.config)
-    last_eval = run.family.evaluator(run, builder, eval_data, batch_putter(builder),
-                                     log)(state)
+    evaluate = run.family.evaluator(run, builder, eval_data, batch_putter(builder), log)
+    last_eval = peers.busy("evaluating")(evaluate)(state)
     peers.done()   # the last collective is behind
-    out = {**run.family.summary(run, 0, last_eval, {}), "variant": run.config.sdp.variant,
-           "coverage": run.plan.coverage, "workers": run.workers, "steps": 0,
-           "total_steps": 0, "completed": True, "wall_s": wall(),
-           "init_from": meta["init_from"], "interrupted_by": None}
-    path = os.path.join(workdir, "summary.json")
-    if jax.process_index() == 0:
-        write_atomically(path, json.dumps(out, indent=2))
-    source = meta["init_from"]
-    log(f"done: config.steps=0, so no step was trained: the initial state"
-        + (f" (the Hugging Face LLaMA in {source['folder']})" if source else "")
-        + f" is the checkpoint of step 0 in {manager.directory}; "
-        f"{run.family.done_line(out)}; summary in {path}"
-        + (f"; python -m sdp_jax.tools.export --workdir {workdir} --format hf --out DIR "
-           "writes it back" if source else ""))
+    out = {**_summary(run, builder, None, 0, last_eval, {}, wall()), "interrupted_by": None,
+           "elastic": meta["elastic"]}
+    _finish(run, workdir, os.path.join(workdir, "summary.json"), out, [], trained=False)
+    if meta["init_from"]:
+        log(f"config.steps=0: the Hugging Face LLaMA in {meta['init_from']['folder']}, laid "
+            f"out under the run's masks, is the checkpoint of step 0 in {manager.directory}; "
+            f"python -m sdp_jax.tools.export --workdir {workdir} --format hf --out DIR writes "
+            "it back")
     return {**out, "signal": None}
 
 
@@ -668,11 +675,7 @@ def _start_state(run: run_lib.RunSpec, builder, manager, latest, saved, changes:
     masks for an elastic switch (``changes``, :func:`sdp_jax.train.elastic.rebuild`), or
     :func:`restore_or_init`'s."""
     if changes:
-        try:
-            return elastic.rebuild(manager, latest, saved, run, builder, log), latest
-        except ValueError:
-            manager.close()
-            raise
+        return elastic.rebuild(manager, latest, saved, run, builder, log), latest
     return restore_or_init(manager, latest, builder, run.config.seed,
                            initial=lambda: run.family.initial_state(run, builder, log))
 
@@ -687,11 +690,7 @@ def _saved_meta(manager, latest, run: run_lib.RunSpec, stream, changes: list) ->
     saved["config"] = ckpt_lib.with_defaults(saved.get("config", {}),
                                              run.family.added_fields())
     if changes:
-        try:
-            elastic.check(run, saved, stream)
-        except ValueError:
-            manager.close()
-            raise
+        elastic.check(run, saved, stream)
     return saved
 
 
@@ -758,23 +757,9 @@ class _Program:
 
     @classmethod
     @peers.busy("compiling")   # (the others allow it --hang_timeout)
-    def compile(cls, run: run_lib.RunSpec, builder, eval_data, manager=None,
-                workdir: str | None = None) -> "_Program":
+    def compile(cls, run: run_lib.RunSpec, builder, eval_data) -> "_Program":
         """Compile the run's programs, logging their compile times and the peak memory; a
-        step that cannot fit is refused (:func:`sdp_jax.train.fit.check_peak`; ``manager``
-        then closed). Then writes the run's config to ``workdir/config.json`` (process 0)."""
-        try:
-            prog = cls._compile(run, builder, eval_data)
-        except BaseException:
-            if manager is not None:
-                manager.close()
-            raise
-        if workdir is not None:
-            write_config(workdir, run.config)
-        return prog
-
-    @classmethod
-    def _compile(cls, run: run_lib.RunSpec, builder, eval_data) -> "_Program":
+        step that cannot fit is refused (:func:`sdp_jax.train.fit.check_peak`)."""
         family, t0 = run.family, time.time()
         shapes = family.batch_shapes(run)
         compiled = builder.compiled_train_step(shapes)
@@ -815,12 +800,16 @@ class _Program:
         return state, {**m, **cosines}
 
 
-def _summary(run: run_lib.RunSpec, prog: _Program, step: int, last_eval: dict,
-             last_rec: dict, wall: float) -> dict:
+def _summary(run: run_lib.RunSpec, builder, prog: _Program | None, step: int,
+             last_eval: dict, last_rec: dict, wall: float) -> dict:
     """``summary.json``: the family's fields and the run's own (settings, steps, wall
-    seconds, memory, parameter counts, masks, throughput unit and model FLOPs)."""
-    family, s, builder = run.family, run.settings, prog.builder
-    mask_info, mem, per_item = run.plan.summary(), prog.memory, prog.flops_per_item
+    seconds, memory, parameter counts, masks, throughput unit and model FLOPs); ``prog``:
+    the compiled program (None when nothing was compiled, ``steps=0``: no memory figures)."""
+    family, s = run.family, run.settings
+    mask_info = run.plan.summary()
+    mem = None if prog is None else prog.memory
+    items = family.items_per_step(run) if prog is None else prog.items
+    per_item = family.model_flops_per_item(run) if prog is None else prog.flops_per_item
     return {
         **family.summary(run, step, last_eval, last_rec),
         "variant": run.config.sdp.variant, "regime": run.plan.regime,
@@ -829,17 +818,17 @@ def _summary(run: run_lib.RunSpec, prog: _Program, step: int, last_eval: dict,
         "sync_every": s.sync_every, "fsdp": s.fsdp, "remat": s.remat,
         "dtype": s.dtype, "steps": step, "total_steps": run.total_steps,
         "completed": step >= run.total_steps, "wall_s": wall,
-        "peak_bytes_per_device": mem["peak_bytes_per_device"], "memory": mem,
-        "params_total": family.param_count(run),
+        "peak_bytes_per_device": None if mem is None else mem["peak_bytes_per_device"],
+        "memory": mem, "params_total": family.param_count(run),
         "params_per_device": builder.per_device_param_count(),
         "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
         "platform": list(builder.mesh.devices.flat)[0].platform,
         "devices": builder.mesh.devices.size, "emulate_workers": s.emulate_workers,
         "grad_accum": s.grad_accum,
         "item": family.rate_key.split("_per_s")[0],
-        "items_per_step": prog.items, "model_flops_per_step": (
-            None if per_item is None else per_item * prog.items),
-        **prog.from_compiled}
+        "items_per_step": items, "model_flops_per_step": (
+            None if per_item is None else per_item * items),
+        **({} if prog is None else prog.from_compiled)}
 
 
 def _finish(run: run_lib.RunSpec, workdir: str, path: str, out: dict,
@@ -853,13 +842,15 @@ def _finish(run: run_lib.RunSpec, workdir: str, path: str, out: dict,
         log_stopped(out["steps"], run.total_steps, interrupted, trained,
                     run.config.stop_at_step)
         return
-    if jax.process_index() == 0:
+    drawn = bool(out["steps"])   # (steps=0: no curve to draw)
+    if jax.process_index() == 0 and drawn:
         try:
             curves.curves([workdir])
         except (ValueError, OSError, RuntimeError) as e:   # the run itself is complete
             log(f"warning: curves.png not drawn ({type(e).__name__}: {e})")
     log(f"done: {out['steps']} steps in {out['wall_s']:.0f}s; {run.family.done_line(out)}; "
-        f"summary in {path}, curves in {os.path.join(workdir, 'curves.png')}")
+        f"summary in {path}"
+        + (f", curves in {os.path.join(workdir, 'curves.png')}" if drawn else ""))
 
 
 def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int, *, state,

@@ -20,9 +20,12 @@ errors"). So:
   nothing from it before they take it as hung: ``--hang_timeout`` while it starts, restores,
   compiles, evaluates or saves (:func:`busy`), and once steps run a multiple of its slowest
   recent step (:func:`stepped`; never below :data:`HANG_FLOOR` s, or ``--hang_timeout`` when
-  smaller). Process 0 watches every other process, the others watch process 0; one silent for
-  longer than it declared is *hung* (stopped, frozen, its host gone): the others end as after a
-  death, naming it;
+  smaller), and its progress age (the seconds since it last ended a step or began or ended a
+  busy phase). Process 0 watches every other process, the others watch process 0; one silent
+  for longer than it declared is *hung* (stopped, frozen, its host gone), and so is, when no
+  process has made progress within its bound although all are heard (a collective or a device
+  that hangs), the one stuck the longest (:meth:`_Watch.verdict`): the others end as after a
+  death, naming it, and it ends with :data:`TAKEN_AS_HUNG`;
 * process 0 waits :data:`GRACE` seconds after an error or a death (a process hit by the same
   error as its peer reports its own), tells every other process to stop, waits up to
   :data:`DRAIN` seconds for them to end (so that none of them sees the coordination service
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import sys
@@ -56,6 +60,8 @@ import threading
 import time
 
 DEAD_PEER = 75    # sysexits' EX_TEMPFAIL: another process died or hung; rerun to resume
+TAKEN_AS_HUNG = 76  # this process was taken as hung by the others (its host or devices may be
+                    # at fault): the elastic launcher restarts the run without it
 GRACE = 2.0       # seconds process 0 waits before acting on another process's end
 DRAIN = 5.0       # seconds process 0 waits for the others to end before it ends
 HOLD = 20.0       # seconds a signal that came before the watch waits for it (schedulers
@@ -65,7 +71,8 @@ HANG_FLOOR = 30.0  # seconds: the least bound once steps run (a loaded machine's
 HANG_STEPS = 20   # the bound once steps run follows the slowest of this many recent steps
 STALL = 3.0       # a heartbeat thread that itself stood still this long (this process was
                   # stopped or starved) blames nobody for that silence (the least bound is 5 s)
-HUNG = -2         # the news "status" of a process that went silent past its bound
+HUNG = -2         # the news "status" of a process that went silent or stuck past its bound
+SEND_WITHIN = 2.0  # seconds a message may wait for a peer's connection to take it
 KEY = "sdp_jax/peers/address"
 
 
@@ -84,20 +91,24 @@ class _Watch:
         self.heard = {pid: now for pid in conns}     # when each peer was last heard
         self.bounds = {pid: float(hang[0]) for pid in conns}   # what each peer declared
         self.phases = {pid: "starting" for pid in conns}
+        self.ages = {pid: (0.0, now) for pid in conns}   # each peer's progress age, heard when
+        self.stuck: set = set()                      # peers whose connection took no message
         self.mine = (float(hang[0]), "starting")     # what this process declares
         self.steps: list = []                        # its recent step times (s)
-        self.mark, self.first_step = now, True       # when its current step began
+        self.mark, self.first_step = now, True       # its last progress (a step, a phase)
 
     def send(self, message: str, to=None) -> None:
-        """``message`` to the processes ``to`` (default: every one connected), whole (one
-        sender at a time; reentrant: a signal handler may send while its thread sends)."""
+        """``message`` to the processes ``to`` (default: every one connected), whole, one
+        sender at a time (reentrant: a signal handler may send while its thread sends), each
+        connection given at most :data:`SEND_WITHIN` s to take it: a peer whose host vanished
+        without closing the connection (a full send buffer) never blocks this process; that
+        connection then takes no more messages (its silence is the peer's verdict)."""
+        data = message.encode()
         with self.sending:
             for pid, conn in list(self.conns.items()):
-                if to is None or pid in to:
-                    try:
-                        conn.sendall(message.encode())
-                    except OSError:
-                        pass
+                if (to is None or pid in to) and pid not in self.stuck:
+                    if not _send_within(conn, data, SEND_WITHIN):
+                        self.stuck.add(pid)
 
     def read(self, pid: int, conn) -> None:
         """A connection's reader thread: ``h BOUND PHASE`` (a heartbeat: take the sender as
@@ -112,34 +123,60 @@ class _Watch:
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 words = line.decode(errors="replace").split()
-                if len(words) == 3 and words[0] == "h":
+                if len(words) in (3, 4) and words[0] == "h":
                     self.bounds[pid], self.phases[pid] = float(words[1]), words[2]
+                    if len(words) == 4:
+                        self.ages[pid] = (float(words[3]), time.monotonic())
                 elif words == ["d"]:
                     self.done_peers.add(pid)
-                elif len(words) in (3, 6) and words[0] == "x":
+                elif len(words) in (3, 7) and words[0] == "x":
                     self.ended(int(words[1]), int(words[2]), *words[3:])
         self.gone.add(pid)
         if pid not in self.done_peers:
             self.ended(-1, pid)
 
     def beat(self) -> None:
-        """The heartbeat thread: every :data:`BEAT` s, tell the peers this process's bound
-        and look for a peer silent past the bound it declared (:data:`HUNG` news)."""
+        """The heartbeat thread: every :data:`BEAT` s, look for a process to take as hung
+        (:meth:`verdict`: :data:`HUNG` news), then tell the peers this process's bound, phase
+        and progress age (``h BOUND PHASE AGE``)."""
         last = time.monotonic()
         while not (self.ending or self.finished or self.news):
             time.sleep(BEAT)
-            bound, phase = self.mine
-            self.send(f"h {bound:g} {phase}\n")
             now = time.monotonic()
             if now - last > STALL:   # this process stood still: its peers' silence is its own
                 for pid in self.heard:
                     self.heard[pid] = now
-            last = now
-            for pid, heard in list(self.heard.items()):
-                silent, bound = now - heard, self.bounds[pid]
-                if bound > 0 and silent > bound and pid not in self.gone | self.done_peers:
-                    self.ended(HUNG, pid, f"{silent:.0f}", f"{bound:g}", self.phases[pid])
+            else:
+                hung = self.verdict(now)
+                if hung is not None:
+                    origin, seconds, bound, phase, how = hung
+                    self.ended(HUNG, origin, f"{seconds:.0f}", f"{bound:g}", phase, how)
                     return
+            last = now
+            bound, phase = self.mine
+            self.send(f"h {bound:g} {phase} {now - self.mark:.1f}\n")
+
+    def verdict(self, now: float):
+        """``(process, seconds, its bound, its phase, how)`` of a process to take as hung, or
+        None: a peer *silent* longer than the bound it declared (stopped, frozen, its host or
+        link gone); or, seen by process 0, which hears every process, when no process has made
+        progress (a step, a phase begun or ended) within its bound although all are alive
+        (a collective or a device that hangs), the one *stuck* the longest, which the others
+        then wait for."""
+        live = [pid for pid in self.heard if pid not in self.gone | self.done_peers]
+        for pid in live:
+            silent, bound = now - self.heard[pid], self.bounds[pid]
+            if bound > 0 and silent > bound:
+                return pid, silent, bound, self.phases[pid], "silent"
+        if self.me != 0 or not live:
+            return None
+        ages = {pid: (age + now - at, self.bounds[pid], self.phases[pid])
+                for pid, (age, at) in self.ages.items() if pid in live}
+        ages[self.me] = (now - self.mark, *self.mine)
+        if all(bound > 0 and age > bound for age, bound, _ in ages.values()):
+            pid = max(ages, key=lambda p: ages[p][0])
+            return (pid, *ages[pid], "stuck")
+        return None
 
     def ended(self, status: int, origin: int, *hung: str) -> None:
         """Process ``origin`` ended before the run did (``status``, -1 when unknown) or hung
@@ -172,7 +209,8 @@ class _Watch:
             self.drain(origin)
         elif status == HUNG and origin == 0:
             self.send(news)   # process 0 reads why its peers left, if it runs again
-        code = status if status > 0 else DEAD_PEER
+        code = (status if status > 0 else TAKEN_AS_HUNG if origin == self.me
+                else DEAD_PEER)
         see = "" if origin == self.me else f"see process {origin}'s output; "
         what = _what(status, origin, self.me, self.n, hung)
         _write_and_exit(f"{_after_bar()}stopping: {what} before the run finished; this is "
@@ -193,7 +231,24 @@ class _Watch:
         changed = phase != self.mine[1]
         self.mine = (float(bound), phase)
         if changed:
-            self.send(f"h {float(bound):g} {phase}\n")
+            self.send(f"h {float(bound):g} {phase} {time.monotonic() - self.mark:.1f}\n")
+
+
+def _send_within(conn, data: bytes, seconds: float) -> bool:
+    """Send ``data`` whole on ``conn`` unless it takes longer than ``seconds`` (a full send
+    buffer: the peer stopped reading) or the connection breaks; whether it was sent."""
+    deadline = time.monotonic() + seconds
+    while data:
+        try:
+            data = data[conn.send(data, socket.MSG_DONTWAIT):]
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            select.select([], [conn], [], left)
+        except OSError:
+            return False
+    return True
 
 
 def _recv(conn, size: int) -> bytes:
@@ -207,11 +262,13 @@ def _recv(conn, size: int) -> bytes:
 def _what(status: int, origin: int, me: int, n: int, hung) -> str:
     """What happened to process ``origin``, for the survivors' one line."""
     if status == HUNG:
-        silent, bound, phase = hung
-        who = (f"this process ({me} of {n}) was silent for {silent} s" if origin == me else
-               f"process {origin} of {n} made no progress for {silent} s")
-        return (f"{who} (hung? stopped, frozen, or its host gone; its bound while {phase} was "
-                f"{bound} s: --hang_timeout, --hang_step_multiple)")
+        seconds, bound, phase, how = hung
+        who = (f"this process ({me} of {n})" if origin == me else f"process {origin} of {n}")
+        why = ("silent: stopped, frozen, or its host gone" if how == "silent" else
+               "alive but stuck, and every other process waited for it past its bound: a "
+               "collective or a device that hangs")
+        return (f"{who} made no progress for {seconds} s (hung? {why}; its bound while "
+                f"{phase} was {bound} s: --hang_timeout, --hang_step_multiple)")
     if status < 0:
         return f"process {origin} of {n} died without a word (killed or crashed)"
     return f"process {origin} of {n} ended with status {status}{_signal_name(status)}"
@@ -488,6 +545,7 @@ def busy(phase: str):
     only after ``--hang_timeout`` seconds of silence. On leaving it, the clock of the next
     step (:func:`stepped`) starts. Nothing without a watch."""
     if _WATCH:
+        _WATCH[0].mark = time.monotonic()   # (a phase begun is progress)
         _WATCH[0].declare(_WATCH[0].hang[0], phase)
     try:
         yield
