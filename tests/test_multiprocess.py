@@ -789,6 +789,7 @@ def test_the_verdict_names_a_silent_or_a_stuck_process():
         assert 2 in watch.stuck
     finally:
         peers.SEND_WITHIN = peers_within
+    watch.ending = True   # (so that the readers' end of file acts on nothing: no exit here)
     for a, b in pairs:
         a.close()
         b.close()
