@@ -539,47 +539,56 @@ def _end_children(launcher, pids):
         launcher.wait()
 
 
-def test_a_signal_before_the_watch_ends_every_process_in_one_line(tmp_path):
+@pytest.mark.parametrize("cases,under_launcher", [
+    ({"p0_0.5s": (0, 0.5), "p1_1.5s": (1, 1.5)}, False),
+    ({"p1_init": (1, None)}, True)], ids=["early", "after-init-and-launcher"])
+def test_a_signal_before_the_watch_ends_every_process_in_one_line(tmp_path, cases,
+                                                                   under_launcher):
     """Issue 47: SIGTERM to one process before ``jax.distributed.initialize`` made it exit 143
     at once while the other waited --init_timeout (300 s) without a word. Now the signal is
     held until the processes' watch has started and the process leaves through it: both end
     with one line each and status 143, within seconds of each other and before the hold's
-    bound (peers.HOLD), and nothing is written. Four runs at once: SIGTERM to process 0 at
-    0.5 s, to process 1 at 1.5 s and right after initialization (process 0 logs its data),
-    and, under the launcher, to process 1 at 0.5 s."""
-    when = {"p0_0.5s": (0, 0.5), "p1_1.5s": (1, 1.5), "p1_init": (1, None)}
-    runs = {k: tmp_path / k for k in [*when, "launcher"]}
+    bound (peers.HOLD), and nothing is written. SIGTERM to process 0 at 0.5 s and to process 1
+    at 1.5 s (two runs at once); then to process 1 right after initialization (process 0 logs
+    its data) and, under the launcher, to process 1 at 0.5 s (two runs at once: more would
+    start too slowly on 2 cores for the hold's bound)."""
+    runs = {k: tmp_path / k for k in [*cases, "launcher"]}
     err_path = tmp_path / "launcher.err"
-    with open(err_path, "w") as err:
-        launcher = subprocess.Popen(
-            [*LAUNCH, f"--timeout={TIMEOUT - 60}", "--", *TRAIN, "--config.stop_at_step=5",
-             f"--workdir={runs['launcher']}"], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-            stderr=err)
+    launcher, pids = None, []
+    if under_launcher:
+        with open(err_path, "w") as err:
+            launcher = subprocess.Popen(
+                [*LAUNCH, f"--timeout={TIMEOUT - 60}", "--", *TRAIN, "--config.stop_at_step=5",
+                 f"--workdir={runs['launcher']}"], cwd=ROOT, env=_env(),
+                stdout=subprocess.DEVNULL, stderr=err)
     t0 = time.monotonic()
-    pairs = {k: _pair(str(runs[k])) for k in when}
-    procs = {**{(k, i): p for k, ps in pairs.items() for i, p in enumerate(ps)},
-             ("launcher", 0): launcher}
-    deadline, sent, ended, pids = t0 + TIMEOUT, {}, {}, []
+    pairs = {k: _pair(str(runs[k])) for k in cases}
+    procs = {(k, i): p for k, ps in pairs.items() for i, p in enumerate(ps)}
+    if launcher is not None:
+        procs["launcher", 0] = launcher
+    deadline, sent, ended = t0 + TIMEOUT, {}, {}
     try:
-        pids = _launcher_pids(err_path, deadline)
+        if launcher is not None:
+            pids = _launcher_pids(err_path, deadline)
         t_launch = time.monotonic()
         while time.monotonic() < deadline and len(ended) < len(procs):
             now = time.monotonic()
-            for k, (victim, at) in when.items():
+            for k, (victim, at) in cases.items():
                 due = (now - t0 >= at if at is not None else
                        "data " in _text(runs[k], 0, "out"))
                 if k not in sent and due:
                     pairs[k][victim].send_signal(signal.SIGTERM)
                     sent[k] = time.monotonic()
-            if "launcher" not in sent and now - t_launch >= 0.5:
+            if launcher is not None and "launcher" not in sent and now - t_launch >= 0.5:
                 os.kill(pids[1], signal.SIGTERM)   # the launcher's own child, by pid
                 sent["launcher"] = time.monotonic()
             _note_ends(procs, ended)
             time.sleep(0.02)
     finally:
         _end_all([p for ps in pairs.values() for p in ps])
-        _end_children(launcher, pids)
-    for k, (victim, _) in when.items():
+        if launcher is not None:
+            _end_children(launcher, pids)
+    for k, (victim, _) in cases.items():
         status = [p.returncode for p in pairs[k]]
         err = [_text(runs[k], i, "err").strip() for i in (0, 1)]
         assert status == [143, 143], (k, status, err)
@@ -594,6 +603,8 @@ def test_a_signal_before_the_watch_ends_every_process_in_one_line(tmp_path):
             assert not (runs[k] / "metrics.jsonl").exists()
         else:
             assert not runs[k].exists(), k
+    if launcher is None:
+        return
     log = err_path.read_text()
     assert launcher.returncode == 143 and "exit statuses [143, 143]" in log, log
     lines = [ln for ln in log.splitlines() if ln and not ln.startswith(launch.PROG)]
@@ -749,14 +760,15 @@ def test_the_verdict_names_a_silent_or_a_stuck_process():
     """Process 0's verdict (no processes: a watch of 3 fed by hand). A peer silent past the
     bound it declared is hung ("silent"). A peer that is heard but whose progress age (sent in
     its heartbeats, ``h BOUND PHASE AGE``) is past its bound is hung ("stuck") only when every
-    process, process 0 included, is past its own: then the one stuck the longest is named (the
-    others waited for it); one process within its bound, a bound of 0, or a process other than
-    0 (which hears only process 0) gives no stuck verdict. A peer that stops reading never
+    process, process 0 included, trains and is past its own bound and --hang_timeout: then the
+    one stuck the longest is named (the others waited for it); one process within its bound or
+    --hang_timeout, one in a busy phase (compiling), a bound of 0, or a process other than 0
+    (which hears only process 0) gives no stuck verdict. A peer that stops reading never
     blocks a send: the message is given up after SEND_WITHIN s and that connection takes no
     more."""
     import socket
     pairs = [socket.socketpair() for _ in range(2)]
-    watch = peers._Watch(0, 3, {1: pairs[0][0], 2: pairs[1][0]}, (60.0, 10.0))
+    watch = peers._Watch(0, 3, {1: pairs[0][0], 2: pairs[1][0]}, (20.0, 10.0))
     now = time.monotonic()
     assert watch.verdict(now) is None
     watch.heard[2], watch.bounds[2], watch.phases[2] = now - 45, 40.0, "training"
@@ -775,7 +787,11 @@ def test_the_verdict_names_a_silent_or_a_stuck_process():
     assert watch.verdict(now) == (1, pytest.approx(50, abs=1), 30.0, "training", "stuck")
     watch.mark = now - 10                                   # process 0 within its bound
     assert watch.verdict(now) is None
-    watch.mark, watch.mine = now - 35, (0.0, "training")     # 0: never
+    watch.mark, watch.hang = now - 35, (40.0, 10.0)         # never before --hang_timeout
+    assert watch.verdict(now) is None
+    watch.hang, watch.phases[2] = (20.0, 10.0), "compiling"  # a busy phase: silence alone
+    assert watch.verdict(now) is None
+    watch.phases[2], watch.mine = "training", (0.0, "training")   # 0: never
     assert watch.verdict(now) is None
     other = peers._Watch(1, 3, {0: pairs[0][0]}, (60.0, 10.0))
     other.ages[0], other.mark = (500.0, now), now - 500

@@ -159,10 +159,11 @@ class _Watch:
     def verdict(self, now: float):
         """``(process, seconds, its bound, its phase, how)`` of a process to take as hung, or
         None: a peer *silent* longer than the bound it declared (stopped, frozen, its host or
-        link gone); or, seen by process 0, which hears every process, when no process has made
-        progress (a step, a phase begun or ended) within its bound although all are alive
-        (a collective or a device that hangs), the one *stuck* the longest, which the others
-        then wait for."""
+        link gone); or, seen by process 0, which hears every process, when every process is
+        training (past its first step) and none has made progress (a step, a phase begun or
+        ended) within its bound and ``--hang_timeout`` although all are alive (a collective or
+        a device that hangs), the one *stuck* the longest, which the others then wait for.
+        (Busy phases, a compile or a save of any length, are judged by silence alone.)"""
         live = [pid for pid in self.heard if pid not in self.gone | self.done_peers]
         for pid in live:
             silent, bound = now - self.heard[pid], self.bounds[pid]
@@ -173,7 +174,10 @@ class _Watch:
         ages = {pid: (age + now - at, self.bounds[pid], self.phases[pid])
                 for pid, (age, at) in self.ages.items() if pid in live}
         ages[self.me] = (now - self.mark, *self.mine)
-        if all(bound > 0 and age > bound for age, bound, _ in ages.values()):
+        timeout = self.hang[0]   # (stuck: never sooner than --hang_timeout, and only while
+        # every process trains: compiles, restores, saves of any length are not judged so)
+        if timeout and all(phase == "training" and bound > 0 and age > max(bound, timeout)
+                           for age, bound, phase in ages.values()):
             pid = max(ages, key=lambda p: ages[p][0])
             return (pid, *ages[pid], "stuck")
         return None
