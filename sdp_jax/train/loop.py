@@ -873,6 +873,7 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
     metrics_log = Metrics(workdir, start, config.to_json(indent=2), once)
     last_eval, last_rec = {}, {}
     bar = progress(total, start)
+    peers.bar_shown(not bar.disable)   # (the watch's line then starts on a line of its own)
     t_window, n_window, step = time.time(), 0, start
     received: list = []      # this process's signals
     interrupted: list = []   # the signal every process agreed to stop on
@@ -910,6 +911,7 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                     _save(manager, state, step, {**meta, "wall_s": wall()})
         finally:
             bar.close()
+            peers.bar_shown(False)
             metrics_log.close()
             manager.close()  # waits for the last save
     return state, step, last_eval, interrupted, last_rec

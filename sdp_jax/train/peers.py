@@ -432,10 +432,20 @@ def _signal_name(status: int) -> str:
         return ""
 
 
+_BAR: list = []   # [True] while this process shows a progress bar (:func:`bar_shown`)
+
+
+def bar_shown(shown: bool) -> None:
+    """This process shows a progress bar on stderr from now on (``shown``), or its bar has
+    been closed (its last line ended): a line the watch writes starts on a new line meanwhile
+    (``sdp_jax.train.loop`` calls it around its bar)."""
+    _BAR[:] = [True] if shown else []
+
+
 def _after_bar() -> str:
-    """``"\n"`` while a progress bar (tqdm's, process 0's) holds the current line, else ``""``."""
-    tqdm = sys.modules.get("tqdm.std")
-    return "\n" if tqdm is not None and getattr(tqdm.tqdm, "_instances", None) else ""
+    """``"\n"`` while a progress bar (:func:`bar_shown`) may hold the current line, else
+    ``""``."""
+    return "\n" if _BAR else ""
 
 
 def _write_and_exit(line: str, code: int) -> None:
