@@ -198,10 +198,19 @@ def agreed_stop(received: list) -> list:
 
 
 def progress(total: int, initial: int):
-    """A tqdm progress bar over optimizer steps (process 0)."""
+    """A tqdm progress bar over optimizer steps (process 0); the peer watch is told, so that
+    a line it writes meanwhile starts on a line of its own (:func:`close_progress` ends it)."""
     from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                disable=jax.process_index() != 0, mininterval=1.0)
+    bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+               disable=jax.process_index() != 0, mininterval=1.0)
+    peers.bar_shown(not bar.disable)
+    return bar
+
+
+def close_progress(bar) -> None:
+    """Close :func:`progress`'s ``bar`` (its last line ended), and tell the peer watch."""
+    bar.close()
+    peers.bar_shown(False)
 
 
 def _kept(manager) -> str:
@@ -873,7 +882,6 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
     metrics_log = Metrics(workdir, start, config.to_json(indent=2), once)
     last_eval, last_rec = {}, {}
     bar = progress(total, start)
-    peers.bar_shown(not bar.disable)   # (the watch's line then starts on a line of its own)
     t_window, n_window, step = time.time(), 0, start
     received: list = []      # this process's signals
     interrupted: list = []   # the signal every process agreed to stop on
@@ -910,8 +918,7 @@ def _loop(config, workdir: str, family, one_step, evaluate, items_per_step: int,
                 if (every and step % every == 0) or step == stop or interrupted:
                     _save(manager, state, step, {**meta, "wall_s": wall()})
         finally:
-            bar.close()
-            peers.bar_shown(False)
+            close_progress(bar)
             metrics_log.close()
             manager.close()  # waits for the last save
     return state, step, last_eval, interrupted, last_rec
