@@ -168,7 +168,8 @@ def _source(folder, cfg, shards=1, context=256):
     from safetensors.numpy import save_file
     os.makedirs(folder)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({**hf_llama.hf_config(cfg), "max_position_embeddings": context}, f)
+        json.dump({**hf_llama.hf_config(cfg), "max_position_embeddings": context,
+                   "bos_token_id": 1, "eos_token_id": 2}, f)
     rng = np.random.default_rng(7)
     tensors = {k: rng.standard_normal(s).astype(np.float32)
                for k, s in hf_llama.tensor_shapes(cfg).items()}
@@ -197,7 +198,9 @@ def test_every_fault_of_a_folder_is_one_line_naming_the_file(tmp_path):
     tensors = _source(good, cfg, shards=2)
     jax.tree.map(np.testing.assert_array_equal, hf_llama.read(good, cfg),
                  hf_llama.from_hf(tensors, cfg))
-    assert hf_llama.check_folder(good, cfg) == {"folder": good, "max_position_embeddings": 256}
+    assert hf_llama.check_folder(good, cfg) == {"folder": good, "max_position_embeddings": 256,
+                                                "token_ids": {"bos_token_id": 1,
+                                                              "eos_token_id": 2}}
     shard = "model-00002-of-00002.safetensors"
 
     def cut(path, size):
@@ -298,6 +301,8 @@ def test_a_hugging_face_llama_converts_and_exports_unchanged(tmp_path, capsys):
     theirs, ours = (json.load(open(os.path.join(d, "config.json"))) for d in (src, out))
     for key in list(hf_llama.FIELDS.values()) + ["head_dim", "model_type", "architectures"]:
         assert ours[key] == theirs[key], key
+    # the special tokens: the run's tokenizer's end of text, the source's beginning of text
+    assert ours["eos_token_id"] == 20 and ours["bos_token_id"] == theirs["bos_token_id"] == 1
     assert ours["max_position_embeddings"] == 256
     assert json.load(open(os.path.join(out, "tokenizer_config.json")))["model_max_length"] == 256
     again = loop.train(_tiny(steps=0, init_from=src, **{

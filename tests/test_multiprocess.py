@@ -453,6 +453,24 @@ def test_elastic_resume_on_several_processes_is_exact(tmp_path):
     assert [r["step"] for r in metrics(wd)] == list(range(1, 7))
 
 
+def _listening(port: int) -> set:
+    """The local addresses with a TCP socket listening on ``port`` (``/proc/net/tcp`` and
+    ``tcp6``: ``127.0.0.1``, ``0.0.0.0``, ``::``, ...; an IPv4-mapped one as IPv4)."""
+    import ipaddress
+    out = set()
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        with open(f"/proc/net/{name}") as f:
+            for line in list(f)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hexport = local.partition(":")
+                if state == "0A" and int(hexport, 16) == port:   # 0A: LISTEN
+                    raw = bytes.fromhex(address)
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    ip = ipaddress.ip_address(words)
+                    out.add(str(getattr(ip, "ipv4_mapped", None) or ip))   # ::ffff:a.b.c.d
+    return out
+
+
 def test_a_peer_killed_during_a_resume_leaves_the_checkpoint_as_it_is(tmp_path):
     """Issue 47: process 1 of 2 is killed with SIGKILL while the pair resumes a checkpoint
     (once process 0 has loaded its data, before it reads the checkpoint): process 0 ends
@@ -469,6 +487,12 @@ def test_a_peer_killed_during_a_resume_leaves_the_checkpoint_as_it_is(tmp_path):
         while time.monotonic() < deadline and "data " not in _text(str(wd), 0, "out"):
             assert procs[0].poll() is None, _text(str(wd), 0, "err")[-3000:]
             time.sleep(0.02)
+        # JAX's coordination service (process 0) listens on 127.0.0.1 alone, not [::]
+        with open(f"/proc/{procs[0].pid}/environ", "rb") as f:
+            env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        port = int(env[b"JAX_COORDINATOR_ADDRESS"].rsplit(b":", 1)[1])
+        assert env[b"JAX_COORDINATOR_BIND_ADDRESS"] == f"127.0.0.1:{port}".encode()
+        assert _listening(port) == {"127.0.0.1"}, _listening(port)
         procs[1].kill()
         killed = time.monotonic()
         procs[0].wait(timeout=60)

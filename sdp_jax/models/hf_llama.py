@@ -54,6 +54,11 @@ HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11
 MATCHED = tuple(f for f in FIELDS if f != "max_seq_len")
 
 
+# The special tokens' ids a config.json names (kept through a conversion: check_folder records
+# them, the export writes them back where the run's own tokenizer gives none).
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def hf_config(cfg: LlamaConfig, eos_token_id: int | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``transformers``' ``LlamaConfig`` for the model ``cfg`` (float32
     weights, no biases, SiLU, no rope scaling); ``eos_token_id``: the end-of-text id of the
@@ -318,7 +323,8 @@ def check_folder(folder: str, cfg: LlamaConfig) -> dict[str, Any]:
 
     Returns:
       what a run started from the folder records of it: ``{"folder": its absolute path,
-      "max_position_embeddings": the context length its config.json gives, or None}``.
+      "max_position_embeddings": the context length its config.json gives, or None,
+      "token_ids": the special tokens' ids it names (:data:`TOKEN_IDS`)}``.
     Raises:
       ValueError: one line naming the file and what is wrong with it."""
     hf = check_matches(folder, cfg)
@@ -345,7 +351,8 @@ def check_folder(folder: str, cfg: LlamaConfig) -> dict[str, Any]:
                              f"{list(want)}: the weights are of another model")
     context = hf.get("max_position_embeddings")
     return {"folder": os.path.abspath(folder),
-            "max_position_embeddings": context if isinstance(context, int) else None}
+            "max_position_embeddings": context if isinstance(context, int) else None,
+            "token_ids": {k: hf[k] for k in TOKEN_IDS if hf.get(k) is not None}}
 
 
 def read(folder: str, cfg: LlamaConfig) -> dict:

@@ -226,7 +226,9 @@ def export_hf(trained: Trained, out: str) -> str:
     tokenizer's ``model_max_length``) is the one of the Hugging Face LLaMA the run started
     from (``config.init_from``, recorded in its checkpoints) when that gave one and the run
     did not lengthen it (``model.max_seq_len``, ``seq_len``: the longer counts), else the run's
-    ``model.max_seq_len`` and ``seq_len``. Returns the weights' path.
+    ``model.max_seq_len`` and ``seq_len``; its special tokens' ids (``bos_token_id``,
+    ``eos_token_id``, ``pad_token_id``) are the run's tokenizer's, else that LLaMA's. Returns
+    the weights' path.
 
     Raises:
       ValueError: as :func:`export`."""
@@ -249,8 +251,11 @@ def export_hf(trained: Trained, out: str) -> str:
             "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eot_token,
             "model_max_length": max(source or 0, context(trained.config))}, indent=2))
     loop.write_atomically(os.path.join(out, HF_RUN_CONFIG), trained.config.to_json(indent=2))
-    loop.write_atomically(os.path.join(out, "config.json"), json.dumps(
-        hf_llama.hf_config(cfg, tok.eot_id if hf_tok else None), indent=2))
+    hf = hf_llama.hf_config(cfg, tok.eot_id if hf_tok else None)
+    for key, value in (trained.init_from or {}).get("token_ids", {}).items():
+        if hf.get(key) is None:   # the source's special tokens, where the run gives none
+            hf[key] = value
+    loop.write_atomically(os.path.join(out, "config.json"), json.dumps(hf, indent=2))
     _save_weights(path, hf_llama.to_hf(trained.full_params(), cfg),
                   {"format": "pt", "step": str(trained.step)})
     return path

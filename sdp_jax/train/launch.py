@@ -60,10 +60,12 @@ def free_port() -> int:
 def process_env(process_id: int, processes: int, port: int,
                 base: dict | None = None) -> dict:
     """The environment of process ``process_id`` of ``processes``: ``base`` (default
-    ``os.environ``) plus the three ``JAX_*`` variables ``train.py`` reads."""
+    ``os.environ``) plus the three ``JAX_*`` variables ``train.py`` reads, and
+    ``JAX_COORDINATOR_BIND_ADDRESS`` (JAX's coordination service in process 0 would otherwise
+    listen on every interface, ``[::]:PORT``: here it listens on 127.0.0.1 alone)."""
     env = dict(os.environ if base is None else base)
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
-               JAX_PROCESS_ID=str(process_id))
+               JAX_PROCESS_ID=str(process_id), JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
     return env
 
 
@@ -75,7 +77,8 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
     Args:
       command: the program and its arguments, e.g. ``["python", "train.py", ...]``.
       processes: number of processes (>= 1).
-      port: coordinator port on 127.0.0.1 (0: a free one).
+      port: coordinator port on 127.0.0.1 (0: a free one; a restart of ``elastic`` takes a
+        free one).
       grace: seconds the other processes get after one ends, before they are terminated
         (SIGTERM, then SIGKILL 10 s later; the status is then 1 if all that ended succeeded).
       timeout: seconds after which every process is terminated (0: none; each attempt).
@@ -455,7 +458,8 @@ def parser() -> argparse.ArgumentParser:
                                 usage=f"{PROG} --processes N [options] -- COMMAND ...")
     p.add_argument("--processes", type=int, required=True, help="number of processes")
     p.add_argument("--port", type=int, default=0,
-                   help="coordinator port on 127.0.0.1 (default: a free one)")
+                   help="coordinator port on 127.0.0.1 (default: a free one); with --elastic "
+                        "a restart takes a free port")
     p.add_argument("--grace", type=float, default=60.0,
                    help="seconds the others get after a process ends (default 60)")
     p.add_argument("--timeout", type=float, default=0.0,
