@@ -1,7 +1,7 @@
 """Evaluate a trained run's full model (the run's own evaluation, no training iterator).
 
     python -m sdp_jax.tools.evaluate --workdir runs/default                  # the latest checkpoint
-    python -m sdp_jax.tools.evaluate --workdir runs/default --step 400       # a kept checkpoint
+    python -m sdp_jax.tools.evaluate --workdir runs/default --step 500       # a kept checkpoint
     python -m sdp_jax.tools.evaluate --export runs/default/export            # an export, loaded back
     python -m sdp_jax.tools.evaluate --workdir runs/mine --task my_model:MyTask  # a Task's run
     python -m sdp_jax.tools.evaluate --workdir runs/default --config.data.source=text \\
