@@ -717,7 +717,8 @@ def test_the_launcher_takes_a_process_left_running_by_a_lost_peer_as_hung(tmp_pa
     kills process 1 (SIGKILL) launch.HUNG_AFTER s later and counts it lost, so that --elastic
     restarts the run as the 1 process left (which finishes), also with a --grace shorter than
     that. A process that ends with 76 (peers.TAKEN_AS_HUNG: its peers took it as stuck) is
-    lost too. And a process ended by SIGTERM before it could handle it has the signal passed
+    lost too; one killed before the others' watch started has them ended
+    launch.UNTOLD_AFTER s later (they were never told). And a process ended by SIGTERM before it could handle it has the signal passed
     on twice to the others. (No JAX.)"""
     status, took, err = _script(2, _HUNG_ONE, capfd, restarts=1)
     assert status == 0 and 1 + launch.HUNG_AFTER < took < 30, (took, err)
@@ -733,6 +734,22 @@ def test_the_launcher_takes_a_process_left_running_by_a_lost_peer_as_hung(tmp_pa
                              capfd, restarts=1, grace=1.0)
     assert status == 0 and "exit statuses [75, 75, 76]" in err, err
     assert "process(es) 2 lost; restarting the run as the 2 process(es) left" in err, err
+    # process 1 killed before the others' watch started (they hold a SIGTERM until it has):
+    # the launcher ends them launch.UNTOLD_AFTER s later, and restarts as the 1 process left
+    status, took, err = _script(2, "if os.environ['JAX_NUM_PROCESSES'] == '1': sys.exit(0)\n"
+                                   "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+                                   "    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
+                                   "got = []\n"
+                                   "def held(signum, frame):\n"
+                                   "    got.append(signum)\n"
+                                   "    if len(got) == 2: os._exit(128 + signum)\n"
+                                   "signal.signal(signal.SIGTERM, held)\n"
+                                   "time.sleep(120)\n", capfd, restarts=1)
+    assert status == 0 and launch.UNTOLD_AFTER < took < launch.UNTOLD_AFTER + 15, (took, err)
+    assert ("process(es) 1 lost (SIGKILL) and process(es) 0 still running 10s later, not told "
+            "(it died before their watch started): ending them") in err, err
+    assert "exit statuses [143, 137]" in err, err
+    assert "process(es) 1 lost; restarting the run as the 1 process(es) left" in err, err
     status, took, err = _script(2, "if os.environ['JAX_PROCESS_ID'] == '1':\n"
                                    "    time.sleep(1); os.kill(os.getpid(), signal.SIGTERM)\n"
                                    "got = []\n"

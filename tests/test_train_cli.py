@@ -524,7 +524,8 @@ def test_a_signal_at_any_moment_is_one_line(tmp_path, moment, signals):
     """Ctrl-C during data loading or compilation printed a 55-line traceback and then a
     segmentation fault (exit 139); now every moment gives at most one line and 128 + signal.
     (Twice in training: the second signal aborts with one line, unless the first one's stop
-    and save were already done, which exits cleanly.)"""
+    and save were already done, which exits cleanly.) A fresh run stopped before its first step
+    leaves no workdir (it used to leave .lock and an empty checkpoints/)."""
     import time
     t0 = time.time()
     when = {"start": lambda out, wd: time.time() - t0 > 1.0,
@@ -539,6 +540,8 @@ def test_a_signal_at_any_moment_is_one_line(tmp_path, moment, signals):
     lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln]
     if len(signals) == 1:
         assert len(lines) == 1 and "interrupted by SIG" in lines[0], err[-2000:]
+        # stopped before its first step: the fresh workdir is not left behind (issue 47)
+        assert not (tmp_path / moment).exists(), os.listdir(tmp_path / moment)
     else:
         assert len(lines) <= 1 and all("interrupted by SIGTERM" in ln for ln in lines), err
         assert "SIGTERM: stopping after this step" in out

@@ -55,6 +55,15 @@ def flag_values(default_config: str, argv: list[str] | None = None, prog: str = 
     return fv
 
 
+_AT_SIGNAL_EXIT: list = []   # what an exit on a signal does first (:func:`at_signal_exit`)
+
+
+def at_signal_exit(cleanup) -> None:
+    """Have :func:`exit_on_signal` call ``cleanup()`` before the process ends (e.g. remove a
+    workdir that holds nothing yet); ``at_signal_exit(None)`` forgets it. One at a time."""
+    _AT_SIGNAL_EXIT[:] = [] if cleanup is None else [cleanup]
+
+
 def exit_on_signal(signum: int, what: str = "stopped (checkpoints already written are "
                    "kept: rerun the same command to resume)", after_bar: bool = False) -> NoReturn:
     """End the program now: one line on stderr, status ``128 + signum`` (130 for SIGINT, 143
@@ -67,12 +76,18 @@ def exit_on_signal(signum: int, what: str = "stopped (checkpoints already writte
     A handler runs when the main thread is back in Python: during a long native call (a
     compilation, ``jax.distributed.initialize``) the exit waits for it to return. With several
     processes the others are told first (:func:`sdp_jax.train.peers.leaving`): they end with
-    one line and the same status (process 0 waits up to 5 s for them to end first)."""
+    one line and the same status (process 0 waits up to 5 s for them to end first). Then the
+    cleanup of :func:`at_signal_exit`, if any, runs (its errors are ignored)."""
     line = ("\n" if after_bar else "") + (f"interrupted by {signal.Signals(signum).name}: "
                                           f"{what}\n")
     try:
         os.write(2, line.encode())
         peers.leaving(128 + int(signum))
+        for cleanup in list(_AT_SIGNAL_EXIT):
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001 (the exit goes on whatever the cleanup met)
+                pass
     finally:
         os._exit(128 + int(signum))
 

@@ -48,6 +48,10 @@ PROG = "python -m sdp_jax.train.launch"
 # after waiting for the others (peers.DRAIN at most); the others end within a heartbeat of
 # each other when process 0 itself hung.
 HUNG_AFTER = peers.DRAIN
+# Seconds after a process was lost (SIGKILL) before the ones still running are taken as never
+# told (it died before their watch started: they wait in jax.distributed.initialize): a
+# process that the watch told ends within peers.GRACE + peers.DRAIN.
+UNTOLD_AFTER = peers.GRACE + peers.DRAIN + 3.0
 
 
 def free_port() -> int:
@@ -194,7 +198,10 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
     (their ids go to ``stopped``); a process ended by SIGINT / SIGTERM itself (before it could
     handle it) has that signal passed on to the others; and once every process that ended did
     so with :data:`sdp_jax.train.peers.DEAD_PEER` (or was killed) and :data:`HUNG_AFTER` s went
-    by, the ones still running are hung: killed with SIGKILL, and lost (not in ``stopped``)."""
+    by, the ones still running are hung: killed with SIGKILL, and lost (not in ``stopped``);
+    once a process was killed (SIGKILL) and :data:`UNTOLD_AFTER` s went by with none ending
+    with DEAD_PEER, the ones still running were never told (it died before their watch
+    started): they are ended (SIGTERM twice) and stopped."""
     start, ended_at, first_bad, ends = time.monotonic(), None, 0, {}
     while True:
         codes = [c.poll() for c in children]
@@ -233,6 +240,16 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
             for i in hung:
                 children[i].kill()
                 children[i].wait()
+            continue
+        killed = [i for i in ends if codes[i] == -signal.SIGKILL]
+        if (not signalled and killed and not lost_peer
+                and now - max(ends[i] for i in killed) > UNTOLD_AFTER):
+            print(f"{PROG}: process(es) {', '.join(map(str, killed))} lost (SIGKILL) and "
+                  f"process(es) {', '.join(map(str, hung))} still running {UNTOLD_AFTER:.0f}s "
+                  "later, not told (it died before their watch started): ending them",
+                  file=sys.stderr, flush=True)
+            _pass_on(children, signal.SIGTERM)   # (twice: a held first one waits for the watch)
+            _stop(children, stopped=stopped)
             continue
         if ended_at is not None and now - ended_at > grace and not lost_peer:   # (hung first)
             print(f"{PROG}: a process ended {grace:.0f}s ago; terminating the ones still "

@@ -525,6 +525,8 @@ def train(config, workdir: str, task: Family | None = None) -> dict[str, Any]:
     """
     lock = WorkdirLock(workdir)   # one run per workdir (:class:`WorkdirLock`)
     fresh = not os.path.exists(workdir)
+    if fresh:   # a signal before the first step leaves no folder either (os._exit: no except)
+        cli.at_signal_exit(lambda: lock.file is not None and remove_unwritten(workdir))
     try:
         try:
             return _train(config, workdir, lock, task)
@@ -537,6 +539,7 @@ def train(config, workdir: str, task: Family | None = None) -> dict[str, Any]:
             remove_unwritten(workdir)
         raise
     finally:
+        cli.at_signal_exit(None)
         lock.release()
 
 
