@@ -228,28 +228,8 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
                 print(f"{PROG}: exit statuses {[_status(c) for c in codes]}", file=sys.stderr,
                       flush=True)
             return first_bad
-        hung = [i for i, code in enumerate(codes) if code is None]
-        left = [codes[i] for i in ends]
-        lost_peer = (not signalled and peers.DEAD_PEER in left and all(
-            code in (peers.DEAD_PEER, peers.TAKEN_AS_HUNG, -signal.SIGKILL) for code in left))
-        if lost_peer and now - max(ends.values()) > HUNG_AFTER:
-            print(f"{PROG}: process(es) {', '.join(map(str, hung))} still running "
-                  f"{HUNG_AFTER:.0f}s after the others ended with status {peers.DEAD_PEER} (a "
-                  "peer lost or hung): taken as hung, killed (SIGKILL)", file=sys.stderr,
-                  flush=True)
-            for i in hung:
-                children[i].kill()
-                children[i].wait()
-            continue
-        killed = [i for i in ends if codes[i] == -signal.SIGKILL]
-        if (not signalled and killed and not lost_peer
-                and now - max(ends[i] for i in killed) > UNTOLD_AFTER):
-            print(f"{PROG}: process(es) {', '.join(map(str, killed))} lost (SIGKILL) and "
-                  f"process(es) {', '.join(map(str, hung))} still running {UNTOLD_AFTER:.0f}s "
-                  "later, not told (it died before their watch started): ending them",
-                  file=sys.stderr, flush=True)
-            _pass_on(children, signal.SIGTERM)   # (twice: a held first one waits for the watch)
-            _stop(children, stopped=stopped)
+        lost_peer = not signalled and _lost_peer([codes[i] for i in ends])
+        if not signalled and _end_lost(children, codes, ends, now, lost_peer, stopped):
             continue
         if ended_at is not None and now - ended_at > grace and not lost_peer:   # (hung first)
             print(f"{PROG}: a process ended {grace:.0f}s ago; terminating the ones still "
@@ -262,6 +242,41 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
             _stop(children, stopped=stopped)
             return 124
         time.sleep(0.2)
+
+
+def _lost_peer(ended: list) -> bool:
+    """Whether the processes that ended (``ended``: their return codes) did so as after a
+    lost peer: one with :data:`sdp_jax.train.peers.DEAD_PEER`, every one with it, with
+    :data:`sdp_jax.train.peers.TAKEN_AS_HUNG` or killed."""
+    return peers.DEAD_PEER in ended and all(
+        code in (peers.DEAD_PEER, peers.TAKEN_AS_HUNG, -signal.SIGKILL) for code in ended)
+
+
+def _end_lost(children: list, codes: list, ends: dict, now: float, lost_peer: bool,
+              stopped: list | None) -> bool:
+    """(:func:`_wait`, no signal forwarded) End the processes still running that a lost one
+    leaves waiting: hung ones (``lost_peer`` and :data:`HUNG_AFTER` s since the last end:
+    killed, lost), or ones never told (a process killed :data:`UNTOLD_AFTER` s ago, before
+    their watch started: SIGTERM twice, stopped). Whether it ended any."""
+    running = ", ".join(str(i) for i, code in enumerate(codes) if code is None)
+    if lost_peer and now - max(ends.values()) > HUNG_AFTER:
+        print(f"{PROG}: process(es) {running} still running {HUNG_AFTER:.0f}s after the others "
+              f"ended with status {peers.DEAD_PEER} (a peer lost or hung): taken as hung, "
+              "killed (SIGKILL)", file=sys.stderr, flush=True)
+        for i, code in enumerate(codes):
+            if code is None:
+                children[i].kill()
+                children[i].wait()
+        return True
+    killed = [i for i in ends if codes[i] == -signal.SIGKILL]
+    if killed and not lost_peer and now - max(ends[i] for i in killed) > UNTOLD_AFTER:
+        print(f"{PROG}: process(es) {', '.join(map(str, killed))} lost (SIGKILL) and "
+              f"process(es) {running} still running {UNTOLD_AFTER:.0f}s later, not told (it "
+              "died before their watch started): ending them", file=sys.stderr, flush=True)
+        _pass_on(children, signal.SIGTERM)   # (twice: a held first one waits for the watch)
+        _stop(children, stopped=stopped)
+        return True
+    return False
 
 
 def _pass_on(children: list, signum: int) -> None:
