@@ -526,7 +526,7 @@ def train(config, workdir: str, task: Family | None = None) -> dict[str, Any]:
     lock = WorkdirLock(workdir)   # one run per workdir (:class:`WorkdirLock`)
     fresh = not os.path.exists(workdir)
     if fresh:   # a signal before the first step leaves no folder either (os._exit: no except)
-        cli.at_signal_exit(lambda: lock.file is not None and remove_unwritten(workdir))
+        cli.at_signal_exit(lambda: _remove_if_ours(workdir, lock))
     try:
         try:
             return _train(config, workdir, lock, task)
@@ -541,6 +541,19 @@ def train(config, workdir: str, task: Family | None = None) -> dict[str, Any]:
     finally:
         cli.at_signal_exit(None)
         lock.release()
+
+
+def _remove_if_ours(workdir: str, lock: WorkdirLock) -> None:
+    """(a signal's exit) :func:`remove_unwritten` of a fresh ``workdir`` when ``lock`` is
+    held, or can be taken now (the signal may come between the folder's creation and the
+    lock's): never a folder that another run holds."""
+    if lock.file is None:
+        try:
+            lock.acquire()
+        except (ValueError, OSError):   # another run holds it, or there is no folder
+            return
+    if lock.file is not None:
+        remove_unwritten(workdir)
 
 
 def remove_unwritten(workdir: str) -> None:
