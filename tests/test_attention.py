@@ -49,6 +49,7 @@ def test_chunked_attention_equals_dot_product(shape, chunk):
         np.testing.assert_allclose(a, b, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_chunked_attention_in_bf16_is_as_accurate_as_dot_product():
     """bf16 inputs: against the float32 gradients, the chunked gradients (k and v summed over
     16 chunks, in float32) are no further off than dot_product's."""
@@ -78,7 +79,8 @@ def _builder(mesh, cfg, variant="ddp", coverage=1.0):
     return families.language_model_step(cfg, plan, optim_lib.OptimConfig(lr=1e-2, warmup_steps=1), mesh, 10)
 
 
-@pytest.mark.parametrize("variant,coverage", [("n-sdp", 0.5)])   # (ddp: n-sdp's path at C = 1)
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,coverage", [("ddp", 1.0), ("n-sdp", 0.5)])
 def test_chunked_attention_trains_like_dot_product(variant, coverage):
     mesh = jax.make_mesh((W,), ("data",), devices=jax.devices()[:W])
     rng = np.random.default_rng(0)
@@ -96,6 +98,7 @@ def test_chunked_attention_trains_like_dot_product(variant, coverage):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_chunked_attention_keeps_less_memory():
     """The dense step saves every block's [B, H, T, T] scores for the backward pass; the
     chunked one saves q, k, v and recomputes one chunk's scores at a time."""

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "llama_tiny.py")
 
 
+@pytest.mark.slow
 def test_bench_rows_and_ratios(tmp_path, capsys):
     out = tmp_path / "out.json"
     common = ["--config", TINY, "--config.workers=4", "--config.sdp.coverage=0.5"]
@@ -56,6 +57,7 @@ def test_bench_rows_and_ratios(tmp_path, capsys):
     assert "| b-sdp | 0.5 | 4 | 2/4 blocks |" in table and "comm / DDP" in table
 
 
+@pytest.mark.slow
 def test_bench_in_a_fresh_process_simulates_its_workers(tmp_path):
     """``python -m sdp_jax.bench`` as a user runs it: JAX starts with one CPU device, and the
     bench raises the simulated count to its workers (4 here) before the validation touches a backend
@@ -69,6 +71,7 @@ def test_bench_in_a_fresh_process_simulates_its_workers(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())[0]["workers"] == 4   # llama_tiny
 
 
+@pytest.mark.slow
 def test_bench_fsdp_remat_bf16_and_measured_time(capsys):
     rows = bench.main(["--config", TINY, "--variants", "ddp,b-sdp", "--config.sdp.coverage=0.5",
                        "--config.fsdp=True", "--config.remat=full", "--config.dtype=bf16",
@@ -87,6 +90,7 @@ def test_bench_fsdp_remat_bf16_and_measured_time(capsys):
     assert "time / DDP" in out and "| ddp+fsdp+ac |" in out
 
 
+@pytest.mark.slow
 def test_reference_is_plain_jit_of_the_same_step():
     """The plain-jit DDP reference (sdp_jax/bench/jit_reference.py) takes the SDP step's DDP steps: the
     same loss, gradient norm and parameters after 3 steps (activation checkpointing on, so the
@@ -134,6 +138,7 @@ def test_reference_is_plain_jit_of_the_same_step():
     assert jit_shapes[5:8] == ["f32[32,64]", "f32[64,32]", "f32[64,32]"]
 
 
+@pytest.mark.slow
 def test_bench_reference_rows(capsys):
     rows = bench.main(["--config", TINY, "--variants", "ddp", "--reference", "--noflops",
                        "--measure_time", "--time_steps", "2"])
@@ -153,6 +158,7 @@ def test_bench_reference_rows(capsys):
     assert "ddp / jit-ddp: peak " in out and "step time " in out and "within a round" in out
 
 
+@pytest.mark.slow
 def test_reference_counts_its_flops():
     """--reference with FLOPs (no --noflops): the plain-jit row's XLA count, the blocks
     unrolled, is the DDP step's within 2% (the same model; the steps differ only in their

@@ -13,6 +13,7 @@ from sdp_jax.bench import device, measure
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_dry_run_writes_every_table(tmp_path):
     """Every section on tiny models (the CPU's one device): ours against plain jit, the worker
     floor (8 and 11 of 16 blocks), the attention implementations (cudnn named as not run

@@ -284,6 +284,7 @@ def test_bad_parquet_and_tokenizers_are_refused_in_one_line(tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_run_on_parquet_with_a_bpe_trains_and_its_tools_speak_text(tmp_path, capsys):
     """train.py's loop on a Parquet folder tokenized by a trained BPE: the loss falls, the
     summary has no bits/byte (tokens are not bytes), and generate and the harness adapter

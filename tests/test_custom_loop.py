@@ -141,6 +141,7 @@ def runs(tmp_path_factory):
     return wd, step, out, kept, resumed, straight
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_ends_with_the_uninterrupted_parameters(runs):
     wd, step, out, kept, resumed, straight = runs
     assert "devices: 4 x cpu" in out   # the stopped run had 4 devices, the resumed one 8
@@ -298,6 +299,7 @@ def test_a_non_finite_loss_stops_before_its_state_is_saved(tmp_path):
         m.close()
 
 
+@pytest.mark.slow
 def test_example_runs(tmp_path):
     """examples/custom_loop.py: stopped at step 20, resumed to 40, equal to a run without the
     stop."""

@@ -249,6 +249,7 @@ def test_mesh_of_another_size_refused():
         SDPStep(spec, lambda p, b: 0.0, optax.sgd(0.1), mesh)
 
 
+@pytest.mark.slow
 def test_example_runs():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "custom_model.py")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -350,6 +351,7 @@ def _cosine(a, b):
     return float(a @ b / np.sqrt((a @ a) * (b @ b)))
 
 
+@pytest.mark.slow
 def test_gradient_alignment_checked_by_hand():
     """SDPStep.alignment_fn against plain jax.grad on one device: B-SDP at C = 1/2 (each of
     the 4 workers runs 2 of the 4 blocks), worker by worker, and DDP (C = 1), where both

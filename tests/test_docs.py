@@ -49,7 +49,8 @@ DOCS = ["README.md"] + sorted(
 # Commands that are not ours to parse, and where they are exercised.
 NOT_PARSED = {
     ("pip", "install"): "CI runs the README's install commands (.ci/run)",
-    ("python", "-m", "pytest"): "CI runs the README's test command (.ci/run)",
+    ("python", "-m", "pytest"): "CI runs the README's test command (.ci/run); the fast tier's "
+                                "marker is checked by test_the_test_table_gives_every_file_its_tiers",
     ("tfds", "build"): "TFDS's own command, with network; the reader is tested on files the "
                        "test writes (tests/test_vision_data.py)",
     ("cd",): "a shell built-in",
@@ -257,6 +258,7 @@ def _check_harness(args: list[str], monkeypatch) -> None:
             assert "documented_local_task_command" in f.read()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,cmd", COMMANDS,
                          ids=[f"{p}:{' '.join(c)[:70]}" for p, c in COMMANDS])
 def test_documented_command_is_valid(sandbox, monkeypatch, corpus_kit, path, cmd):
@@ -666,3 +668,41 @@ def test_measured_tables_name_the_commit_they_were_measured_at():
             ["git", "-C", ROOT, "cat-file", "-e", f"{c}^{{commit}}"],
             capture_output=True, check=False).returncode != 0]
         assert unknown == []
+
+
+# ------------------------------------------------------------------ docs/testing.md's tiers
+def _tiers_of(path: str) -> set[str]:
+    """The tiers of a test file from its source: ``slow`` when a test function (or the module,
+    ``pytestmark``) carries ``pytest.mark.slow``, ``fast`` when a test function does not."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+
+    def slow(node) -> bool:
+        return any(isinstance(n, ast.Attribute) and n.attr == "slow"
+                   and ast.unparse(n).endswith("mark.slow") for n in ast.walk(node))
+
+    module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark"
+                                                        for t in n.targets) and slow(n.value)
+                      for n in tree.body)
+    tiers = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            tiers.add("slow" if module_slow or any(slow(d) for d in node.decorator_list)
+                      else "fast")
+    return tiers
+
+
+def test_the_test_table_gives_every_file_its_tiers():
+    """docs/testing.md's table has a row for every test file, and the row's tiers are the
+    file's (``@pytest.mark.slow`` on a test function: the slow tier; unmarked: the fast
+    tier, ``python -m pytest -q -m "not slow"``)."""
+    with open(os.path.join(ROOT, "docs", "testing.md")) as f:
+        rows = re.findall(r"^\| [^|]* \| `(tests/test_\w+\.py)` \|[^|]*\| ([a-z +]+) \|",
+                          f.read(), re.M)
+    files = sorted(os.path.join("tests", n) for n in os.listdir(os.path.join(ROOT, "tests"))
+                   if n.startswith("test_") and n.endswith(".py"))
+    assert sorted(p for p, _ in rows) == files
+    wrong = [(p, t, sorted(_tiers_of(p))) for p, t in rows
+             if set(t.split(" + ")) != _tiers_of(p)]
+    assert wrong == []
+    assert _tiers_of("tests/test_masks.py") == {"fast"}   # (the check has teeth)
+    assert "slow" in _tiers_of("tests/test_multiprocess.py")

@@ -148,6 +148,7 @@ def _assert_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [
     ({"workers": 8}, {"workers": 6}),
     ({"workers": 4, "sdp.variant": "n-sdp"}, {"workers": 8, "sdp.variant": "n-sdp"}),
@@ -169,6 +170,7 @@ def test_rebuilt_state_equals_the_checkpoint_bit_for_bit(tmp_path, before, after
     assert counts and all(int(c) == 5 for c in counts)
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_are_rebuilt_with_the_model(tmp_path):
     """A ResNet with BatchNorm (model state stored like the parameters): N-SDP on 8 workers
     -> 4, the parameters, moments and running statistics equal bit for bit."""
@@ -226,6 +228,7 @@ def test_periodic_averaging_averages_the_holders_copies_first(tmp_path):
     _assert_equal(got["blocks"]["mlp"], full["blocks"]["mlp"])   # holders agree: their value
 
 
+@pytest.mark.slow
 def test_train_switches_from_8_to_4_workers_and_carries_the_data_on(tmp_path):
     """The loop: a run stopped at step 2 on 8 workers is refused on 4 without the flag (the
     error names it) and with it when another field changed; resumed on 4 with the flag, the
@@ -255,6 +258,7 @@ def test_train_switches_from_8_to_4_workers_and_carries_the_data_on(tmp_path):
         assert json.load(f)["elastic"] == [switch]
 
 
+@pytest.mark.slow
 def test_tools_read_a_checkpoint_under_the_setting_that_wrote_it(tmp_path, capsys):
     """An elastic switch 8 -> 6 workers stopped before its first save in the new layout (here
     by ``stop_at_step`` at the checkpoint's step: config.json is written, no checkpoint):

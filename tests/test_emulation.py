@@ -57,15 +57,18 @@ def _lm_batches(n=3, seed=0):
     return [rng.integers(0, CFG.vocab_size, (2 * W, 13)).astype(np.int32) for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,coverage,settings,tol", [
-    ("b-sdp", 0.5, {}, 1e-6),   # (ddp is b-sdp's code path at C = 1)
+    ("ddp", 1.0, {}, 1e-6),
+    ("b-sdp", 0.5, {}, 1e-6),
     ("n-sdp", 0.5, {}, 1e-6),
+    ("bb-sdp", 0.5, {}, 1e-6),
     ("nb-sdp", 0.5, {}, 1e-6),
     ("b-sdp", 0.5, {"method": "reference"}, 1e-6),
     ("n-sdp", 0.5, {"averaging": "parameters", "sync_every": 2}, 1e-6),
     ("b-sdp", 0.5, {"fsdp": True, "remat": "full", "dtype": "bfloat16"}, 1e-4),
     ("bb-sdp", 0.5, {"remat": "full"}, 1e-6),   # held_weight_grads' lax.cond under vmap
-], ids=["b-sdp", "n-sdp", "nb-sdp", "b-sdp-psum", "n-sdp-parameters",
+], ids=["ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp", "b-sdp-psum", "n-sdp-parameters",
         "b-sdp-fsdp-remat-bf16", "bb-sdp-remat"])
 def test_eight_emulated_workers_equal_eight_devices(variant, coverage, settings, tol):
     """8 workers on 1 device (jax.vmap) against 8 simulated devices (jax.shard_map), 3 steps
@@ -91,6 +94,7 @@ def test_eight_emulated_workers_equal_eight_devices(variant, coverage, settings,
     assert settings or abs(la - lb) <= 10 * tol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["b-sdp"])
 def test_vision_emulated_equals_devices_with_batchnorm(variant):
     """A ResNet with BatchNorm statistics (model state averaged over holders every step, the
@@ -187,11 +191,13 @@ def test_config_refusals_before_compute():
         resolve(c, jax.device_count())
 
 
+@pytest.mark.slow
 def test_train_loop_emulated_resumes_on_devices(tmp_path, capsys):
     """train.py's loop with 8 emulated workers on 1 device: the same final loss as on 8
     devices; W=16 workers on the 8 devices' machine (more workers than devices); a run
-    stopped emulated resumes on devices (the checkpoint's arrays have the same global shapes),
-    ending where the uninterrupted run ends."""
+    stopped emulated resumes on devices, and one stopped on devices resumes emulated (the
+    checkpoint's arrays have the same global shapes), each ending where the uninterrupted
+    run ends."""
     common = {"sdp.variant": "b-sdp", "sdp.coverage": 0.5, "steps": 4, "eval_every": 4,
               "checkpoint_every": 0, "workers": W}
     real = loop.train(tiny(**common), str(tmp_path / "real"))
@@ -199,7 +205,7 @@ def test_train_loop_emulated_resumes_on_devices(tmp_path, capsys):
     assert emu["completed"] and abs(emu["final_val_loss"] - real["final_val_loss"]) < 1e-5
     assert emu["devices"] == 1 and real["devices"] == W and emu["emulate_workers"]
     assert "8 workers emulated on 1 device" in capsys.readouterr().out
-    for first, second in ((True, False),):   # (the reverse: the same checkpoint arrays)
+    for first, second in ((True, False), (False, True)):
         wd = str(tmp_path / f"from_{'emulated' if first else 'devices'}")
         part = loop.train(tiny(emulate_workers=first, stop_at_step=2, **common), wd)
         assert part["steps"] == 2 and not part["completed"]

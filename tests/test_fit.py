@@ -151,6 +151,7 @@ def test_a_step_that_cannot_fit_is_refused_in_one_line(monkeypatch):
     assert fit.host_memory_bytes() > 0   # (Linux: /proc/meminfo)
 
 
+@pytest.mark.slow
 def test_bench_fit_table_reads_the_compiled_peaks(capsys):
     rows = bench.main(["--fit", "--budget_gib=100,1e-6", "--config", TINY, "--variants",
                        "b-sdp", "--config.workers=4"])

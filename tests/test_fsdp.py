@@ -59,9 +59,8 @@ def assert_same_model(b1, s1, b2, s2, **kw):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
 
 
-# (ddp is b-sdp's code path at C = 1; it runs under FSDP in test_fsdp_never_saves_gathered_parameters
-# and test_bf16_trains_with_float32_master_state)
-@pytest.mark.parametrize("variant", [v for v in spec_lib.VARIANTS if v != "ddp"])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", spec_lib.VARIANTS)
 def test_every_variant_with_fsdp_matches_it_without_fsdp(mesh, batches, variant):
     plain, sharded = builder(mesh, variant), builder(mesh, variant, fsdp=True)
     s1, l1, n1 = run(plain, batches)
@@ -81,10 +80,10 @@ def test_every_variant_with_fsdp_matches_it_without_fsdp(mesh, batches, variant)
     assert sharded.per_device_param_count() <= CFG.param_count()["total"] / W + 8 * W * 3
 
 
-# (bb-sdp with full remat: test_backward_masking_under_checkpointing_skips_unheld_weight_gradients
-# and tests/test_emulation.py; b-sdp with full remat without FSDP: tests/test_grad_accum.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,fsdp,remat", [
-    ("n-sdp", False, "dots"), ("nb-sdp", True, "dots"), ("b-sdp", True, "full")])
+    ("b-sdp", False, "full"), ("n-sdp", False, "dots"), ("bb-sdp", False, "full"),
+    ("nb-sdp", True, "dots"), ("b-sdp", True, "full")])
 def test_activation_checkpointing_changes_no_result(mesh, batches, variant, fsdp, remat):
     b0, b1 = builder(mesh, variant, fsdp=fsdp), builder(mesh, variant, fsdp=fsdp, remat=remat)
     s0, l0, _ = run(b0, batches)
@@ -93,6 +92,7 @@ def test_activation_checkpointing_changes_no_result(mesh, batches, variant, fsdp
     assert_same_model(b0, s0, b1, s1, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_backward_masking_under_checkpointing_skips_unheld_weight_gradients(mesh):
     """bb-sdp with full activation checkpointing: a worker's unheld blocks get no
     weight-gradient matmul (a conditional in the backward loop; the same parameters after 3
@@ -116,6 +116,7 @@ def test_backward_masking_under_checkpointing_skips_unheld_weight_gradients(mesh
     assert counted < 0.95 * held
 
 
+@pytest.mark.slow
 def test_full_remat_saves_activation_memory(mesh):
     cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=128,
                       max_seq_len=64)
@@ -125,7 +126,8 @@ def test_full_remat_saves_activation_memory(mesh):
     assert mem["full"]["temp_bytes"] < 0.6 * mem["none"]["temp_bytes"]
 
 
-@pytest.mark.parametrize("variant", ["b-sdp"])   # (ddp: b-sdp's code path at C = 1)
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ddp", "b-sdp"])
 def test_fsdp_never_saves_gathered_parameters(mesh, variant):
     """FSDP without activation checkpointing gathers every block again in the backward pass
     (as much communication as with full remat) instead of keeping the gathered block as a
@@ -146,8 +148,8 @@ def test_fsdp_never_saves_gathered_parameters(mesh, variant):
     assert mem_none["temp_bytes"] < mem_plain["temp_bytes"]
 
 
-# (b-sdp with FSDP, remat and bf16: tests/test_emulation.py and test_train_cli.py's bf16 run)
-@pytest.mark.parametrize("variant,fsdp", [("ddp", False), ("nb-sdp", False)])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,fsdp", [("ddp", False), ("b-sdp", True), ("nb-sdp", False)])
 def test_bf16_trains_with_float32_master_state(mesh, variant, fsdp):
     b = builder(mesh, variant, optim=optim_lib.OptimConfig(lr=1e-2, warmup_steps=1),
                 fsdp=fsdp, remat="full", dtype="bfloat16")

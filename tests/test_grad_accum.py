@@ -69,6 +69,7 @@ CASES = [("ddp", {}), ("b-sdp", dict(fsdp=True, remat="full")),
          ("nb-sdp", dict(fsdp=True))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, kw", CASES)
 def test_accumulated_step_equals_the_step_on_the_whole_batch(variant, kw):
     """Every variant (with FSDP, activation checkpointing or the reference averaging for
@@ -82,6 +83,7 @@ def test_accumulated_step_equals_the_step_on_the_whole_batch(variant, kw):
     assert moved > 1e-3   # the runs trained
 
 
+@pytest.mark.slow
 def test_accumulation_with_a_pipeline():
     """A 1F1B pipeline of 2 stages, 2 pipeline microbatches in each of 2 accumulation
     microbatches."""
@@ -92,11 +94,13 @@ def test_accumulation_with_a_pipeline():
                        _step("b-sdp", K, pipe=pipe, cfg=cfg))
 
 
+@pytest.mark.slow
 def test_accumulation_with_emulated_workers():
     mesh = mesh_lib.make_mesh(W, emulated=True)
     _assert_equal_runs(_step("b-sdp", 1), _step("b-sdp", K, mesh=mesh, emulate_workers=True))
 
 
+@pytest.mark.slow
 def test_the_activation_peak_falls_with_more_microbatches():
     cfg = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
                       d_ff=128, max_seq_len=128)
@@ -127,6 +131,7 @@ def test_bad_grad_accum_is_refused_in_one_line():
         run_lib.resolve(config, 8)
 
 
+@pytest.mark.slow
 def test_a_run_resumes_under_another_grad_accum(tmp_path):
     """grad_accum chooses how a step is computed, not what: a run stopped at step 2 resumes
     with 2 microbatches per step and ends where the run without accumulation ends; the
@@ -154,6 +159,7 @@ def test_a_run_resumes_under_another_grad_accum(tmp_path):
     np.testing.assert_allclose(losses(tmp_path / "res"), losses(tmp_path / "full"), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_vision_models_accumulate_and_batchnorm_takes_the_mean_update():
     """Swin (LayerNorm, no model state): 2 microbatches take the whole batch's step. ResNet
     (BatchNorm): each microbatch normalises by its own statistics, and the running statistics

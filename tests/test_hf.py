@@ -74,6 +74,7 @@ def test_export_hf_writes_the_runs_parameters(hf_export):
         export.main(["--workdir", wd, "--format", "hf", "--out", out])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["b-sdp", "nb-sdp", "n-sdp"])
 def test_a_run_starts_from_a_hugging_face_folder(hf_export, variant):
     _, out = hf_export
@@ -88,6 +89,7 @@ def test_a_run_starts_from_a_hugging_face_folder(hf_export, variant):
                  builder.full_params(state), want)
 
 
+@pytest.mark.slow
 def test_init_from_trains_and_refuses_another_shape(hf_export, tmp_path, capsys):
     """A run starts from a copy of the folder, trains, and its tools and resume do not need the
     folder afterwards (it is read only when the run has no checkpoint); a checkpoint of another

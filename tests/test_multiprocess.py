@@ -97,6 +97,7 @@ def reference(tmp_path_factory):
     return metrics(wd)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_and_resume_as_one(tmp_path, reference):
     """ddp: 2 processes train steps 1-3 and checkpoint; 1 process resumes to step 6."""
     wd = tmp_path / "run"
@@ -107,6 +108,7 @@ def test_two_processes_equal_one_and_resume_as_one(tmp_path, reference):
     same_trajectory(metrics(wd), reference[:6])
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_as_two(tmp_path):
     """b-sdp (C = 1/2): 1 process trains steps 1-3; 2 processes resume to step 6, equal to the
     uninterrupted 1-process run."""
@@ -120,18 +122,20 @@ def test_one_process_checkpoint_resumes_as_two(tmp_path):
     same_trajectory(metrics(wd), metrics(ref))
 
 
+@pytest.mark.slow
 def test_pipeline_across_processes(tmp_path):
-    """A 2-stage MAPL pipeline (W = 2 x 2 stages) over 2 processes equals the 1-process run
-    (it used to crash after compiling: 'Invalid host data'). (Checkpoints across process
-    layouts: the ddp and b-sdp tests above.)"""
+    """A 2-stage MAPL pipeline (W = 2 x 2 stages) over 2 processes, checkpointed and resumed,
+    equals the 1-process run (it used to crash after compiling: 'Invalid host data')."""
     ref = tmp_path / "ref"
     train(ref, PIPELINE + ["--config.workers=2"], stop=6)
     wd = tmp_path / "run"
+    train(wd, PIPELINE, processes=2, stop=3)
     out = train(wd, PIPELINE, processes=2, stop=6)
-    assert "devices: 4 x cpu (2 process(es))" in out.stdout
+    assert "devices: 4 x cpu (2 process(es))" in out.stdout and "at step 3" in out.stdout
     same_trajectory(metrics(wd), metrics(ref))
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, reference):
     wd = tmp_path / "run"
     readme_env, cmd = readme_launch_command()
@@ -188,6 +192,7 @@ def test_bad_launch_environment_is_one_line(env, match):
         launch.coordinator_args(env)
 
 
+@pytest.mark.slow
 def test_train_py_launch_errors_are_one_line(tmp_path):
     """A missing JAX_NUM_PROCESSES was a KeyError traceback, --distributed=true without a
     cluster a ValueError traceback; a peer that never arrives hung for 300 s and then aborted
@@ -285,6 +290,7 @@ def _text(workdir, i, stream):
         return f.read()
 
 
+@pytest.mark.slow
 def test_before_the_first_step_a_signal_or_a_dead_peer_ends_every_process_in_one_line(tmp_path):
     """Issue 39, three pairs of processes at once, each acted on once process 0 has logged its
     devices (after jax.distributed.initialize, before the step is compiled):
@@ -343,6 +349,7 @@ def _checkpoint_meta(workdir, step):
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_elastic_launcher_carries_on_as_two_processes_after_a_sigkill(tmp_path):
     """``launch --elastic`` on a cluster's layout (issue 47): process 1 of 3 (2 devices each,
     W = 6) is killed with SIGKILL once the checkpoint of step 5 exists; processes 0 and 2 end
@@ -423,6 +430,7 @@ def _elastic_run(workdir, processes, devices, args, stop):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_elastic_resume_on_several_processes_is_exact(tmp_path):
     """Issue 47: elastic resumes whose new layout spans several processes. 1 process x 2
     devices (W = 2, ddp) grows to 2 processes x 2 devices (W = 4, b-sdp C = 1/2), whose
@@ -471,6 +479,7 @@ def _listening(port: int) -> set:
     return out
 
 
+@pytest.mark.slow
 def test_a_peer_killed_during_a_resume_leaves_the_checkpoint_as_it_is(tmp_path):
     """Issue 47: process 1 of 2 is killed with SIGKILL while the pair resumes a checkpoint
     (once process 0 has loaded its data, before it reads the checkpoint): process 0 ends
@@ -563,6 +572,7 @@ def _end_children(launcher, pids):
         launcher.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cases,under_launcher", [
     ({"p0_0.5s": (0, 0.5), "p1_1.5s": (1, 1.5)}, False),
     ({"p1_init": (1, None)}, True)], ids=["early", "after-init-and-launcher"])
@@ -712,6 +722,7 @@ _HUNG_ONE = ("if os.environ['JAX_NUM_PROCESSES'] == '1': sys.exit(0)\n"
              "sys.exit(75)\n")
 
 
+@pytest.mark.slow
 def test_the_launcher_takes_a_process_left_running_by_a_lost_peer_as_hung(tmp_path, capfd):
     """Process 0 ends with status 75 (its peer hung) while process 1 never ends: the launcher
     kills process 1 (SIGKILL) launch.HUNG_AFTER s later and counts it lost, so that --elastic
@@ -862,6 +873,7 @@ def _logged(workdir) -> bool:
     return path.exists() and bool(path.read_text().strip())
 
 
+@pytest.mark.slow
 def test_a_hung_process_or_a_killed_coordinator_ends_the_others_in_one_line(tmp_path):
     """Issue 47, five runs at once, with --hang_timeout=8 and --hang_step_multiple=3 (the
     bound: 8 s here). Four pairs, each acted on once steps run (process 0 logged step 3):

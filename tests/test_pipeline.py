@@ -100,6 +100,7 @@ def _same_model(s1, st1, s2, st2, **kw):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
 
 
+@pytest.mark.slow
 def test_uncompressed_pipeline_equals_unpipelined_model():
     st = _step("none")
     tok, tok_d = _tokens(st)
@@ -120,6 +121,7 @@ def test_uncompressed_pipeline_equals_unpipelined_model():
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pipelined_ddp_equals_unpipelined_ddp_after_3_steps():
     """The staged layout, the per-stage optimizer and the clipping norm summed over the stages
     give the same trajectory as the step without a pipeline."""
@@ -136,6 +138,7 @@ def test_pipelined_ddp_equals_unpipelined_ddp_after_3_steps():
     _same_model(plain, s1, piped, s2, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_full_width_identity_projector_equals_uncompressed():
     st = _step("fixed", ratio=1)   # r = d
     full = st.init_fn(0)
@@ -160,6 +163,7 @@ def test_full_width_identity_projector_equals_uncompressed():
     assert abs(float(jax.jit(lambda f, t: reference_loss(CFG, p4, f, t))(f4, tok)) - want) > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rvq_levels", [0, 2])
 def test_compressed_pipeline_forward_and_gradient_match_single_device(rvq_levels):
     st = _step("mapl", ratio=4, rvq_levels=rvq_levels)
@@ -181,6 +185,7 @@ def test_compressed_pipeline_forward_and_gradient_match_single_device(rvq_levels
         np.testing.assert_allclose(np.asarray(leaf[0]), np.asarray(leaf[1]), atol=1e-7)
 
 
+@pytest.mark.slow
 def test_block_sdp_pipeline_averages_over_holders():
     cfg = CFG8
     st = _step("mapl", ratio=4, workers=4, variant="b-sdp", coverage=0.5, cfg=cfg)
@@ -220,6 +225,7 @@ def _batches(st, n=3, b=2):
                                             0, 64)) for i in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["n-sdp", "nb-sdp"])
 def test_pipeline_neuron_sdp_at_full_coverage_equals_ddp(variant):
     ddp = _step("mapl", variant="ddp", optim=SGD)
@@ -231,8 +237,8 @@ def test_pipeline_neuron_sdp_at_full_coverage_equals_ddp(variant):
     _same_model(ddp, s1, nsdp, s2, rtol=1e-4, atol=1e-6)
 
 
-# (n-sdp with FSDP in a pipeline: test_1f1b_equals_gpipe_after_3_steps)
-@pytest.mark.parametrize("variant", ["b-sdp", "bb-sdp"])
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["n-sdp", "b-sdp", "bb-sdp"])
 def test_pipeline_with_fsdp_equals_it_without_fsdp(variant):
     kw = dict(variant=variant, coverage=0.5, workers=4, optim=SGD, cfg=CFG8)
     plain, sharded = _step("none", **kw), _step("none", fsdp=True, **kw)
@@ -246,6 +252,7 @@ def test_pipeline_with_fsdp_equals_it_without_fsdp(variant):
                                float(plain.eval_step_fn()(s1["params"], x)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_bf16_remat_full_coverage_equals_ddp_and_fsdp_equals_plain():
     kw = dict(optim=SGD, dtype="bfloat16", remat="full")
     ddp = _step("none", variant="ddp", **kw)
@@ -273,6 +280,7 @@ def test_pipeline_bf16_remat_full_coverage_equals_ddp_and_fsdp_equals_plain():
 
 # 1F1B (issue 14 item 6): the same gradients as GPipe through every composition of the step, in
 # less memory. 4 microbatches of 1 example: every stage runs warm-up, steady state and drain.
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(method="mapl", rvq_levels=2, stages=4),   # 3 boundaries: token ids, RVQ codes
     dict(variant="bb-sdp", coverage=0.5, workers=4, cfg=CFG8),   # frozen copy closed over
@@ -332,6 +340,7 @@ def test_1f1b_counts_a_weight_shared_by_devices_once(vary):
     np.testing.assert_allclose(grad_of("1f1b"), grad_of("gpipe"), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_1f1b_peak_below_gpipe_with_2_stages_and_8_microbatches():
     """GPipe keeps the residuals of all M + P - 1 ticks for its backward pass; 1F1B those of at
     most 2P - 1 microbatches (measured: 0.56x here)."""
@@ -343,6 +352,7 @@ def test_1f1b_peak_below_gpipe_with_2_stages_and_8_microbatches():
     assert peak["1f1b"] < 0.65 * peak["gpipe"]
 
 
+@pytest.mark.slow
 def test_pipeline_parameter_averaging_trains():
     st = _step("unconstrained", variant="b-sdp", coverage=0.5, workers=4, cfg=CFG8,
                optim=optim_lib.OptimConfig(lr=1e-2, warmup_steps=0), averaging="parameters",
@@ -358,6 +368,7 @@ def test_pipeline_parameter_averaging_trains():
     np.testing.assert_allclose(emb[0], emb[3], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_boundary_bytes_of_compiled_step():
     cfg = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=2,
                       d_ff=64, max_seq_len=32)
@@ -379,6 +390,7 @@ def test_boundary_bytes_of_compiled_step():
     assert out["rvq"]["per_token"] == pytest.approx((2 + 1 + 16 * 4) * ticks + 2048 / (4 * T))
 
 
+@pytest.mark.slow
 def test_projectors_orthogonality_by_method():
     errs = {}
     for method in ("mapl", "unconstrained"):
@@ -435,6 +447,7 @@ def test_every_device_is_a_worker_with_several_processes(monkeypatch):
     assert resolve(tiny_pipe(workers=0), 8).workers == 4
 
 
+@pytest.mark.slow
 def test_pipelined_run_end_to_end(tmp_path):
     c = tiny_pipe(steps=4, eval_every=4, checkpoint_every=4)
     s = loop.train(c, str(tmp_path / "run"))
@@ -446,6 +459,7 @@ def test_pipelined_run_end_to_end(tmp_path):
     assert all("ortho_err" in r for r in recs) and recs[-1]["step"] == 4
 
 
+@pytest.mark.slow
 def test_checkpoints_of_the_old_pipeline_builder_resume(tmp_path):
     """Pipelined checkpoints written before the pipeline became the loss of the one step kept
     the always-kept parameters under ``kept``; they still resume, to the same trajectory. The

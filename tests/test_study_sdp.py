@@ -19,6 +19,7 @@ TINY = [f"--lm_config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}",
         "--coverages=0.5", "--seeds=0", "--align_every=2"]
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("study_sdp")
 def test_study_writes_resumes_and_skips_finished_runs(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "study")

@@ -39,6 +39,7 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_cli_trains_tiny_and_writes_outputs(tmp_path):
     wd = tmp_path / "run"
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
@@ -111,6 +112,7 @@ def test_cli_rejects_bad_coverage_before_compute(tmp_path):
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
     common = {"sdp.variant": "b-sdp", "sdp.coverage": 0.5, "steps": 6, "eval_every": 3,
               "checkpoint_every": 0}
@@ -161,6 +163,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_run_resumes_with_another_remat_and_refuses_another_layout(tmp_path):
     common = {"sdp.variant": "n-sdp", "sdp.coverage": 0.5, "fsdp": True, "dtype": "bfloat16",
               "steps": 4, "eval_every": 2, "checkpoint_every": 0}
@@ -231,6 +234,7 @@ def test_stop_at_the_checkpoints_step_says_nothing_was_saved(tmp_path, capsys):
     assert os.listdir(os.path.join(wd, "checkpoints", "2", "state")) == kept
 
 
+@pytest.mark.slow
 def test_checkpoint_from_before_fsdp_and_dtype_existed_resumes(tmp_path):
     wd = tmp_path / "old"
     loop.train(tiny(stop_at_step=2, eval_every=2), str(wd))
@@ -314,6 +318,7 @@ def test_a_workdir_in_use_is_refused(tmp_path):
     assert loop.train(tiny(steps=2, eval_every=2), str(wd))["completed"]
 
 
+@pytest.mark.slow
 def test_wsd_run_extends_as_if_planned_longer(tmp_path):
     """Under the warm-up-stable-decay schedule ``steps`` may grow on resume: a 4-step run
     stopped at step 2 (before its cool-down) and extended to 6 steps is the 6-step run."""
@@ -463,6 +468,7 @@ def test_checkpoint_of_another_layout_is_incompatible_not_damaged(tmp_path):
         m.close()
 
 
+@pytest.mark.slow
 def test_cli_config_mistakes_are_one_line_errors(tmp_path):
     out = _cli(["--workdir", str(tmp_path / "a"), "--config.sdp.coverag=0.5"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
@@ -547,6 +553,7 @@ def test_a_signal_at_any_moment_is_one_line(tmp_path, moment, signals):
         assert "SIGTERM: stopping after this step" in out
 
 
+@pytest.mark.slow
 def test_sigint_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     import signal
     import time
@@ -683,8 +690,9 @@ def _state_of(wd):
     return loop.make_step(run, loop.make_mesh(run)).abstract_state()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,extra", [
-    ("n-sdp", {}), ("nb-sdp", {}),   # (bb-sdp: its step in test_emulation.py and test_fsdp.py)
+    ("n-sdp", {}), ("bb-sdp", {}), ("nb-sdp", {}),
     ("b-sdp", {"sdp.average": "parameters", "sdp.sync_every": 2}),
 ])
 def test_loop_runs_every_variant(tmp_path, variant, extra):
@@ -770,6 +778,7 @@ def test_workdir_entries_of_the_wrong_kind_and_a_changed_worker_count(tmp_path):
         manager.close()
 
 
+@pytest.mark.slow
 def test_backward_masking_resumes_a_checkpoint_of_the_compact_optimizer_state(tmp_path):
     """Checkpoints of bb-sdp written before the sharded update (ZeRO-2: the optimizer state in
     layout S) stored each worker's compact optimizer state: they resume, converted, to the
@@ -805,6 +814,7 @@ def _traces(wd):
     return {d.name: sorted(f.name for f in d.iterdir()) for d in root.iterdir()}
 
 
+@pytest.mark.slow
 def test_profile_window_writes_a_trace_also_when_the_run_stops_inside_it(tmp_path, capsys):
     """--config.profile_start/profile_stop: steps 2..3 of a tiny run traced into
     WORKDIR/profile/process_0 (TensorBoard's xplane.pb and a Perfetto trace, non-empty). The

@@ -85,6 +85,7 @@ def test_bsdp_at_full_coverage_matches_ddp_after_three_steps(mesh, batches):
         leaves_close(s["params"], s_ddp["params"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bsdp_holders_agree_and_paths_match(mesh, batches):
     b = builder(mesh, "b-sdp", 0.5)
     s, losses = run(b, batches)
@@ -102,6 +103,7 @@ def test_bsdp_holders_agree_and_paths_match(mesh, batches):
     leaves_close(s["params"], s_ref["params"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bsdp_block_gradient_is_mean_over_holders(mesh, batches):
     """Averaged gradient of block g = mean of the holders' local subnetwork gradients."""
     b = builder(mesh, "b-sdp", 0.5)
@@ -128,6 +130,7 @@ def test_bsdp_block_gradient_is_mean_over_holders(mesh, batches):
     np.testing.assert_allclose(np.asarray(grads["embed"]), emb, rtol=2e-4, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_clipping_is_identical_on_all_holders(mesh, batches):
     """With a tiny clip threshold, clipping by per-worker norms would desynchronize holders."""
     opt = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)
@@ -174,6 +177,7 @@ def test_unknown_variant_and_bad_coverage():
 
 # ------------------------------------------------------------------ issue 3: all variants
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["b-sdp", "n-sdp", "bb-sdp", "nb-sdp"])
 def test_every_variant_at_full_coverage_matches_ddp(mesh, batches, variant):
     s_ddp, l_ddp = run(builder(mesh, "ddp", 1.0), batches)
@@ -206,6 +210,7 @@ def test_backward_masking_is_unbiased(mesh, variant):
     assert b.compact_layout[("blocks", "mlp", "w_up")] == "S"
 
 
+@pytest.mark.slow
 def test_nsdp_component_held_by_one_worker_is_updated_from_that_worker_alone(mesh, batches):
     cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=48,
                       max_seq_len=16)
@@ -232,7 +237,8 @@ def test_nsdp_component_held_by_one_worker_is_updated_from_that_worker_alone(mes
     assert params["blocks"]["attn"]["wq"].shape == (W, 2, 32, 1, 8)
 
 
-@pytest.mark.parametrize("variant", ["b-sdp", "n-sdp"])   # (ddp: b-sdp's code path at C = 1)
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ddp", "b-sdp", "n-sdp"])
 def test_periodic_averaging_h1_sgd_equals_gradient_averaging(mesh, batches, variant):
     sgd = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=0, grad_clip=0.0, weight_decay=0.0)
     s_g, l_g = run(builder(mesh, variant, 0.5, optim=sgd), batches)
@@ -244,6 +250,7 @@ def test_periodic_averaging_h1_sgd_equals_gradient_averaging(mesh, batches, vari
                  rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_periodic_averaging_h2_lets_workers_drift_then_agree(mesh, batches):
     b = builder(mesh, "b-sdp", 0.5, averaging="parameters", sync_every=2)
     state = b.init_state(seed=0)
@@ -263,6 +270,7 @@ def test_backward_variants_refuse_periodic_averaging(mesh):
         builder(mesh, "bb-sdp", 0.5, averaging="parameters", sync_every=2)
 
 
+@pytest.mark.slow
 def test_nsdp_holders_of_each_neuron_and_head_agree(mesh, batches):
     opt = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)  # clipping active
     b = builder(mesh, "n-sdp", 0.5, optim=opt, scheme="random")
@@ -284,6 +292,7 @@ def test_nsdp_holders_of_each_neuron_and_head_agree(mesh, batches):
             assert len(seen) == b.spec.shapes[path][axis]  # every index held by someone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,coverage,remat", [("ddp", 1.0, "none"), ("n-sdp", 0.5, "full"),
                                                     ("b-sdp", 0.5, "none"),
                                                     ("b-sdp", 0.5, "full"),
@@ -311,6 +320,7 @@ def test_averaging_inside_the_backward_loop_equals_averaging_after_it(mesh, batc
     leaves_close(s["params"], s_ref["params"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_averaging_bytes_move_inside_the_backward_loop(mesh):
     """The compiled step issues DDP's and N-SDP's block averaging inside the backward loop, and
     B-SDP's first all_to_all leg (half of its block bytes), Nb-SDP's leg to the owners' shards
@@ -344,6 +354,7 @@ def test_averaging_stays_after_the_loop_where_the_loop_cannot_hold_it(mesh):
 
 
 
+@pytest.mark.slow
 def test_gradient_alignment_of_the_block_runner_checked_by_hand(mesh, batches):
     """SDPStep.alignment_fn on the LLaMA (the block runner's path) against plain jax.grad:
     B-SDP at C = 1/2, each worker's subnetwork of 2 blocks against the full model on its rows,

@@ -94,6 +94,7 @@ def test_evaluate_is_the_documented_recipe(run):
     np.testing.assert_allclose(want["val_bpb"], loss / math.log(2), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_generate_is_deterministic_for_a_seed(run, capsys):
     wd, _ = run
     args = ["--workdir", wd, "--prompt", "def ", "--length", "12"]
@@ -193,6 +194,7 @@ def test_cached_decoding_logits_equal_the_full_forward(attention):
         llama.init_cache(cfg, 1, 65)
 
 
+@pytest.mark.slow
 def test_cached_sampling_equals_full_recompute(run):
     """trained.sample (one compiled loop with a key/value cache) draws the tokens of the
     full forward pass per token (the sampling of before; same seed, temperature, top_k):
@@ -256,6 +258,7 @@ def test_export_loads_back_to_the_same_validation_loss(run, tmp_path, capsys):
     assert "never overwritten" in capsys.readouterr().err and os.path.getmtime(path) == before
 
 
+@pytest.mark.slow
 def test_lm_eval_adapter_scores_a_local_two_choice_task(run, tmp_path):
     """lm-evaluation-harness runs a two-choice task the test writes (local JSON, no download)
     on the adapter; its choice is the likelier continuation as the full model scores it

@@ -59,9 +59,10 @@ def _close(a, b, tol=2e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg,variants", [
     (RESNET, ("b-sdp", "n-sdp", "bb-sdp", "nb-sdp")),
-    (SWIN, ("b-sdp",))], ids=["resnet", "swin"])  # backward masking and n-sdp: as the ResNet's
+    (SWIN, ("b-sdp", "n-sdp"))], ids=["resnet", "swin"])  # backward masking: model-agnostic
 def test_every_variant_at_c1_matches_ddp(mesh, cfg, variants):
     """Invariant 1 for vision, BatchNorm running statistics included: block slots (with the
     padded downsampling block), narrowed channels / neurons / heads and backward masking at
@@ -76,6 +77,7 @@ def test_every_variant_at_c1_matches_ddp(mesh, cfg, variants):
         assert abs(m["grad_norm"] - ref_m["grad_norm"]) < 1e-4, variant
 
 
+@pytest.mark.slow
 def test_bsdp_prunes_and_holders_agree(mesh):
     """B-SDP C = 1/2 on a ResNet: each worker stores one block per stage (a compact slot stack),
     every holder of a block has the same copy after training (invariant 2), activation
@@ -103,6 +105,7 @@ def test_bsdp_prunes_and_holders_agree(mesh):
     assert int(count) == y.shape[0] and np.isfinite(float(loss))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg,variant", [(RESNET, "ddp"), (RESNET, "b-sdp"), (SWIN, "b-sdp")],
                          ids=["resnet", "resnet-slots", "swin-slots"])
 def test_activation_checkpointing_changes_no_result_and_lowers_the_peak(mesh, cfg, variant):
@@ -123,6 +126,7 @@ def test_activation_checkpointing_changes_no_result_and_lowers_the_peak(mesh, cf
         assert peak[1] < 0.85 * peak[0], peak
 
 
+@pytest.mark.slow
 def test_backward_masking_is_unbiased(mesh):
     """Invariant 3: with the same data on every worker, Nb-SDP and Bb-SDP (C = 1/2) take the
     step DDP takes (plain SGD, no clipping)."""
@@ -185,6 +189,7 @@ def test_dropped_downsampling_block_is_its_projection():
         assert h.shape == (2, 8, 8, cfg.stage_width(1))
 
 
+@pytest.mark.slow
 def test_bn_recalibration_matches_full_model_statistics(mesh):
     """The full model's BatchNorm statistics (B-SDP evaluation) are its batch statistics."""
     batches = _batches(mesh, RESNET, n=1)
@@ -277,6 +282,7 @@ def test_stage_blocks_override():
                           stage_blocks=(1, 1, 1, 1))
 
 
+@pytest.mark.slow
 def test_bench_vision_rows(tmp_path):
     """The benchmark compiles vision steps: N-SDP stores and peaks below DDP, with FSDP about
     1/W of the parameters; options built for language models only are refused before
@@ -304,7 +310,8 @@ def test_bench_vision_rows(tmp_path):
         bench.main(["--config", str(cfg), "--measure_time"])
 
 
-@pytest.mark.parametrize("variant", ["b-sdp"])   # (ddp: b-sdp's code path at C = 1)
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ddp", "b-sdp"])
 def test_periodic_parameter_averaging(mesh, variant):
     """Vision + periodic parameter averaging (the one SDPStep): with SGD and H = 1 it takes the
     gradient-averaging step, BatchNorm statistics included; with H = 2 the workers' copies of
@@ -329,6 +336,7 @@ def test_periodic_parameter_averaging(mesh, variant):
         assert (spread > 0) if i == 2 else (spread == 0), (i, spread)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,coverage,ref_variant", [
     ("n-sdp", 1.0, "ddp"), ("b-sdp", 0.5, "b-sdp"), ("nb-sdp", 0.75, "nb-sdp")])
 def test_fsdp_equals_unsharded_step(mesh, variant, coverage, ref_variant):
@@ -358,6 +366,7 @@ def test_fsdp_equals_unsharded_step(mesh, variant, coverage, ref_variant):
     assert abs(float(outs[0][0]) - float(outs[1][0])) < 1e-4 and outs[0][1] == outs[1][1]
 
 
+@pytest.mark.slow
 def test_reference_averaging_equals_alltoall(mesh):
     """``--config.sdp.method=reference`` for vision (one config schema): the full-size masked
     psum gives the parameters and BatchNorm statistics the holder all_to_all gives (N-SDP
@@ -400,6 +409,7 @@ def test_state_layout_equals_that_of_earlier_checkpoints(mesh, cfg, variant, n, 
     assert hashlib.sha256(repr(rows).encode()).hexdigest() == sha
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["bb-sdp", "nb-sdp"])
 def test_compact_optimizer_state_of_earlier_checkpoints_converts(mesh, variant):
     """Backward-masked vision checkpoints from before the sharded update stored each worker's

@@ -152,6 +152,7 @@ def _train(workdir, *extra):
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_vision_run_resumes(tmp_path):
     """A B-SDP ResNet run with FSDP (ZeRO-3) stops, resumes (also from a checkpoint of a release
     without ``sdp.method``, ``average``, ``sync_every``), re-estimates BatchNorm statistics for
