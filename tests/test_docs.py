@@ -49,8 +49,8 @@ DOCS = ["README.md"] + sorted(
 # Commands that are not ours to parse, and where they are exercised.
 NOT_PARSED = {
     ("pip", "install"): "CI runs the README's install commands (.ci/run)",
-    ("python", "-m", "pytest"): "CI runs the README's test command (.ci/run); the fast tier's "
-                                "marker is checked by test_the_test_table_gives_every_file_its_tiers",
+    ("python", "-m", "pytest"): "CI runs the README's test command (.ci/run), which holds the "
+                                "fast tier's tests (-m 'not slow'; --strict-markers)",
     ("tfds", "build"): "TFDS's own command, with network; the reader is tested on files the "
                        "test writes (tests/test_vision_data.py)",
     ("cd",): "a shell built-in",
@@ -672,23 +672,31 @@ def test_measured_tables_name_the_commit_they_were_measured_at():
 
 # ------------------------------------------------------------------ docs/testing.md's tiers
 def _tiers_of(path: str) -> set[str]:
-    """The tiers of a test file from its source: ``slow`` when a test function (or the module,
-    ``pytestmark``) carries ``pytest.mark.slow``, ``fast`` when a test function does not."""
+    """The tiers of a test file from its source: ``slow`` when a test function, its ``Test``
+    class or the module (``pytestmark``) carries ``pytest.mark.slow``, ``fast`` when none
+    does."""
     tree = ast.parse(open(os.path.join(ROOT, path)).read())
 
-    def slow(node) -> bool:
+    def slow(nodes) -> bool:
         return any(isinstance(n, ast.Attribute) and n.attr == "slow"
-                   and ast.unparse(n).endswith("mark.slow") for n in ast.walk(node))
+                   and ast.unparse(n).endswith("mark.slow")
+                   for node in nodes for n in ast.walk(node))
 
-    module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark"
-                                                        for t in n.targets) and slow(n.value)
-                      for n in tree.body)
-    tiers = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-            tiers.add("slow" if module_slow or any(slow(d) for d in node.decorator_list)
-                      else "fast")
-    return tiers
+    def marked(body) -> bool:   # a pytestmark = ... (or pytestmark: T = ...) holding slow
+        return slow(n.value for n in body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    and n.value is not None and "pytestmark" in
+                    [getattr(t, "id", "") for t in getattr(n, "targets", [getattr(n, "target", None)])])
+
+    def tests(body, above: bool):
+        for node in body:
+            if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                yield from tests(node.body, above or slow(node.decorator_list)
+                                 or marked(node.body))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.name.startswith("test_"):
+                yield "slow" if above or slow(node.decorator_list) else "fast"
+
+    return set(tests(tree.body, marked(tree.body)))
 
 
 def test_the_test_table_gives_every_file_its_tiers():
