@@ -16,7 +16,7 @@ from sdp_jax import sync
 from sdp_jax.mesh import DATA
 from sdp_jax.placement import Placement
 from sdp_jax.runner import ModelCall
-from sdp_jax.sources import FsdpGather, FsdpWhole
+from sdp_jax.sources import Source
 from sdp_jax.state import Kind, StateLayout
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
@@ -32,7 +32,7 @@ class Evaluation:
         (:class:`sdp_jax.placement.Placement`).
     """
 
-    def __init__(self, state: StateLayout, call: ModelCall, source, periodic: bool,
+    def __init__(self, state: StateLayout, call: ModelCall, source: Source, periodic: bool,
                  placement: Placement):
         self.state, self.call, self.source, self.periodic = state, call, source, periodic
         self.placement = placement
@@ -60,16 +60,11 @@ class Evaluation:
         Raises:
           ValueError: with the block runner under FSDP, or with a pipeline."""
         st = self.state
-        if isinstance(self.source, FsdpGather) or st.staged:
+        if self.source.gathers_blocks or st.staged:
             raise ValueError("gather() would hold the whole model on every device; with the "
                              "block runner under FSDP or with a pipeline use eval_step_fn, "
                              "which streams the blocks.")
-        if isinstance(self.source, FsdpWhole):
-            full = _unflatten(self.source.gathered(params))
-        elif st.spec.backward:
-            full = _unflatten(_flatten(params))
-        else:
-            full = sync.gather_full(_unflatten(st.to_local(st.strip(params))), st.spec)
+        full = self.source.full_model(params)
         if stats is None or st.spec.backward:
             return full, (None if stats is None else _unflatten(_flatten(stats)))
         flat = {p: x[0] if st.stats_layout[p] == Kind.COMPACT else x
@@ -78,7 +73,7 @@ class Evaluation:
 
     def _local(self, params, batch):
         params = self.state.unstage(params, self.state.param_specs)
-        if isinstance(self.source, FsdpGather):
+        if self.source.gathers_blocks:
             out = self.source.loss(params, batch, train=False)
         elif self.call.block_fn is None:
             out = self.call.loss(_flatten(self.gather(params)[0]), batch)

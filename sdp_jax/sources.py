@@ -87,7 +87,30 @@ def in_loop_tables(state: StateLayout, call: ModelCall, method: str,
 class Source:
     """The interface of a parameter source (one per regime, below). Gradient accumulation
     (:mod:`sdp_jax.accumulation`) sums :meth:`worker_grads` over microbatches and calls
-    :meth:`reduce` once."""
+    :meth:`reduce` once; the full model's evaluation (:mod:`sdp_jax.evaluation`) asks the
+    source for the full model (:meth:`full_model`) or, where the source gathers blocks as they
+    run (:attr:`gathers_blocks`), for its loss of the full model."""
+
+    #: the source gathers each block from its FSDP shards as the block runs, so no device
+    #: ever holds the full model (:class:`FsdpGather`): evaluation runs the source's own loss.
+    gathers_blocks = False
+
+    def full_model(self, params) -> dict:
+        """Inside ``jax.shard_map`` over ``data``: the full model's parameters (nested dict,
+        full shapes), the same on every worker: each component the mean over its holders
+        (forward masking), the replicated full model (backward masking), or gathered from
+        its FSDP shards.
+
+        Raises:
+          ValueError: the source gathers blocks as they run (:attr:`gathers_blocks`)."""
+        raise ValueError("gathering the full model would hold it whole on every device; with "
+                         "the block runner under FSDP use eval_step_fn, which streams the "
+                         "blocks.")
+
+    def skips_unheld(self) -> bool:
+        """Whether a worker's unheld blocks skip their weight gradients
+        (:func:`sdp_jax.runner.held_weight_grads`); only :class:`BackwardHeld` can."""
+        return False
 
     def worker_grads(self, params, batch, stats=None, count_branch=None):
         """``(loss, aux, gradient, new model state)`` of the worker's ``batch``: the gradient
@@ -160,6 +183,10 @@ class Compact(Source):
         st = self.state
         return st.to_local(st.strip(params))
 
+    def full_model(self, params) -> dict:
+        """Each component the mean over its holders (:func:`sdp_jax.sync.gather_full`)."""
+        return sync.gather_full(_unflatten(self.local(params)), self.state.spec)
+
     def worker_grads(self, params, batch, stats=None, count_branch=None):
         """(loss, aux, local gradient (flat, compact), new model state)."""
         st, call = self.state, self.call
@@ -186,6 +213,10 @@ class BackwardHeld(Source):
 
     def __init__(self, state: StateLayout, call: ModelCall, tables: dict, method: str):
         self.state, self.call, self.tables, self.method = state, call, tables, method
+
+    def full_model(self, params) -> dict:
+        """Every worker's replicated full model."""
+        return _unflatten(_flatten(params))
 
     def skips_unheld(self) -> bool:
         """Whether a worker's unheld blocks skip their weight gradients
@@ -329,6 +360,8 @@ class FsdpGather(Source):
     """FSDP with the block runner: every leaf stored once in shards (``S``), each block
     gathered, in the compute dtype, when it runs."""
 
+    gathers_blocks = True
+
     def __init__(self, state: StateLayout, call: ModelCall):
         self.state, self.call = state, call
 
@@ -421,6 +454,10 @@ class FsdpWhole(Source):
                 x[None], st.rows_len(p), dtype or x.dtype, scale=inv,
                 leaf=st.spec.shapes[p])[0])
         return out
+
+    def full_model(self, params) -> dict:
+        """The whole model gathered from its shards, in the stored dtype."""
+        return _unflatten(self.gathered(params))
 
     def loss(self, shards, batch, *stats):
         st = self.state

@@ -74,7 +74,7 @@ from sdp_jax import mesh as mesh_lib
 from sdp_jax.mesh import DATA, STAGE
 from sdp_jax.placement import placement_of
 from sdp_jax.runner import DTYPES, REMAT, ModelCall, check_remat_dtype
-from sdp_jax.sources import BackwardHeld, in_loop_tables, source_of
+from sdp_jax.sources import in_loop_tables, source_of
 from sdp_jax.state import StateLayout
 
 AVERAGING = ("gradients", "parameters")
@@ -417,7 +417,7 @@ class SDPStep:
         (``bb-sdp``) with the block runner, full activation checkpointing (which recomputes
         each block in the backward pass anyway) and no FSDP (whose gathers mask the gradients
         of unheld blocks instead)."""
-        return isinstance(self.source, BackwardHeld) and self.source.skips_unheld()
+        return self.source.skips_unheld()
 
     def _local_step(self, state, batch, sync_now: bool, count_branch: bool | None):
         st = self.state_layout
