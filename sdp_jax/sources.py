@@ -99,13 +99,9 @@ class Source:
         """Inside ``jax.shard_map`` over ``data``: the full model's parameters (nested dict,
         full shapes), the same on every worker: each component the mean over its holders
         (forward masking), the replicated full model (backward masking), or gathered from
-        its FSDP shards.
-
-        Raises:
-          ValueError: the source gathers blocks as they run (:attr:`gathers_blocks`)."""
-        raise ValueError("gathering the full model would hold it whole on every device; with "
-                         "the block runner under FSDP use eval_step_fn, which streams the "
-                         "blocks.")
+        its FSDP shards. Not given by a source that :attr:`gathers_blocks` (the evaluation
+        refuses to gather the whole model there)."""
+        raise NotImplementedError
 
     def skips_unheld(self) -> bool:
         """Whether a worker's unheld blocks skip their weight gradients
