@@ -11,6 +11,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from sdp_jax import spec as sdp, step as sdp_step  # noqa: E402
+from sdp_jax.options import StepOptions  # noqa: E402
 
 
 class Block(nnx.Module):  # residual: a dropped block is its shortcut
@@ -51,7 +52,8 @@ def train(variant, coverage=0.5, steps=20, workers=8):
         x, y = batch
         return jnp.mean((nnx.merge(local, params)(x) - y) ** 2)
 
-    trainer = sdp_step.SDPStep(spec, loss_fn, optax.adam(3e-3), grad_clip=1.0)
+    trainer = sdp_step.SDPStep(spec, loss_fn, optax.adam(3e-3),
+                               options=StepOptions(grad_clip=1.0))
     state = trainer.init(model)
     x = jax.random.normal(jax.random.key(1), (workers * 16, 8))
     batch = trainer.put_batch((x, jnp.sin(x.sum(1))))

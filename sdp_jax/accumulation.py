@@ -35,14 +35,6 @@ import jax.numpy as jnp
 from sdp_jax import sync
 
 
-def check_accumulation(grad_accum, name: str = "grad_accum") -> None:
-    """Raises ValueError unless ``grad_accum`` is a positive integer (``name`` is how the
-    caller calls it in the message, e.g. ``config.grad_accum``)."""
-    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-        raise ValueError(f"{name}={grad_accum!r} must be a positive integer (microbatches per "
-                         "optimizer step; 1 = no accumulation).")
-
-
 def microbatches(batch, k: int):
     """A batch pytree whose leaves lead with ``b`` rows -> the same leaves shaped
     ``[k, b / k, ...]``.

@@ -12,38 +12,39 @@ from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 from sdp_jax.evaluation import Evaluation
 from sdp_jax.mesh import DATA
+from sdp_jax.options import StepOptions
 from sdp_jax.sources import Compact
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
 
-def check(*, fsdp: bool, averaging: str, pipelined: bool = False, no_full_loss: str = "",
-          asked: str = "SDPStep.alignment_fn()", names: dict | None = None,
+def check(options: StepOptions, *, pipelined: bool = False, no_full_loss: str = "",
+          asked: str = "SDPStep.alignment_fn()",
           fix: str = "measure it on an unpipelined run without FSDP, averaging gradients"
           ) -> None:
     """The one owner of the gradient alignment's refusals, for
     :meth:`sdp_jax.step.SDPStep.alignment_fn` and a run config's ``align_every``
-    (:func:`sdp_jax.train.run.resolve`, which words them for its fields).
+    (:func:`sdp_jax.train.run.resolve`).
 
     Args:
-      fsdp, averaging: the step's settings; pipelined: a mesh axis ``stage`` (a pipeline);
+      options: the step's :class:`sdp_jax.options.StepOptions`; pipelined: a mesh axis
+        ``stage`` (a pipeline);
       no_full_loss: what to call the model when it has no full-model loss of its own here
         (one that runs its own block slots, ``stacked_slots``: the vision models); empty
         when it has one.
-      asked: what the message says was asked for; names: how the caller names the settings
-        (``{"averaging": "config.sdp.average"}``); fix: how to drop the request.
+      asked: what the message says was asked for; fix: how to drop the request.
 
     Raises:
       ValueError: a pipeline, FSDP, such a model, or parameter averaging (the alignment needs
         the full model, one model per component and the model's own loss on every device)."""
     if pipelined:
         what = "pipelines"
-    elif fsdp:
+    elif options.fsdp:
         what = "FSDP"
     elif no_full_loss:
         what = no_full_loss
-    elif averaging == "parameters":
-        what = f"parameter averaging ({(names or {}).get('averaging', 'averaging')}=parameters)"
+    elif options.periodic:
+        what = "parameter averaging (config.sdp.average=parameters)"
     else:
         return
     raise ValueError(f"{asked}: the gradient alignment is not built for {what} (it needs the "

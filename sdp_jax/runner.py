@@ -15,10 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from sdp_jax import spec as spec_lib
-
-REMAT = ("none", "full", "dots")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp32": jnp.float32,
-          "bf16": jnp.bfloat16}
+from sdp_jax.options import ModelHooks, StepOptions
 GATHERED = "fsdp_gathered"  # checkpoint_name of FSDP-gathered parameters (never saved)
 # Outputs that only move or re-type data: not saved for the backward pass under FSDP without
 # activation checkpointing, so that no copy of a gathered parameter (the all_gather's output,
@@ -34,23 +31,6 @@ def _save_all_but_gathered(prim, *_, **__) -> bool:
     """Remat policy of FSDP with ``remat='none'``: every value is saveable except data
     movement (:data:`_MOVES`), so activations are kept and gathered parameters never are."""
     return prim.name not in _MOVES
-
-
-def check_remat_dtype(remat: str, dtype: str | None, modes: tuple = REMAT,
-                      names: dict | None = None) -> None:
-    """The one owner of the activation-checkpointing and compute-dtype rules.
-
-    Raises:
-      ValueError: ``remat`` not one of ``modes`` (default :data:`REMAT`), or ``dtype`` not a
-        key of :data:`DTYPES` (None: as stored). ``names`` says how the caller calls the two
-        settings in the message (default ``remat`` and ``dtype``; a run config passes
-        ``config.remat``, ``config.dtype``)."""
-    names = {"remat": "remat", "dtype": "dtype", **(names or {})}
-    if remat not in modes:
-        raise ValueError(f"{names['remat']}={remat!r}; use one of {', '.join(modes)} "
-                         "(activation checkpointing of every block).")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"{names['dtype']}={dtype!r}; use float32 or bfloat16.")
 
 
 def cast_floating(x: jax.Array, dtype) -> jax.Array:
@@ -198,20 +178,20 @@ class ModelCall:
 
     Args:
       spec: the run's :class:`sdp_jax.spec.SDPSpec` (its shapes name the leaves).
-      loss_fn: ``(params, batch[, state]) -> loss`` or, with ``block_fn``, ``(params, batch,
-        run) -> loss`` (see :class:`sdp_jax.step.SDPStep`).
-      block_fn: ``(block_params, h) -> h`` of one block, or None.
-      dtype: the compute dtype (a ``jnp.dtype``) or None (as stored).
-      remat, unroll, fsdp: the block runner's activation checkpointing, scan unrolling, and
-        whether gathered parameters are never saved (:func:`remat_block`).
-      has_aux, has_state: the loss returns ``(loss, aux)``; it takes and returns model state.
+      model: the model's functions, :class:`sdp_jax.options.ModelHooks` (the loss, the block
+        runner's ``block_fn``, ``has_aux``; a ``state_spec`` means the loss takes and returns
+        model state).
+      options: :class:`sdp_jax.options.StepOptions`: the compute dtype, and the block
+        runner's activation checkpointing, scan unrolling, and whether gathered parameters
+        are never saved (``fsdp``, :func:`remat_block`).
     """
 
-    def __init__(self, spec: spec_lib.SDPSpec, loss_fn: Callable, block_fn: Callable | None,
-                 dtype, remat: str, unroll: bool, fsdp: bool, has_aux: bool, has_state: bool):
-        self.spec, self.loss_fn, self.block_fn = spec, _merge_hint(loss_fn, spec), block_fn
-        self.dtype, self.remat, self.unroll, self.fsdp = dtype, remat, unroll, fsdp
-        self.has_aux, self.has_state = has_aux, has_state
+    def __init__(self, spec: spec_lib.SDPSpec, model: ModelHooks, options: StepOptions):
+        block_fn = model.block_fn
+        self.spec, self.loss_fn, self.block_fn = spec, _merge_hint(model.loss_fn, spec), block_fn
+        self.dtype, self.remat = options.compute_dtype, options.remat
+        self.unroll, self.fsdp = options.unroll, options.fsdp
+        self.has_aux, self.has_state = model.has_aux, model.state_spec is not None
         self.prefix = spec.block_path if block_fn is not None else None
         self.block_paths = [p for p in spec.shapes if self.in_block(p)]
 

@@ -293,7 +293,7 @@ class BackwardHeld(Source):
         holders (docs/design.md invariant 2) in layout ``S``, float32 (or wider). Compact
         leaves go to the owners of their pieces (the first all_to_all leg of
         :func:`sdp_jax.sync.holder_shards`: ``(W-1)/W`` of the compact bytes per device);
-        full-size masked leaves (every leaf with ``method="psum"``, the reference) are masked,
+        full-size masked leaves (every leaf with ``method="reference"``) are masked,
         scaled by ``1 / holders`` and reduce-scattered (``(W-1)/W`` of their bytes);
         always-kept leaves outside the blocks (``R`` in the optimizer) are all-reduced.
         ``done``: {path: the mean already in layout ``S`` (sent inside the backward loop)}."""
@@ -301,7 +301,7 @@ class BackwardHeld(Source):
         my = sync.worker_index(DATA)
         out = dict(done or {})
         tabs = {p: t for p, t in st.rows.items() if t is not None and p not in out}
-        if tabs and self.method == "psum":   # the reference: every leaf full-size
+        if tabs and self.method == "reference":   # the reference: every leaf full-size
             g, tabs = st.zero_embedded(g), {}
         if tabs:
             for p, x in sync.holder_shards({p: g[p] for p in tabs}, tabs, DATA).items():

@@ -66,19 +66,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax import alignment, sync
-from sdp_jax.accumulation import accumulate, check_accumulation
+from sdp_jax.accumulation import accumulate
 from sdp_jax import spec as spec_lib
 from sdp_jax import update as update_lib
 from sdp_jax.evaluation import Evaluation
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.mesh import DATA, STAGE
+from sdp_jax.options import ModelHooks, StepOptions
 from sdp_jax.placement import placement_of
-from sdp_jax.runner import DTYPES, REMAT, ModelCall, check_remat_dtype
+from sdp_jax.runner import ModelCall
 from sdp_jax.sources import in_loop_tables, source_of
 from sdp_jax.state import StateLayout
-
-AVERAGING = ("gradients", "parameters")
-METHODS = ("alltoall", "psum")
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -132,60 +130,6 @@ def _check_mesh(spec: spec_lib.SDPSpec, mesh, emulate: bool):
     return mesh
 
 
-def check_settings(*, variant: str, averaging: str, sync_every, fsdp, remat: str, dtype,
-                   remat_modes: tuple = REMAT, names: dict | None = None,
-                   emulate_workers=False, grad_accum=1) -> None:
-    """The one owner of the refusals of the averaging, FSDP, remat and dtype settings, for
-    :class:`SDPStep` and for a run config (:func:`sdp_jax.train.run.resolve`, which rewords
-    them through ``names``).
-
-    Args:
-      variant: the spec's variant (backward masking refuses parameter averaging).
-      averaging, sync_every, fsdp, remat, dtype, emulate_workers, grad_accum: as
-        :class:`SDPStep` takes them.
-      remat_modes: the activation checkpointing modes the model supports.
-      names: how the caller calls each setting in messages ({setting: name}; default the
-        argument names, e.g. ``averaging``; a run config: ``config.sdp.average``).
-
-    Raises:
-      ValueError: naming the bad value and the fix."""
-    n = {k: k for k in ("averaging", "sync_every", "fsdp", "remat", "dtype",
-                        "emulate_workers", "grad_accum")}
-    n.update(names or {})
-    check_accumulation(grad_accum, n["grad_accum"])
-    for name, value in (("fsdp", fsdp), ("emulate_workers", emulate_workers)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{n[name]}={value!r} must be True or False.")
-    check_remat_dtype(remat, dtype, remat_modes, n)
-    if averaging not in AVERAGING:
-        raise ValueError(f"{n['averaging']}={averaging!r}; use gradients or parameters.")
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"{n['sync_every']}={sync_every!r} must be a positive integer.")
-    if averaging == "parameters" and variant in spec_lib.BACKWARD_VARIANTS:
-        raise ValueError(f"{n['averaging']}=parameters is not available for {variant} "
-                         "(backward masking keeps every worker's full parameters identical); "
-                         f"use {n['averaging']}=gradients or a forward variant (ddp, b-sdp, "
-                         "n-sdp).")
-    if averaging == "parameters" and fsdp:
-        raise ValueError(f"{n['averaging']}=parameters needs per-worker parameter copies, but "
-                         f"FSDP stores one sharded copy ({n['fsdp']}=True); use "
-                         f"{n['averaging']}=gradients, or {n['fsdp']}=False.")
-
-
-def _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat,
-                    dtype, emulate_workers, grad_accum) -> None:
-    """The refusals of the step's scalar settings."""
-    if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float, np.floating)) \
-            or not np.isfinite(grad_clip) or grad_clip < 0:
-        raise ValueError(f"grad_clip={grad_clip!r} must be a finite number >= 0 "
-                         "(0 = no clipping).")
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}; use alltoall or psum.")
-    check_settings(variant=spec.variant, averaging=averaging, sync_every=sync_every, fsdp=fsdp,
-                   remat=remat, dtype=dtype, emulate_workers=emulate_workers,
-                   grad_accum=grad_accum)
-
-
 def _check_runner(spec, mesh, block_fn, remat) -> None:
     """The refusals of the block runner's settings."""
     if STAGE in mesh.axis_names and block_fn is None:
@@ -211,9 +155,10 @@ def _check_runner(spec, mesh, block_fn, remat) -> None:
                              "into the blocks, or drop block_fn (and fsdp, remat).")
 
 
-def _check_state(spec, state_spec, mesh, block_fn, stacked_slots, param_metrics,
-                 fsdp) -> None:
+def _check_state(spec, model: ModelHooks, mesh, fsdp: bool) -> None:
     """The refusals of model state, stacked slots and parameter metrics."""
+    state_spec, block_fn = model.state_spec, model.block_fn
+    stacked_slots, param_metrics = model.stacked_slots, model.param_metrics
     if STAGE in mesh.axis_names and (state_spec is not None or stacked_slots):
         raise ValueError("a mesh axis 'stage' (pipeline) is built for a stacked block stack "
                          "run by the block runner; model state (state_spec) and "
@@ -241,116 +186,89 @@ class SDPStep:
 
     Args:
       spec: the spec (``W`` = the mesh's ``data`` size).
-      loss_fn: ``(params, batch) -> loss`` or, with ``block_fn``, ``(params, batch, run) ->
-        loss`` (float32 scalar; ``(loss, aux dict)`` with ``has_aux``); see the module
-        docstring. ``batch`` is the worker's slice (leading axis ``b``) of the global batch.
+      model: the model's functions, a :class:`sdp_jax.options.ModelHooks`, or only its loss
+        ``(params, batch) -> loss`` (``ModelHooks(loss_fn)``). The loss is a float32 scalar
+        (``(loss, aux dict)`` with ``has_aux``) on the worker's slice (leading axis ``b``) of
+        the global batch; with ``block_fn`` it takes ``(params, batch, run)`` (see the module
+        docstring).
       optimizer: an optax transformation, applied to the compact parameters under forward
         masking; under FSDP and backward masking to the shards of layout ``S`` (each device's
         ``1/W`` of a leaf, flattened into rows: ``[n]``, ``[L, r]`` or ``[L, Gc, r]``), so it
         must act elementwise (AdamW, SGD, Lion; not Adafactor, LAMB, Muon or a weight-decay
         mask that reads a leaf's shape). Backward masking keeps always-kept leaves outside the
-        blocks whole. Leave clipping out of it (``grad_clip``).
+        blocks whole. Leave clipping out of it (``options.grad_clip``).
       mesh: a mesh with an axis ``data`` of size ``W``; default: the first ``W`` devices (with
-        ``emulate_workers``, a mesh of one device, :func:`sdp_jax.mesh.make_mesh` ``(W,
-        emulated=True)``).
-      block_fn: ``(block_params, h) -> h`` for one block of the stacked block subtree.
-      grad_clip: global-norm clipping threshold of the averaged gradient (0 = none).
-      method: averaging of masked leaves, ``alltoall`` (holder-only bytes) or ``psum`` (the
-        full-size reference); see :func:`sdp_jax.sync.average`.
-      averaging: ``gradients`` (every step; C = 1 is DDP) or ``parameters`` (each worker steps
-        on its own gradient; parameters averaged over holders every ``sync_every`` steps;
-        forward variants without FSDP).
-      sync_every: ``H`` of parameter averaging (a positive integer).
-      fsdp: shard parameters, gradients and optimizer state over the workers (ZeRO-3, layout
-        ``S``). With ``block_fn`` each block is gathered when it runs, only the held blocks /
-        neurons / heads (all_to_all); without it the whole model is gathered at the start of
-        the step (all_gather of full-size bytes; the gathered copy lives through the step)
-        and the worker's subnetwork pruned from it locally. Model state is not sharded.
-      remat: activation checkpointing of each block (Chen et al. 2016, "Training deep nets with
-        sublinear memory cost"): ``none``, ``full`` (save only the block input) or ``dots``
-        (also save matmul outputs against weights); needs ``block_fn``.
-      dtype: compute dtype, ``float32`` or ``bfloat16``: floating parameters are cast to it
-        before the loss (None, the default: as stored).
+        ``options.emulate_workers``, a mesh of one device, :func:`sdp_jax.mesh.make_mesh`
+        ``(W, emulated=True)``).
+      options: the step's settings, a :class:`sdp_jax.options.StepOptions` (default: its
+        defaults): the averaging (``average``, ``sync_every``, ``method``), ``fsdp``,
+        ``remat``, ``dtype``, ``emulate_workers``, ``grad_accum``, ``grad_clip``,
+        ``total_steps``, ``unroll``; each documented where it is declared.
       schedule: optional optax schedule, reported as metric ``lr``.
-      init_fn: optional ``seed -> full parameters`` for :meth:`init_state`.
-      total_steps: the run's length, for :meth:`is_sync_step` (the last step averages).
-      unroll: unroll the block scan (XLA counts a loop body's FLOPs once; same results).
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; the aux values are averaged over workers
-        and reported as metrics (an aux ``train_loss`` replaces the loss's value there, e.g.
-        the next-token loss of a loss with auxiliary terms).
-      state_spec: the spec of non-gradient model state (e.g. BatchNorm running statistics,
-        masked like the layers they belong to; built with the same variant, W and masks as
-        ``spec``). ``loss_fn(params, batch, state)`` then returns ``(loss, new_state)`` (with
-        ``has_aux``: ``(loss, aux, new_state)``); after every step each component of the new
-        state is averaged over its holders (under backward masking, over all workers). The
-        train state gains ``stats``. Not with ``block_fn``.
-      stacked_slots: list-form block slots reach ``loss_fn`` stacked as they are stored
-        (``{path}/slots/...`` ``[k, ...]``) instead of as ``k`` blocks; the model then runs a
-        worker's slots itself (e.g. :mod:`sdp_jax.models.vision`; the held block ids are
-        ``spec.kinds[kind].held[sync.worker_index()]``). Model state is averaged every
-        step, also between the averaging steps of ``averaging="parameters"``.
-      param_metrics: ``params -> {name: float32 scalar}`` of the worker's updated parameters
-        (stored form without the worker and stage axes), reported as metrics (mean over
-        workers; with a pipeline each value must be the same on every stage), e.g. the
-        boundary projectors' orthogonality error. Not with FSDP.
-      emulate_workers: run the ``W`` workers on one device: the same per-worker step under
-        ``jax.vmap`` over ``data`` instead of ``jax.shard_map`` over ``W`` devices
-        (:class:`sdp_jax.placement.Emulated`; the same results, ``W`` times one worker's
-        memory on the device). Not with a pipeline or several processes.
-      grad_accum: gradient accumulation: each worker's slice of the batch in ``grad_accum``
-        microbatches run one after another, their mean gradient averaged and applied once
-        (:mod:`sdp_jax.accumulation`; the same step as on the whole slice, to float rounding,
-        with about ``1 / grad_accum`` of its activation memory). The per-worker rows ``b``
-        must be a multiple of it.
+
+    What the options do here:
+
+    * ``average="parameters"``: each worker steps on its own gradient; parameters averaged
+      over holders every ``sync_every`` steps (forward variants without FSDP).
+    * ``fsdp``: parameters, gradients and optimizer state sharded over the workers (ZeRO-3,
+      layout ``S``). With ``block_fn`` each block is gathered when it runs, only the held
+      blocks / neurons / heads (all_to_all); without it the whole model is gathered at the
+      start of the step (all_gather of full-size bytes; the gathered copy lives through the
+      step) and the worker's subnetwork pruned from it locally. Model state is not sharded.
+    * ``remat``: activation checkpointing of each block (Chen et al. 2016, "Training deep
+      nets with sublinear memory cost"); needs ``block_fn``.
+    * ``emulate_workers``: the ``W`` workers on one device, the same per-worker step under
+      ``jax.vmap`` over ``data`` (:class:`sdp_jax.placement.Emulated`; the same results, ``W``
+      times one worker's memory). Not with a pipeline or several processes.
+    * ``grad_accum``: each worker's slice in ``grad_accum`` microbatches run one after
+      another, their mean gradient averaged and applied once (:mod:`sdp_jax.accumulation`);
+      the per-worker rows ``b`` must be a multiple of it.
+
+    And the model's (:class:`sdp_jax.options.ModelHooks`): ``state_spec`` (model state such
+    as BatchNorm statistics: ``loss_fn(params, batch, state)`` returns ``(loss, new_state)``,
+    with ``has_aux`` ``(loss, aux, new_state)``; each component of the new state averaged over
+    its holders after every step; the train state gains ``stats``; not with ``block_fn``),
+    ``stacked_slots`` (the model runs a worker's list-form slots itself, e.g.
+    :mod:`sdp_jax.models.vision`; the held block ids are
+    ``spec.kinds[kind].held[sync.worker_index()]``), ``param_metrics`` (of the worker's
+    updated parameters, mean over workers; not with FSDP).
 
     Raises:
       ValueError: the mesh's ``data`` size differs from ``W`` (from 1 with
         ``emulate_workers``) or too few devices; emulation with a pipeline or several
-        processes; a bad
-        ``grad_clip``, ``method``, ``averaging``, ``sync_every``, ``remat``, ``dtype`` or
-        ``grad_accum``; a
-        ``stage`` axis without ``block_fn``, or with model state or ``stacked_slots``;
-        ``param_metrics`` with FSDP; parameter averaging with backward masking or FSDP; remat
-        without ``block_fn``; ``block_fn`` without a stacked block subtree, or with a masked
-        leaf outside it.
+        processes; options the variant does not support (parameter averaging with backward
+        masking); a ``stage`` axis without ``block_fn``, or with model state or
+        ``stacked_slots``; ``param_metrics`` with FSDP; remat without ``block_fn``;
+        ``block_fn`` without a stacked block subtree, or with a masked leaf outside it.
     """
 
-    def __init__(self, spec: spec_lib.SDPSpec, loss_fn: Callable, optimizer, mesh=None, *,
-                 block_fn: Callable | None = None, grad_clip: float = 0.0,
-                 method: str = "alltoall", averaging: str = "gradients", sync_every: int = 1,
-                 fsdp: bool = False, remat: str = "none", dtype: str | None = None,
-                 schedule: Callable | None = None, init_fn: Callable | None = None,
-                 total_steps: int | None = None, unroll: bool = False, has_aux: bool = False,
-                 state_spec: spec_lib.SDPSpec | None = None, stacked_slots: bool = False,
-                 param_metrics: Callable | None = None, emulate_workers: bool = False,
-                 grad_accum: int = 1):
-        _check_settings(spec, grad_clip, method, averaging, sync_every, fsdp, remat, dtype,
-                        emulate_workers, grad_accum)
-        self.placement = placement_of(_check_mesh(spec, mesh, emulate_workers), spec.workers,
-                                      emulate_workers)
+    def __init__(self, spec: spec_lib.SDPSpec, model: ModelHooks | Callable, optimizer,
+                 mesh=None, options: StepOptions | None = None,
+                 schedule: Callable | None = None):
+        model = model if isinstance(model, ModelHooks) else ModelHooks(model)
+        options = StepOptions() if options is None else options
+        if not isinstance(options, StepOptions):
+            raise ValueError(f"options={options!r} is not a sdp_jax.options.StepOptions; "
+                             "build one, e.g. StepOptions(fsdp=True, remat='full').")
+        options.check_for(spec)
+        self.placement = placement_of(_check_mesh(spec, mesh, options.emulate_workers),
+                                      spec.workers, options.emulate_workers)
         mesh = self.placement.mesh
-        _check_runner(spec, mesh, block_fn, remat)
-        _check_state(spec, state_spec, mesh, block_fn, stacked_slots, param_metrics, fsdp)
-        self.spec, self.loss_fn, self.optimizer, self.mesh = spec, loss_fn, optimizer, mesh
-        self.block_fn, self.grad_clip, self.method = block_fn, float(grad_clip), method
-        self.averaging, self.sync_every, self.fsdp, self.remat = (averaging, sync_every, fsdp,
-                                                                  remat)
-        self.periodic = averaging == "parameters"
-        self.dtype = None if dtype is None else jnp.dtype(DTYPES[dtype])
-        self.schedule, self.init_fn, self.unroll, self.has_aux = (schedule, init_fn, unroll,
-                                                                  has_aux)
-        self.total_steps, self.param_metrics = total_steps, param_metrics
-        self.state_spec, self.stacked_slots = state_spec, bool(stacked_slots)
-        self.call = ModelCall(spec, loss_fn, block_fn, self.dtype, remat, unroll, fsdp,
-                              has_aux, state_spec is not None)
-        self.state_layout = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix, fsdp=fsdp,
-                                 periodic=self.periodic, state_spec=state_spec,
-                                 stacked_slots=self.stacked_slots)
+        _check_runner(spec, mesh, model.block_fn, options.remat)
+        _check_state(spec, model, mesh, options.fsdp)
+        self.spec, self.model, self.optimizer, self.mesh = spec, model, optimizer, mesh
+        self.options, self.schedule = options, schedule
+        self.periodic = options.periodic
+        self.call = ModelCall(spec, model, options)
+        self.state_layout = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix,
+                                        fsdp=options.fsdp, periodic=self.periodic,
+                                        state_spec=model.state_spec,
+                                        stacked_slots=model.stacked_slots)
+        method = "reference" if options.reference else "alltoall"
         self.in_loop_tables = in_loop_tables(self.state_layout, self.call, method,
-                                             accumulating=grad_accum > 1)
+                                             accumulating=options.grad_accum > 1)
         self.source = source_of(self.state_layout, self.call, self.in_loop_tables, method)
-        self.grad_accum = grad_accum
-        self.accumulated_grads = accumulate(self.source, grad_accum, unroll)
+        self.accumulated_grads = accumulate(self.source, options.grad_accum, options.unroll)
         self.update = update_lib.update_of(self.state_layout, method, self.in_loop_tables,
                                            self.periodic)
         self.evaluation = Evaluation(self.state_layout, self.call, self.source, self.periodic,
@@ -361,10 +279,15 @@ class SDPStep:
         self.param_specs, self.param_shapes = st.param_specs, st.param_shapes
         self.compact_specs, self.compact_shapes = st.compact_specs, st.compact_shapes
         self.opt_specs, self.state_specs = st.opt_specs, st.state_specs
-        if state_spec is not None:
+        if model.state_spec is not None:
             self.stats_specs, self.stats_shapes = st.stats_specs, st.stats_shapes
         self._train_steps: dict[tuple, Any] = {}
         self._alignment = None
+
+    @property
+    def extras(self):
+        """What the step's builder attached (:attr:`sdp_jax.options.ModelHooks.extras`)."""
+        return self.model.extras
 
     # ------------------------------------------------------------------ the state
     def shardings(self, specs=None):
@@ -397,10 +320,10 @@ class SDPStep:
 
     def init_state(self, seed: int) -> dict:
         """:meth:`init` from ``init_fn(seed)`` (the constructor's ``init_fn``)."""
-        if self.init_fn is None:
+        if self.model.init_fn is None:
             raise ValueError("init_state needs init_fn (seed -> full parameters); or call "
                              "init(full_params).")
-        return self.init(lambda: self.init_fn(seed))
+        return self.init(lambda: self.model.init_fn(seed))
 
     def full_params(self, params, optimizer_layout: bool = False) -> dict:
         """The full model's parameters (host numpy, nested dict), each component from its
@@ -425,7 +348,7 @@ class SDPStep:
         loss, aux, grads, local, new_stats = self.accumulated_grads(
             state["params"], batch, state.get("stats"), count_branch=count_branch)
         params, opt_state, gnorm = update_lib.apply(self.update, self.optimizer,
-                                                    self.grad_clip, grads, local,
+                                                    self.options.grad_clip, grads, local,
                                                     state["opt_state"], sync_now)
         if self.staged and STAGE in (sync.varying_axes(loss) or ()):
             raise ValueError("with a mesh axis 'stage' the loss must be the same on every stage "
@@ -435,13 +358,13 @@ class SDPStep:
                    **{k: jax.lax.pmean(v, DATA) for k, v in aux.items()}}
         if self.schedule is not None:
             metrics["lr"] = self.schedule(state["step"])
-        if self.param_metrics is not None:
+        if self.model.param_metrics is not None:
             mine = spec_lib.unflatten(st.strip(params))
             metrics.update({k: jax.lax.pmean(v, DATA)
-                            for k, v in self.param_metrics(mine).items()})
+                            for k, v in self.model.param_metrics(mine).items()})
         out = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-        if self.state_spec is not None:
-            out["stats"] = update_lib.averaged_stats(st, new_stats, self.method)
+        if self.model.state_spec is not None:
+            out["stats"] = update_lib.averaged_stats(st, new_stats, self.update.method)
         return st.restage(out, self.state_specs), metrics
 
     def train_step_fn(self, sync_now: bool = True, count_branch: bool | None = None):
@@ -466,7 +389,7 @@ class SDPStep:
         parameter averaging every ``H > 1`` steps, a function that runs the step with or
         without the averaging as :meth:`is_sync_step` says for the state's next step (it reads
         the step counter from the device, waiting for the previous step)."""
-        if not self.periodic or self.sync_every == 1:
+        if not self.periodic or self.options.sync_every == 1:
             return self.train_step_fn()
 
         def step(state, batch):
@@ -476,8 +399,8 @@ class SDPStep:
 
     def is_sync_step(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based) ends with parameter averaging."""
-        return (not self.periodic or step % self.sync_every == 0
-                or (self.total_steps is not None and step == self.total_steps))
+        return (not self.periodic or step % self.options.sync_every == 0
+                or (self.options.total_steps is not None and step == self.options.total_steps))
 
     def _averaged_grads(self, params, batch):
         st = self.state_layout
@@ -495,7 +418,7 @@ class SDPStep:
 
         Raises:
           ValueError: a step with model state (``state_spec``)."""
-        if self.state_spec is not None:
+        if self.model.state_spec is not None:
             raise ValueError("grads_fn is not built for a step with model state (state_spec).")
         fn = self.placement.map(self._averaged_grads, (self.param_specs, P(DATA)),
                                 (P(), self.compact_specs))
@@ -527,11 +450,11 @@ class SDPStep:
           ValueError: FSDP, parameter averaging (``averaging="parameters"``: the workers'
             copies differ), a pipeline (``stage`` axis), or ``stacked_slots`` (a model that
             runs its own slots, e.g. the vision models, has no full-model loss here)."""
-        alignment.check(fsdp=self.fsdp, averaging=self.averaging, pipelined=self.staged,
-                        no_full_loss="stacked_slots models" if self.stacked_slots else "")
+        alignment.check(self.options, pipelined=self.staged,
+                        no_full_loss="stacked_slots models" if self.model.stacked_slots else "")
         if self._alignment is None:
             ev = self.evaluation
-            if self.state_spec is None:
+            if self.model.state_spec is None:
                 fn = self.placement.map(lambda p, b: alignment.local_alignment(ev, p, b),
                                         (self.param_specs, P(DATA)), P())
                 self._alignment = jax.jit(lambda s, b: fn(s["params"], b))

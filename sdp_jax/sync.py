@@ -912,8 +912,8 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
       method: compact layout only (the full layout always uses the masked psum):
         ``"alltoall"`` moves only held bytes (:func:`holder_mean`:
         per device ``2 (W-1)/W`` times the worker's compact bytes, ``C`` times an all-reduce);
-        ``"psum"`` scatters into full-size buffers and runs :func:`masked_average` (the
-        reference; every method gives the same values).
+        ``"reference"`` scatters into full-size buffers and runs :func:`masked_average` (the
+        masked psum; every method gives the same values).
       done: compact layout, ``alltoall``: local paths already averaged (e.g. inside the
         backward loop by :func:`mean_in_backward`), returned as they are.
 
@@ -921,11 +921,11 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
       tree like ``tree``; always-kept leaves are the plain mean over all workers.
 
     Raises:
-      ValueError: unknown ``method``; ``done`` with ``psum`` or the full layout, or naming
+      ValueError: unknown ``method``; ``done`` with ``reference`` or the full layout, or naming
         paths not in ``tree``.
     """
-    if method not in ("alltoall", "psum"):
-        raise ValueError(f"method={method!r}; use alltoall or psum.")
+    if method not in ("alltoall", "reference"):
+        raise ValueError(f"method={method!r}; use alltoall or reference.")
     if done and (method != "alltoall" or not compact):
         raise ValueError("done= (leaves averaged in the backward loop) is for the compact "
                          "layout with method='alltoall'; the reference psum averages every leaf.")
@@ -935,7 +935,7 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
     flat = spec_lib.flatten(tree)
     stored = _check_compact(flat, lay)
     my = worker_index(axis)
-    if method == "psum":   # the reference: full-size buffers, float32 sums
+    if method == "reference":   # full-size buffers, float32 sums
         back = _psum_average(flat, spec, lay, stored, my, axis)
         return jax.tree_util.tree_unflatten(jax.tree.structure(tree),
                                             [back[p].astype(x.dtype) for p, x in flat.items()])
@@ -947,7 +947,7 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
 
 
 def _psum_average(flat: dict, spec, lay, stored: bool, my, axis: str) -> dict:
-    """:func:`average`'s reference (``method="psum"``): the compact leaves ``flat`` (stored form
+    """:func:`average`'s ``method="reference"``: the compact leaves ``flat`` (stored form
     when ``stored``) of worker ``my`` widened to float32 (or wider), embedded in zero full-size
     buffers, averaged by :func:`masked_average` and pruned back to ``flat``'s form (the sums'
     dtype; the caller casts back)."""

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax.options import StepOptions
 from sdp_jax import costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
@@ -76,7 +77,8 @@ def test_chunked_attention_refuses_bad_shapes():
 
 def _builder(mesh, cfg, variant="ddp", coverage=1.0):
     plan = llama.make_plan(variant, cfg, W, coverage, "cyclic", 0)
-    return families.language_model_step(cfg, plan, optim_lib.OptimConfig(lr=1e-2, warmup_steps=1), mesh, 10)
+    return families.language_model_step(cfg, plan, optim_lib.OptimConfig(lr=1e-2, warmup_steps=1),
+                                        mesh, StepOptions(total_steps=10, grad_clip=1.0))
 
 
 @pytest.mark.slow

@@ -102,15 +102,17 @@ def test_reference_is_plain_jit_of_the_same_step():
     from sdp_jax.bench import jit_reference as reference
     from sdp_jax.models import llama
     from sdp_jax.models.llama import LlamaConfig
+    from sdp_jax.options import StepOptions
     from sdp_jax.train import families
     from sdp_jax.train import optimizer as optim_lib
     model = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         d_ff=64, max_seq_len=16)
-    optim = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0.5)
+    optim = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1)
+    options = StepOptions(total_steps=10, remat="full", grad_clip=0.5)
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-    ref = reference.JitDDP(model, optim, mesh, 10, remat="full")
-    ddp = families.language_model_step(model, llama.make_plan("ddp", model, 4, 1.0), optim, mesh, 10,
-                                    remat="full")
+    ref = reference.JitDDP(model, optim, mesh, options)
+    ddp = families.language_model_step(model, llama.make_plan("ddp", model, 4, 1.0), optim, mesh,
+                                       options)
     a, b = ref.init_state(0), ddp.init_state(seed=0)
     rng = np.random.default_rng(0)
     for _ in range(3):

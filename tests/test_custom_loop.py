@@ -235,12 +235,22 @@ class WrongRule(Regression):
 
 
 class ClipInOptions(Regression):
-    def step_options(self, model, plan):
+    def model_hooks(self, model, plan):
         return {"grad_clip": 0.5}
 
 
-class OwnSlots(Regression):
+class NotAHook(Regression):
+    def model_hooks(self, model, plan):
+        return {"block": None}
+
+
+class OldName(Regression):
     def step_options(self, model, plan):
+        return {}
+
+
+class OwnSlots(Regression):
+    def model_hooks(self, model, plan):
         return {"stacked_slots": True}
 
 
@@ -259,8 +269,12 @@ class OwnSlots(Regression):
     (HalfBatch(), None, (r"HalfBatch\.batch\(config, 0, 32\) returned a leaf of shape "
                          r"\(16, 5\); every leaf of a global batch needs the leading axis "
                          r"size=32")),
-    (ClipInOptions(), None, (r"step_options gives grad_clip, which the run sets "
-                             r"\(optim\.grad_clip\); set it there")),
+    (ClipInOptions(), None, (r"model_hooks gives grad_clip, which the run sets "
+                             r"\(--config\.optim\.grad_clip\); set it there")),
+    (NotAHook(), None, r"NotAHook\.model_hooks gives 'block', which is not a model hook; give "
+                       r"only block_fn, extras, has_aux, param_metrics, stacked_slots, "
+                       r"state_spec"),
+    (OldName(), None, r"OldName defines step_options, which is now model_hooks"),
     (OwnSlots(), lambda c: c.__setattr__("align_every", 2),
      r"config\.align_every=2: the gradient alignment is not built for test-mlp models .*; set "
      r"--config\.align_every=0\.$"),

@@ -14,6 +14,7 @@ from flax import nnx
 from sdp_jax import costs
 from sdp_jax import layout as layout_lib
 from sdp_jax import spec as sdp
+from sdp_jax.options import ModelHooks, StepOptions
 from sdp_jax.step import SDPStep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,14 +49,14 @@ RULES = [sdp.Blocks("blocks"),
          sdp.Neurons("blocks/*/down/kernel", 0, "mlp")]
 
 
-def make(variant, coverage, optimizer=None, **kw):
+def make(variant, coverage, optimizer=None, mesh=None, **kw):
     spec = sdp.build(Net(), RULES, variant, W, coverage)
     local = nnx.graphdef(nnx.eval_shape(lambda: Net(spec.local_blocks)))
 
     def loss_fn(params, batch):
         x, y = batch
         return jnp.mean((nnx.merge(local, params)(x) - y) ** 2)
-    return SDPStep(spec, loss_fn, optimizer or optax.adam(1e-2), **kw), loss_fn
+    return SDPStep(spec, loss_fn, optimizer or optax.adam(1e-2), mesh, StepOptions(**kw)), loss_fn
 
 
 def data(n=W * 8, seed=1):
@@ -159,7 +160,7 @@ def test_b_sdp_compact_layout_stores_c_times_ddp_block_bytes():
 @pytest.mark.parametrize("variant", ["b-sdp", "n-sdp"])
 def test_forward_variants_train_and_holders_agree(variant):
     trainer, _ = make(variant, 0.5, grad_clip=0.5)
-    ref, _ = make(variant, 0.5, grad_clip=0.5, method="psum")
+    ref, _ = make(variant, 0.5, grad_clip=0.5, method="reference")
     state, rstate = trainer.init(Net()), ref.init(Net())
     losses = []
     for s in range(4):
@@ -263,8 +264,8 @@ def test_periodic_averaging_on_a_users_model(variant):
     """H = 1 with SGD is gradient averaging; H = 2 lets the workers' copies drift, then agree."""
     sgd = optax.sgd(0.05)
     grads, _ = make(variant, 0.5, sgd)
-    every, _ = make(variant, 0.5, sgd, averaging="parameters", sync_every=1)
-    two, _ = make(variant, 0.5, sgd, averaging="parameters", sync_every=2)
+    every, _ = make(variant, 0.5, sgd, average="parameters", sync_every=1)
+    two, _ = make(variant, 0.5, sgd, average="parameters", sync_every=2)
     sg, se, s2 = grads.init(Net()), every.init(Net()), two.init(Net())
     for s in range(2):
         b = data(seed=s)
@@ -292,9 +293,9 @@ def test_bf16_compute_on_a_users_model_keeps_float32_state():
 def test_block_runner_options_refused_without_a_runner():
     spec = sdp.build(Net(), RULES, "b-sdp", W, 0.5)
     with pytest.raises(ValueError, match="remat works block by block"):
-        SDPStep(spec, lambda p, b: 0.0, optax.sgd(0.1), remat="full")
+        SDPStep(spec, lambda p, b: 0.0, optax.sgd(0.1), options=StepOptions(remat="full"))
     with pytest.raises(ValueError, match="block_fn needs a stacked block subtree"):
-        SDPStep(spec, lambda p, b, run: 0.0, optax.sgd(0.1), block_fn=lambda p, h: h)
+        SDPStep(spec, ModelHooks(lambda p, b, run: 0.0, block_fn=lambda p, h: h), optax.sgd(0.1))
 
 
 def _stateful(variant, coverage):
@@ -314,7 +315,7 @@ def _stateful(variant, coverage):
             new["blocks"][j] = {"mean": 0.9 * st["blocks"][j]["mean"] + 0.1 * h.mean(0)}
             h = blk(h - st["blocks"][j]["mean"])
         return jnp.mean((model.out(h)[:, 0] - y) ** 2), new
-    step = SDPStep(spec, loss_fn, optax.sgd(0.1), state_spec=sspec)
+    step = SDPStep(spec, ModelHooks(loss_fn, state_spec=sspec), optax.sgd(0.1))
     return step, step.init((params, state))
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from sdp_jax.options import StepOptions
 from sdp_jax import mesh as mesh_lib
 from sdp_jax import placement
 from sdp_jax.models import llama
@@ -29,6 +30,11 @@ W = 8
 CFG = LlamaConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32,
                   max_seq_len=16)
 OPT = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1)
+
+
+def options(**settings) -> StepOptions:
+    """The step options of these tests: 10 steps, clipping at 1 (a run's default)."""
+    return StepOptions(total_steps=10, grad_clip=1.0, **settings)
 
 
 def _meshes():
@@ -65,7 +71,7 @@ def _lm_batches(n=3, seed=0):
     ("bb-sdp", 0.5, {}, 1e-6),
     ("nb-sdp", 0.5, {}, 1e-6),
     ("b-sdp", 0.5, {"method": "reference"}, 1e-6),
-    ("n-sdp", 0.5, {"averaging": "parameters", "sync_every": 2}, 1e-6),
+    ("n-sdp", 0.5, {"average": "parameters", "sync_every": 2}, 1e-6),
     ("b-sdp", 0.5, {"fsdp": True, "remat": "full", "dtype": "bfloat16"}, 1e-4),
     ("bb-sdp", 0.5, {"remat": "full"}, 1e-6),   # held_weight_grads' lax.cond under vmap
 ], ids=["ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp", "b-sdp-psum", "n-sdp-parameters",
@@ -78,8 +84,8 @@ def test_eight_emulated_workers_equal_eight_devices(variant, coverage, settings,
     batches = _lm_batches()
     out = []
     for mesh, emulate in zip(_meshes(), (False, True)):
-        step = families.language_model_step(CFG, plan, OPT, mesh, 10, emulate_workers=emulate,
-                                            **settings)
+        step = families.language_model_step(CFG, plan, OPT, mesh,
+                                            options(emulate_workers=emulate, **settings))
         assert step.placement.emulated == emulate
         assert len(step.mesh.devices.flat) == (1 if emulate else W)
         state, metrics = _train(step, batches)
@@ -108,7 +114,7 @@ def test_vision_emulated_equals_devices_with_batchnorm(variant):
                 rng.integers(0, 5, 2 * W).astype(np.int32)) for _ in range(3)]
     out = []
     for mesh, emulate in zip(_meshes(), (False, True)):
-        step = families.vision_step(cfg, plan, OPT, mesh, 10, emulate_workers=emulate)
+        step = families.vision_step(cfg, plan, OPT, mesh, options(emulate_workers=emulate))
         state, metrics = _train(step, batches)
         ev = families.VisionEval(step)
         x, y = step.put_batch(batches[0])
@@ -155,16 +161,16 @@ def test_sdpstep_refusals_are_one_line():
     """A mesh of several devices, or a pipeline mesh, with emulation; several processes."""
     plan = llama.make_plan("b-sdp", CFG, W, 0.5, "cyclic", 0)
     with pytest.raises(ValueError, match="'data' axis has 8 devices"):
-        families.language_model_step(CFG, plan, OPT, mesh_lib.make_mesh(W), 10,
-                                     emulate_workers=True)
+        families.language_model_step(CFG, plan, OPT, mesh_lib.make_mesh(W),
+                                     options(emulate_workers=True))
     with pytest.raises(ValueError, match="pipeline of 2 stages"):
         placement.placement_of(mesh_lib.make_mesh(1, 2), W, True)
     with pytest.raises(ValueError, match="2 processes run; set --config.emulate_workers=False"):
         placement.check_emulation(1, 2, fix="set --config.emulate_workers=False")
     with pytest.raises(ValueError, match="emulate_workers=True"):   # the fix is named
-        families.language_model_step(CFG, plan, OPT, mesh_lib.make_mesh(4), 10)
+        families.language_model_step(CFG, plan, OPT, mesh_lib.make_mesh(4), options())
     with pytest.raises(ValueError, match="emulate_workers='yes' must be True or False"):
-        families.language_model_step(CFG, plan, OPT, None, 10, emulate_workers="yes")
+        families.language_model_step(CFG, plan, OPT, None, options(emulate_workers="yes"))
     # a user's one-device mesh of explicit axes: emulated on the same device, axis type Auto
     own = placement.placement_of(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]), W,
                                  True)

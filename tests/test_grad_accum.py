@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sdp_jax.options import StepOptions
 from sdp_jax import costs
 from sdp_jax import mesh as mesh_lib
 from sdp_jax import spec as spec_lib
@@ -23,7 +24,8 @@ CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2
                   max_seq_len=16)
 # SGD with an active clip (the update is linear in the averaged gradient, so K microbatches and
 # the whole batch agree to rounding; the clip checks the norm of the accumulated mean).
-SGD = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.05, weight_decay=0.0)
+SGD = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, weight_decay=0.0)
+CLIP = 0.05
 COVERAGE = {"ddp": 1.0, "b-sdp": 0.5, "n-sdp": 0.5, "bb-sdp": 0.5, "nb-sdp": 0.5}
 
 
@@ -31,8 +33,9 @@ def _step(variant, k, mesh=None, pipe=None, cfg=CFG, **kw):
     workers = W
     plan = llama.make_plan(variant, cfg, workers, COVERAGE[variant], "cyclic", 0, pipe=pipe)
     mesh = mesh or mesh_lib.make_mesh(workers, 1 if pipe is None else pipe.stages)
-    return families.language_model_step(cfg, plan, SGD, mesh, 10, grad_accum=k, pipe=pipe,
-                                        **kw)
+    return families.language_model_step(
+        cfg, plan, SGD, mesh, StepOptions(total_steps=10, grad_clip=CLIP, grad_accum=k, **kw),
+        pipe)
 
 
 def _batches(step, n=3, rows=B):
@@ -54,7 +57,7 @@ def _assert_equal_runs(one, acc, rtol=1e-4, atol=1e-6):
     batches = _batches(one)
     s1, l1, n1 = _train(one, batches)
     s2, l2, n2 = _train(acc, batches)
-    assert max(n1) > SGD.grad_clip   # clipping was active
+    assert max(n1) > CLIP   # clipping was active
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
     np.testing.assert_allclose(n2, n1, rtol=1e-4)
     f1, f2 = one.full_params(s1["params"]), acc.full_params(s2["params"])
@@ -174,7 +177,8 @@ def test_vision_models_accumulate_and_batchnorm_takes_the_mean_update():
 
     def run(cfg, variant, k):
         plan = families.vision_spec(cfg, variant, W, COVERAGE[variant])
-        step = families.vision_step(cfg, plan, SGD, mesh, 10, grad_accum=k)
+        step = families.vision_step(cfg, plan, SGD, mesh,
+                                    StepOptions(total_steps=10, grad_clip=CLIP, grad_accum=k))
         state, out = step.init_state(seed=0), []
         first = jax.device_get(state.get("stats"))
         for x, y in batches:

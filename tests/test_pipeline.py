@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from test_train_cli import tiny  # the tiny config with dotted overrides
 
+from sdp_jax.options import StepOptions
 from sdp_jax import costs, stiefel, sync
 from sdp_jax import mesh as mesh_lib
 from sdp_jax import pipeline as pl
@@ -33,7 +34,8 @@ T = 16
 ADAM = optim_lib.OptimConfig(warmup_steps=0)
 # SGD with an active clip threshold for the 3-step equivalences (as tests/test_fsdp.py): the
 # clipping factor must come from the norm with every component counted once across the stages.
-SGD = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.05, weight_decay=0.0)
+SGD = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, weight_decay=0.0)
+SGD_CLIP = 0.05   # (the other optimizers clip at a run's default, 1)
 
 
 def _pipe(method="none", stages=2, microbatches=2, ratio=4, anchor_rank=8, rvq_levels=0,
@@ -47,8 +49,9 @@ def _step(method="none", ratio=4, workers=2, stages=2, variant="ddp", coverage=1
           anchor_rank=8, microbatches=2, rvq_levels=0, optim=ADAM, schedule="gpipe", **kw):
     pipe = _pipe(method, stages, microbatches, ratio, anchor_rank, rvq_levels, schedule)
     plan = llama.make_plan(variant, cfg, workers, coverage, pipe=pipe)
-    st = families.language_model_step(cfg, plan, optim, mesh_lib.make_mesh(workers, stages), 20,
-                                   pipe=pipe, **kw)
+    clip = SGD_CLIP if optim is SGD else 1.0
+    st = families.language_model_step(cfg, plan, optim, mesh_lib.make_mesh(workers, stages),
+                                      StepOptions(total_steps=20, grad_clip=clip, **kw), pipe)
     st.cfg, st.pipe = cfg, pipe
     return st
 
@@ -126,8 +129,8 @@ def test_pipelined_ddp_equals_unpipelined_ddp_after_3_steps():
     """The staged layout, the per-stage optimizer and the clipping norm summed over the stages
     give the same trajectory as the step without a pipeline."""
     plain = families.language_model_step(CFG, llama.make_plan("ddp", CFG, 2, 1.0), SGD,
-                                      jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]),
-                                      20)
+                                         jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]),
+                                         StepOptions(total_steps=20, grad_clip=SGD_CLIP))
     piped = _step("none", optim=SGD)
     # the schedule runs the blocks once per microbatch: averaging stays after the backward pass
     assert plain.in_loop_tables and not piped.in_loop_tables
@@ -355,7 +358,7 @@ def test_1f1b_peak_below_gpipe_with_2_stages_and_8_microbatches():
 @pytest.mark.slow
 def test_pipeline_parameter_averaging_trains():
     st = _step("unconstrained", variant="b-sdp", coverage=0.5, workers=4, cfg=CFG8,
-               optim=optim_lib.OptimConfig(lr=1e-2, warmup_steps=0), averaging="parameters",
+               optim=optim_lib.OptimConfig(lr=1e-2, warmup_steps=0), average="parameters",
                sync_every=2)
     x = _batches(st, 1)[0]
     state = st.init_state(0)

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax.options import StepOptions
 from sdp_jax import costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig, next_token_loss
@@ -17,7 +18,7 @@ from sdp_jax.train import optimizer as optim_lib
 W = 4
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
                   max_seq_len=16)
-OPT = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1.0)
+OPT = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1)
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +35,11 @@ def batches(mesh):
 
 
 def builder(mesh, variant, coverage, method="auto", scheme="cyclic", optim=OPT, cfg=CFG,
-            allow_disconnected=False, **kw):
+            allow_disconnected=False, clip=1.0, **kw):
     plan = llama.make_plan(variant, cfg, W, coverage, scheme, 0,
                         allow_disconnected=allow_disconnected)
-    return families.language_model_step(cfg, plan, optim, mesh, 10, method=method, **kw)
+    options = StepOptions(total_steps=10, method=method, grad_clip=clip, **kw)
+    return families.language_model_step(cfg, plan, optim, mesh, options)
 
 
 def graph(cfg=CFG):
@@ -133,8 +135,7 @@ def test_bsdp_block_gradient_is_mean_over_holders(mesh, batches):
 @pytest.mark.slow
 def test_clipping_is_identical_on_all_holders(mesh, batches):
     """With a tiny clip threshold, clipping by per-worker norms would desynchronize holders."""
-    opt = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)
-    b = builder(mesh, "b-sdp", 0.5, optim=opt)
+    b = builder(mesh, "b-sdp", 0.5, clip=1e-3)
     s, _ = run(b, batches)
     arr = np.asarray(s["params"]["blocks"]["attn"]["wq"])
     bt = b.spec.kinds["block"]
@@ -240,19 +241,19 @@ def test_nsdp_component_held_by_one_worker_is_updated_from_that_worker_alone(mes
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["ddp", "b-sdp", "n-sdp"])
 def test_periodic_averaging_h1_sgd_equals_gradient_averaging(mesh, batches, variant):
-    sgd = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=0, grad_clip=0.0, weight_decay=0.0)
-    s_g, l_g = run(builder(mesh, variant, 0.5, optim=sgd), batches)
-    b = builder(mesh, variant, 0.5, optim=sgd, averaging="parameters", sync_every=1)
+    sgd = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=0, weight_decay=0.0)
+    s_g, l_g = run(builder(mesh, variant, 0.5, optim=sgd, clip=0.0), batches)
+    b = builder(mesh, variant, 0.5, optim=sgd, clip=0.0, average="parameters", sync_every=1)
     s_p, l_p = run(b, batches)
     np.testing.assert_allclose(l_p, l_g, rtol=1e-5)
-    ref = builder(mesh, variant, 0.5, optim=sgd)
+    ref = builder(mesh, variant, 0.5, optim=sgd, clip=0.0)
     leaves_close(b.full_params(s_p["params"]), ref.full_params(s_g["params"]),
                  rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
 def test_periodic_averaging_h2_lets_workers_drift_then_agree(mesh, batches):
-    b = builder(mesh, "b-sdp", 0.5, averaging="parameters", sync_every=2)
+    b = builder(mesh, "b-sdp", 0.5, average="parameters", sync_every=2)
     state = b.init_state(seed=0)
     for i, x in enumerate(batches + batches[:1]):  # lr is 0 at step 1 (warm-up), so use 4
         state, _ = b.train_step_fn(b.is_sync_step(i + 1))(state, x)
@@ -267,13 +268,12 @@ def test_periodic_averaging_h2_lets_workers_drift_then_agree(mesh, batches):
 
 def test_backward_variants_refuse_periodic_averaging(mesh):
     with pytest.raises(ValueError, match="not available for bb-sdp"):
-        builder(mesh, "bb-sdp", 0.5, averaging="parameters", sync_every=2)
+        builder(mesh, "bb-sdp", 0.5, average="parameters", sync_every=2)
 
 
 @pytest.mark.slow
 def test_nsdp_holders_of_each_neuron_and_head_agree(mesh, batches):
-    opt = optim_lib.OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=1e-3)  # clipping active
-    b = builder(mesh, "n-sdp", 0.5, optim=opt, scheme="random")
+    b = builder(mesh, "n-sdp", 0.5, clip=1e-3, scheme="random")  # clipping active
     s, _ = run(b, batches)
     lay = b.layout
     neurons = {p: lf for p, lf in lay.leaves.items() if lf.form == "neuron"}
@@ -347,7 +347,7 @@ def test_averaging_stays_after_the_loop_where_the_loop_cannot_hold_it(mesh):
     masking (at loop step i only block i's holders have its gradient) and the reference psum
     keep the averaging after the backward pass."""
     assert not builder(mesh, "ddp", 1.0, fsdp=True).in_loop_tables
-    assert not builder(mesh, "b-sdp", 0.5, averaging="parameters", sync_every=2).in_loop_tables
+    assert not builder(mesh, "b-sdp", 0.5, average="parameters", sync_every=2).in_loop_tables
     assert not builder(mesh, "bb-sdp", 0.5).in_loop_tables
     assert not builder(mesh, "nb-sdp", 0.5, method="reference").in_loop_tables
     assert not builder(mesh, "n-sdp", 0.5, method="reference").in_loop_tables

@@ -28,6 +28,7 @@ from sdp_jax import state as state_lib
 from sdp_jax import step as step_lib
 from sdp_jax.mesh import DATA
 from sdp_jax.models.llama import BLOCK_KEY, LlamaConfig
+from sdp_jax.options import StepOptions
 from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib
 
@@ -39,31 +40,31 @@ class JitDDP:
 
     Args:
       cfg: the model.
-      optim: optimizer settings (AdamW or SGD, warm-up + cosine over ``total_steps``).
+      optim: optimizer settings (AdamW or SGD, warm-up + cosine over ``options.total_steps``).
       mesh: a mesh whose axis ``data`` has the ``W`` devices (other axes unused).
-      total_steps: the schedule's length.
-      remat: activation checkpointing of each block, ``none``, ``full`` or ``dots`` (as
-        :class:`sdp_jax.step.SDPStep`).
-      dtype: compute dtype, ``float32`` or ``bfloat16`` (parameters and optimizer state stay
-        float32, as in the SDP step; see the module docstring on bf16 gradients).
-      unroll: unroll the block scan (XLA's cost analysis counts a loop body once).
+      options: the SDP step's :class:`sdp_jax.options.StepOptions`, of which this step reads
+        ``total_steps`` (the schedule's length), ``remat`` (activation checkpointing of each
+        block), ``dtype`` (compute dtype; parameters and optimizer state stay float32, as in
+        the SDP step; see the module docstring on bf16 gradients), ``grad_clip`` and
+        ``unroll`` (the block scan unrolled: XLA's cost analysis counts a loop body once).
 
     Raises:
-      ValueError: ``remat`` or ``dtype`` not one of the above.
+      ValueError: ``options`` without ``total_steps``.
     """
 
-    def __init__(self, cfg: LlamaConfig, optim: optim_lib.OptimConfig, mesh, total_steps: int, *,
-                 remat: str = "none", dtype: str = "float32", unroll: bool = False):
-        runner.check_remat_dtype(remat, dtype)
-        self.cfg, self.remat, self.unroll = cfg, remat, unroll
+    def __init__(self, cfg: LlamaConfig, optim: optim_lib.OptimConfig, mesh,
+                 options: StepOptions):
+        if options.total_steps is None:
+            raise ValueError("JitDDP needs StepOptions(total_steps=...), the schedule's length.")
+        self.cfg, self.remat, self.unroll = cfg, options.remat, options.unroll
         # The same devices with automatic (GSPMD) sharding propagation, as plain-jit programs
         # are written: no sharding in the types (jax.make_mesh's default axis type is Explicit).
         self.mesh = Mesh(mesh.devices, mesh.axis_names,
                          axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-        self.dtype = runner.DTYPES[dtype]
-        self.grad_clip = optim.grad_clip
+        self.dtype = options.compute_dtype
+        self.grad_clip = options.grad_clip
         self.model = families.LanguageModel(cfg)
-        self.optimizer = optim_lib.make_optimizer(optim, total_steps)
+        self.optimizer = optim_lib.make_optimizer(optim, options.total_steps)
         self.compact_shapes = self.model.shapes   # (every device holds every parameter)
         self._step = None
 

@@ -62,6 +62,7 @@ from sdp_jax import spec as spec_lib
 from sdp_jax.bench import jit_reference as reference
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.options import StepOptions
 from sdp_jax.spec import BLOCK
 from sdp_jax.train import cli, families, fit
 from sdp_jax.train import optimizer as optim_lib
@@ -104,13 +105,19 @@ def lm_step(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unr
     on one device, ``mesh`` from ``sdp_jax.mesh.make_mesh(W, emulated=True)``)."""
     model = LlamaConfig.from_config(config.model)
     optim = optim_lib.OptimConfig.from_config(config.optim)
-    sdp = config.sdp
     plan, uniform = _plan(config, variant, workers, coverage)
-    b = families.language_model_step(model, plan, optim, mesh, config.steps, method=sdp.method,
-                                     unroll=unroll, fsdp=fsdp, remat=remat, dtype=dtype,
-                                     emulate_workers=emulate_workers,
-                                     grad_accum=config.get("grad_accum", 1))
+    b = families.language_model_step(model, plan, optim, mesh,
+                                     step_options(config, fsdp=fsdp, remat=remat, dtype=dtype,
+                                                  unroll=unroll, emulate_workers=emulate_workers))
     return b, uniform
+
+
+def step_options(config, **changes) -> StepOptions:
+    """The step options of ``config`` (:meth:`sdp_jax.options.StepOptions.from_config`, the
+    schedule over ``config.steps``) with the bench's ``changes``; a bench row averages
+    gradients every step."""
+    options = StepOptions.from_config(config, total_steps=config.steps)
+    return dataclasses.replace(options, average="gradients", sync_every=1, **changes)
 
 
 def setting_name(variant: str, fsdp: bool, remat: str) -> str:
@@ -205,8 +212,8 @@ def reference_step(config, mesh, remat: str, dtype: str, unroll: bool = False,
     model = LlamaConfig.from_config(config.model)
     if blocks is not None:
         model = dataclasses.replace(model, n_layers=blocks)
-    return reference.JitDDP(model, optim_lib.OptimConfig.from_config(config.optim), mesh, config.steps,
-                            remat=remat, dtype=dtype, unroll=unroll)
+    return reference.JitDDP(model, optim_lib.OptimConfig.from_config(config.optim), mesh,
+                            step_options(config, remat=remat, dtype=dtype, unroll=unroll))
 
 
 def measure_reference(config, workers: int, mesh, *, remat: str = "none",

@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import ml_collections
 
+from sdp_jax import fields
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.models.vision import VisionConfig
+from sdp_jax.options import StepOptions
 from sdp_jax.pipeline import PipelineConfig
 from sdp_jax.train import data, vision_data
 from sdp_jax.train.optimizer import OptimConfig
@@ -44,17 +46,18 @@ def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         mask_seed=0,              # seed of the random scheme
         allow_nonuniform=False,   # accept W*C not whole (near-uniform multiplicities)
         allow_disconnected=False, # accept a mask graph with spectral gap 0
-        average="gradients",      # gradients (every step) | parameters (every sync_every steps)
-        sync_every=1,             # H: steps between parameter averagings (average=parameters)
-        method="auto",            # averaging: auto (= alltoall) | alltoall | reference (masked psum)
     ))
-    c.optim = defaults(OptimConfig)   # AdamW (or SGD), schedule cosine | wsd, grad_clip
-    c.fsdp = False              # shard params, grads and optimizer state over workers (ZeRO-3)
-    c.remat = "none"            # activation checkpointing per block: none | full | dots (vision: none | full)
-    c.dtype = "float32"         # compute dtype: float32 | bfloat16 (master params stay float32)
+    c.optim = defaults(OptimConfig)   # AdamW (or SGD), schedule cosine | wsd
     c.workers = 0               # W data-parallel workers; 0 = every device
-    c.emulate_workers = False   # run the W workers on one device (jax.vmap; W x one worker's memory)
-    c.grad_accum = 1            # gradient accumulation: microbatches per optimizer step (divides b)
+    # The step's settings, declared in sdp_jax.options.StepOptions (sdp.average, sdp.sync_every,
+    # sdp.method, fsdp, remat, dtype, emulate_workers, grad_accum, optim.grad_clip)
+    for path, default in fields.setting_defaults(StepOptions).items():
+        *sections, name = path.split(".")
+        node = c
+        for section in sections:
+            node = node[section]
+        node[name] = default
+    c.optim.grad_clip = 1.0     # a run clips by default (the library's StepOptions does not)
     c.num_cpu_devices = 8       # simulated devices when only a CPU is present
     c.batch_per_worker = 8      # examples per worker per step (b); global batch = W * b
     c.steps = 300               # optimizer steps (the DDP budget when flop_matched)

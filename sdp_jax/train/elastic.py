@@ -246,7 +246,7 @@ def read_full(manager, step: int, saved: dict, run: run_lib.RunSpec):
     old_builder = old.family.step(old, mesh)
     target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), old_builder.abstract_state())
     state = manager.restore(step, target)
-    return full_state(old_builder, state, old.settings.averaging == "parameters"), old
+    return full_state(old_builder, state, old.options.periodic), old
 
 
 def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
@@ -259,7 +259,7 @@ def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,
       ValueError: an unreadable checkpoint, or one whose layout is not its recorded run's
         (names the leaves)."""
     full, old = read_full(manager, step, saved, run)
-    average = old.settings.averaging == "parameters"
+    average = old.options.periodic
     log(f"elastic resume (--config.elastic) at step {step}: {change_line(saved, run)}; the "
         f"full model and its optimizer moments rebuilt from the checkpoint's {old.workers} "
         "workers" + (" (holders' copies averaged)" if average else "")

@@ -24,6 +24,7 @@ statistics follow the same rules (:func:`vision_spec`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import os
@@ -34,7 +35,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import runner
 from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
 from sdp_jax import step as step_lib
@@ -43,6 +43,7 @@ from sdp_jax.costs import fmt_bytes
 from sdp_jax.mesh import DATA
 from sdp_jax.models import hf_llama, llama
 from sdp_jax.models import vision as vm
+from sdp_jax.options import ModelHooks, StepOptions
 from sdp_jax.models.llama import BLOCK_KEY, Llama, LlamaConfig, block_apply_fn, next_token_loss
 from sdp_jax.train import config as config_lib
 from sdp_jax.train import corpus
@@ -50,7 +51,7 @@ from sdp_jax.train import data as data_lib
 from sdp_jax.train import migrations
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import vision_data
-from sdp_jax.train.task import Family, compiled_flops, mean_loss, step_method
+from sdp_jax.train.task import Family, compiled_flops, mean_loss
 
 LOSS_CHUNKS = 8  # sequence pieces of the head and loss under activation checkpointing
 
@@ -121,14 +122,11 @@ class LanguageModel:
 
 
 def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
-                        total_steps: int, *, averaging: str = "gradients", sync_every: int = 1,
-                        method: str = "auto", fsdp: bool = False, remat: str = "none",
-                        dtype: str = "float32", unroll: bool = False,
-                        pipe=None, emulate_workers: bool = False,
-                        grad_accum: int = 1) -> step_lib.SDPStep:
+                        options: StepOptions, pipe=None) -> step_lib.SDPStep:
     """The :class:`sdp_jax.step.SDPStep` of a LLaMA run: AdamW (or SGD) with warm-up and cosine
-    decay from ``optim`` (:class:`sdp_jax.train.optimizer.OptimConfig`), clipping at
-    ``optim.grad_clip``, ``init_state(seed)`` from the model's initializer.
+    decay from ``optim`` (:class:`sdp_jax.train.optimizer.OptimConfig`) over
+    ``options.total_steps``, ``options`` (:class:`sdp_jax.options.StepOptions`, clipping at
+    ``options.grad_clip``), ``init_state(seed)`` from the model's initializer.
 
     With ``pipe`` (:class:`sdp_jax.pipeline.PipelineConfig`, ``stages > 1``) the loss is the
     pipeline schedule (``pipe.schedule``: GPipe or 1F1B) over the mesh axis ``stage``
@@ -139,14 +137,10 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
     over the boundaries) when compressed and ``rvq_loss`` with RVQ (also in ``train_loss``).
 
     Raises:
-      ValueError: ``method`` not one of ``auto``, ``alltoall``, ``reference``; and everything
-        :class:`SDPStep` refuses.
+      ValueError: ``options`` without ``total_steps``; a mesh or spec that does not match
+        ``pipe``; and everything :class:`SDPStep` refuses.
     """
-    task = LanguageModel(cfg)
-    kw = dict(block_fn=task.block, grad_clip=optim.grad_clip, method=step_method(method),
-              averaging=averaging, sync_every=sync_every, fsdp=fsdp, remat=remat, dtype=dtype,
-              schedule=optim_lib.lr_schedule(optim, total_steps), total_steps=total_steps,
-              unroll=unroll, emulate_workers=emulate_workers, grad_accum=grad_accum)
+    task, total = LanguageModel(cfg), _total_steps(options)
     stages = 1 if pipe is None else pipe.stages
     got = 1 if mesh is None else int(dict(mesh.shape).get("stage", 1))
     if got != stages or spec.n_blocks != cfg.n_layers // stages:
@@ -154,10 +148,11 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
                          "(sdp_jax.mesh.make_mesh) and the spec of one stage "
                          f"(sdp_jax.models.llama.make_plan(..., pipe=pipe)); got a 'stage' axis of {got} "
                          f"and a spec of {spec.n_blocks} of the {cfg.n_layers} blocks.")
+    schedule = optim_lib.lr_schedule(optim, total)
     if stages == 1:
-        return step_lib.SDPStep(spec, task.loss, optim_lib.make_optimizer(optim, total_steps), mesh,
-                                init_fn=task.init, **kw)
-    pipe.check(cfg, fsdp=fsdp, average=averaging)
+        return step_lib.SDPStep(spec, ModelHooks(task.loss, task.block, task.init),
+                                optim_lib.make_optimizer(optim, total), mesh, options, schedule)
+    pipe.check(cfg, fsdp=options.fsdp, average=options.average)
     sched = pl.Pipeline(pipe, cfg.d_model, cfg.vocab_size, task.embed, task.head)
 
     def init(seed):   # the boundary's seed as the pipeline has always drawn it
@@ -167,16 +162,28 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
     def ortho(params):
         return {"ortho_err": stiefel.orthogonality_error(
             params["boundary"][pl.projector_key(pipe.method)])}
-    step = step_lib.SDPStep(spec, sched.loss, optim_lib.pipeline_optimizer(pipe, optim, total_steps), mesh,
-                            init_fn=init, has_aux=True,
-                            param_metrics=ortho if pipe.compressed else None, **kw)
-    step.pipeline = sched
-    return step
+    hooks = ModelHooks(sched.loss, task.block, init, has_aux=True,
+                       param_metrics=ortho if pipe.compressed else None)
+    return step_lib.SDPStep(spec, hooks, optim_lib.pipeline_optimizer(pipe, optim, total), mesh,
+                            options, schedule)
+
+
+def _total_steps(options: StepOptions) -> int:
+    """``options.total_steps``, which a family's step needs for its learning-rate schedule.
+
+    Raises:
+      ValueError: None."""
+    if not isinstance(options, StepOptions) or options.total_steps is None:
+        raise ValueError(f"options={options!r}: a family's step needs StepOptions with "
+                         "total_steps (the run's optimizer steps, for the learning-rate "
+                         "schedule), e.g. StepOptions(total_steps=1000).")
+    return options.total_steps
 
 
 # ----------------------------------------------------------------------------------------------
 # Vision models
 # ----------------------------------------------------------------------------------------------
+VISION_REMAT = ("none", "full")   # activation checkpointing modes of the vision models
 
 def vision_rules(cfg: vm.VisionConfig, *, blocks: bool = True, stats: bool = False) -> list:
     """The SDP rules of a vision model: ``Blocks("s{i}", key="b{}")`` per stage (``pad`` for
@@ -329,56 +336,45 @@ class VisionModel:
         return m.params(), m.batch_stats()
 
 
-def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh, total_steps: int,
-                *, dtype: str = "float32", remat: str = "none", fsdp: bool = False,
-                averaging: str = "gradients", sync_every: int = 1,
-                method: str = "auto", unroll: bool = False,
-                emulate_workers: bool = False, grad_accum: int = 1) -> step_lib.SDPStep:
-    """The :class:`sdp_jax.step.SDPStep` of a vision run: AdamW (or SGD) from ``optim`` with
-    weight decay on conv / linear weights only, clipping at ``optim.grad_clip``, the BatchNorm
+def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh,
+                options: StepOptions) -> step_lib.SDPStep:
+    """The :class:`sdp_jax.step.SDPStep` of a vision run: AdamW (or SGD) from ``optim`` over
+    ``options.total_steps``, with weight decay on conv / linear weights only, ``options``
+    (:class:`sdp_jax.options.StepOptions`, clipping at ``options.grad_clip``), the BatchNorm
     statistics as model state (averaged over each layer's holders after every step), metrics
-    ``train_acc`` and ``lr``; ``init_state(seed)`` from the model's initializer. With ``fsdp``
-    the parameters, gradients and optimizer state are sharded over the workers (ZeRO-3; the
-    whole model is gathered at the start of each step, see :class:`sdp_jax.step.SDPStep`);
-    the BatchNorm statistics are not.
-
-    ``method``: ``auto`` / ``alltoall`` (holder-only bytes) or ``reference`` (the masked psum).
-    ``unroll``: with ``remat="full"``, the block scans unrolled (the same results; XLA counts a
-    loop body's FLOPs once, so the FLOP count needs it).
+    ``train_acc`` and ``lr``; ``init_state(seed)`` from the model's initializer; the
+    :class:`VisionModel` as the step's ``extras``. With ``fsdp`` the parameters, gradients and
+    optimizer state are sharded over the workers (ZeRO-3; the whole model is gathered at the
+    start of each step, see :class:`sdp_jax.step.SDPStep`); the BatchNorm statistics are not.
+    With ``remat="full"`` and ``unroll`` the block scans are unrolled (the same results; XLA
+    counts a loop body's FLOPs once, so the FLOP count needs it).
 
     Raises:
-      ValueError: ``remat`` not ``none`` / ``full``, an unknown ``method``; and everything
-        :class:`SDPStep` refuses.
+      ValueError: ``remat`` not ``none`` / ``full``; ``options`` without ``total_steps``; and
+        everything :class:`SDPStep` refuses.
     """
-
-    method = step_method(method)
-    if remat not in ("none", "full"):
-        raise ValueError(f"remat={remat!r}; vision models take none or full (activation "
-                         "checkpointing of every block).")
-    task = VisionModel(cfg, spec, runner.DTYPES.get(dtype, jnp.float32), remat == "full",
-                       unroll)
-    step = step_lib.SDPStep(
-        spec, task.loss, optim_lib.make_optimizer(optim, total_steps, decay_mask=_decay), mesh,
-        grad_clip=optim.grad_clip, averaging=averaging, sync_every=sync_every, dtype=dtype,
-        fsdp=fsdp, method=method,
-        schedule=optim_lib.lr_schedule(optim, total_steps), init_fn=task.init,
-        total_steps=total_steps, has_aux=True, state_spec=task.stats_spec, stacked_slots=True,
-        emulate_workers=emulate_workers, grad_accum=grad_accum)
-    step.task = task
-    return step
+    total = _total_steps(options)
+    options.check_for(spec, VISION_REMAT)
+    task = VisionModel(cfg, spec, options.compute_dtype, options.remat == "full",
+                       options.unroll)
+    hooks = ModelHooks(task.loss, init_fn=task.init, has_aux=True, state_spec=task.stats_spec,
+                       stacked_slots=True, extras=task)
+    return step_lib.SDPStep(spec, hooks,
+                            optim_lib.make_optimizer(optim, total, decay_mask=_decay), mesh,
+                            options, optim_lib.lr_schedule(optim, total))
 
 
 class VisionEval:
     """Full-model evaluation of a vision :class:`SDPStep` (:func:`vision_step`).
 
     Args:
-      step: the step; its ``task`` is the :class:`VisionModel`.
+      step: the step; its ``extras`` is the :class:`VisionModel`.
     """
 
     def __init__(self, step: step_lib.SDPStep):
-        if not isinstance(getattr(step, "task", None), VisionModel):
+        if not isinstance(step.extras, VisionModel):
             raise ValueError("VisionEval evaluates a step built by sdp_jax.train.families.vision_step.")
-        self.step, self.task = step, step.task
+        self.step, self.task = step, step.extras
         self._fns: dict = {}
         self._stats_spec = jax.tree.map(lambda _: P(), self._full_stats_shapes())
 
@@ -461,7 +457,7 @@ class VisionEval:
             # Every worker returns the same values; an FSDP all_gather is not typed invariant.
             self._fns["full"] = jax.jit(self.step.placement.map(
                 self._gather, (self.step.param_specs, self._sspec()),
-                (pspec, self._stats_spec), check_vma=not self.step.fsdp))
+                (pspec, self._stats_spec), check_vma=not self.step.options.fsdp))
         return self._fns["full"](state["params"], state.get("stats", {}))
 
 
@@ -528,8 +524,7 @@ class LanguageModelFamily(Family):
                 data_lib.make_val_batches(config.data, num_batches=config.eval_batches, **kw))
 
     def step(self, run, mesh) -> step_lib.SDPStep:
-        return language_model_step(run.model, run.plan, run.optim, mesh, run.total_steps,
-                                   pipe=run.pipe, **run.settings.kwargs())
+        return language_model_step(run.model, run.plan, run.optim, mesh, run.options, run.pipe)
 
     def check_start(self, run):
         """``config.init_from``'s Hugging Face LLaMA checked against the run's model from its
@@ -665,7 +660,7 @@ class VisionFamily(Family):
 
     kind = "vision"
     non_negative_fields = ("eval_limit", "eval_bn_batches", "data.worker_count")
-    remat = ("none", "full")
+    remat = VISION_REMAT
     rate_key = "images_per_s"
 
     def template(self, config):
@@ -724,8 +719,8 @@ class VisionFamily(Family):
 
     def step(self, run, mesh, unroll: bool = False) -> step_lib.SDPStep:
         """The run's step (:func:`vision_step`; ``unroll`` for FLOP counting)."""
-        return vision_step(run.model, run.plan, run.optim, mesh, run.total_steps,
-                           unroll=unroll, **run.settings.kwargs())
+        return vision_step(run.model, run.plan, run.optim, mesh,
+                           dataclasses.replace(run.options, unroll=unroll))
 
     def batch_shapes(self, run):
         m, G = run.model, run.global_batch
@@ -745,8 +740,8 @@ class VisionFamily(Family):
         backward variants count their full backward pass) times the devices of the ``W``
         workers (``RunSpec.worker_devices``: ``W``, or 1 when emulated); None under
         ``remat`` (a scan, whose body XLA counts once)."""
-        return [], compiled_flops(compiled, run.worker_devices, run.settings.remat == "none"
-                                  and run.settings.grad_accum == 1)
+        return [], compiled_flops(compiled, run.worker_devices, run.options.remat == "none"
+                                  and run.options.grad_accum == 1)
 
     def param_count(self, run) -> int:
         return vm.param_count(run.model)

@@ -740,11 +740,11 @@ def _data_from(stream, saved: dict | None, start: int, run: run_lib.RunSpec, met
 def _log_run(run: run_lib.RunSpec, builder, mesh) -> None:
     """The run's opening lines: devices, masks and settings, the family's lines, the mask
     graph and the parameter counts."""
-    s, devices, mask_info = run.settings, list(mesh.devices.flat), run.plan.summary()
+    s, devices, mask_info = run.options, list(mesh.devices.flat), run.plan.summary()
     log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
         f"process(es)); {run.plan.describe()}"
         + (f"; parameters averaged over holders every {s.sync_every} steps"
-           if s.averaging == "parameters" else "")
+           if s.periodic else "")
         + (f"; FSDP (ZeRO-3) over the {run.workers} workers" if s.fsdp else "")
         + (f"; activation checkpointing: {s.remat}" if s.remat != "none" else "")
         + (f"; compute dtype {s.dtype}" if s.dtype != "float32" else "")
@@ -830,7 +830,7 @@ def _summary(run: run_lib.RunSpec, builder, prog: _Program | None, step: int,
     """``summary.json``: the family's fields and the run's own (settings, steps, wall
     seconds, memory, parameter counts, masks, throughput unit and model FLOPs); ``prog``:
     the compiled program (None when nothing was compiled, ``steps=0``: no memory figures)."""
-    family, s = run.family, run.settings
+    family, s = run.family, run.options
     mask_info = run.plan.summary()
     mem = None if prog is None else prog.memory
     items = family.items_per_step(run) if prog is None else prog.items
@@ -839,7 +839,7 @@ def _summary(run: run_lib.RunSpec, builder, prog: _Program | None, step: int,
         **family.summary(run, step, last_eval, last_rec),
         "variant": run.config.sdp.variant, "regime": run.plan.regime,
         "coverage": run.plan.coverage,
-        "workers": run.workers, "scheme": run.config.sdp.scheme, "average": s.averaging,
+        "workers": run.workers, "scheme": run.config.sdp.scheme, "average": s.average,
         "sync_every": s.sync_every, "fsdp": s.fsdp, "remat": s.remat,
         "dtype": s.dtype, "steps": step, "total_steps": run.total_steps,
         "completed": step >= run.total_steps, "wall_s": wall,

@@ -94,7 +94,7 @@ def compact_optimizer(step: SDPStep) -> Migration:
                 for p, x in _flatten(tree).items()}
         dts = {x.dtype for x in flat.values()}   # the moments' dtype (e.g. mu_dtype)
         flat = st.layout.to_local(flat)
-        if step.block_fn is None:   # full-size leaves, zero where not held
+        if step.model.block_fn is None:   # full-size leaves, zero where not held
             flat = st.zero_embedded(flat)
         return _unflatten({p: x.astype(next(iter(dts)) if len(dts) == 1 else
                                        st.layout.dtype(p))

@@ -15,13 +15,16 @@ import optax
 
 from sdp_jax import fields, stiefel
 from sdp_jax import pipeline as pl
+from sdp_jax.options import StepOptions
 
 SCHEDULES = ("cosine", "wsd")
+STEP_FIELDS = fields.setting_defaults(StepOptions)   # the config fields the step's options own
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warm-up, a decay schedule and global-norm clipping. ``lr`` is the
+    """AdamW with linear warm-up and a decay schedule (the step clips, at
+    ``optim.grad_clip``: :class:`sdp_jax.options.StepOptions`). ``lr`` is the
     peak learning rate; it decays to ``lr * min_lr_ratio``. ``schedule``: ``cosine`` (cosine
     decay over the whole run, Loshchilov & Hutter 2017) or ``wsd`` (warm-up, stable, decay:
     the peak rate held until the last ``cooldown_fraction`` of the steps, then a linear
@@ -39,7 +42,6 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0
 
     def __post_init__(self):
         if self.name not in ("adamw", "sgd"):
@@ -65,12 +67,14 @@ class OptimConfig:
         check("b1", lambda v: 0 <= v < 1, "in [0, 1)")
         check("b2", lambda v: 0 <= v < 1, "in [0, 1)")
         check("eps", lambda v: v > 0, "> 0")
-        check("grad_clip", lambda v: v >= 0, ">= 0 (0 = no clipping)")
         check("cooldown_fraction", lambda v: 0 < v <= 1, "in (0, 1]")
 
     @classmethod
     def from_config(cls, cfg) -> "OptimConfig":
-        return fields.from_section(cls, cfg, "optim")
+        """The ``optim`` section without the step's settings declared in it
+        (:class:`sdp_jax.options.StepOptions`: ``optim.grad_clip``)."""
+        return fields.from_section(cls, {k: v for k, v in dict(cfg).items()
+                                         if f"optim.{k}" not in STEP_FIELDS}, "optim")
 
 
 def cooldown_start(optim: OptimConfig, total_steps: int) -> int:

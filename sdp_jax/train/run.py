@@ -17,8 +17,7 @@ from sdp_jax import alignment
 from sdp_jax import mesh as mesh_lib
 from sdp_jax import pipeline as pl
 from sdp_jax import placement
-from sdp_jax import runner
-from sdp_jax import step as step_lib
+from sdp_jax.options import DTYPE_ALIASES, StepOptions
 from sdp_jax.models.vision import MODELS
 from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib
@@ -55,7 +54,8 @@ class RunSpec:
       workers: ``W``; total_steps: the run's optimizer steps (FLOP-matched when asked);
       global_batch: ``W * batch_per_worker`` examples per step.
       pipe: :class:`sdp_jax.pipeline.PipelineConfig` (``stages=1``: no pipeline).
-      settings: the step's settings, :class:`sdp_jax.train.task.StepSettings`.
+      options: the step's settings, :class:`sdp_jax.options.StepOptions` (with the run's
+        ``total_steps``).
       config: the run's config, checked (the family's hooks read their own fields from it,
         e.g. ``seq_len`` or ``data``).
     """
@@ -68,7 +68,7 @@ class RunSpec:
     total_steps: int
     global_batch: int
     pipe: Any
-    settings: task_lib.StepSettings
+    options: StepOptions
     config: Any
 
     @property
@@ -76,7 +76,7 @@ class RunSpec:
         """The devices the ``W`` workers run on: ``W``, or 1 when emulated
         (``config.emulate_workers``); a compiled step's per-device FLOPs times this is the
         step's FLOPs."""
-        return 1 if self.settings.emulate_workers else self.workers
+        return 1 if self.options.emulate_workers else self.workers
 
 
 def _integer(v, name: str, low: int, hint: str = "") -> None:
@@ -166,18 +166,18 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
     _check_run_control(config, family)
     model = family.model_config(config)
     optim = optim_lib.OptimConfig.from_config(config.optim)
-    _check_step_fields(config, family.remat)
+    options = StepOptions.from_config(config)
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
     _check_microbatches(config, pipe)
     if pipe.stages > 1:
-        pipe.check(model, config.batch_per_worker // config.grad_accum, config.fsdp,
-                   config.sdp.average)
+        pipe.check(model, config.batch_per_worker // options.grad_accum, options.fsdp,
+                   options.average)
     workers = resolve_workers(config, device_count, pipe.stages, processes)
     plan = family.plan(config, model, workers, pipe)
+    options.check_for(plan, family.remat)
     if config.align_every:
         no_full_loss = "" if family.aligns(model, plan) else f"{family.kind} models"
-        alignment.check(fsdp=config.fsdp, averaging=config.sdp.average,
-                        pipelined=pipe.stages > 1, names=CONFIG_NAMES, no_full_loss=no_full_loss,
+        alignment.check(options, pipelined=pipe.stages > 1, no_full_loss=no_full_loss,
                         asked=f"config.align_every={config.align_every}",
                         fix="set --config.align_every=0")
     total = total_steps(config, plan.coverage)
@@ -187,11 +187,11 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
                          f"({total} steps); lower --config.optim.warmup_steps.")
     return RunSpec(family, model, optim, plan, workers, total,
                    workers * config.batch_per_worker, pipe,
-                   task_lib.StepSettings.from_config(config), config)
+                   dataclasses.replace(options, total_steps=total), config)
 
 
 def _check_microbatches(config, pipe) -> None:
-    """``config.grad_accum`` (a positive integer, :func:`_check_step_fields`) divides
+    """``config.grad_accum`` (a positive integer, :class:`sdp_jax.options.StepOptions`) divides
     ``batch_per_worker``, and a pipeline's microbatches divide the rows of an accumulation
     microbatch.
 
@@ -313,7 +313,7 @@ def resolve_workers(config, device_count: int, stages: int = 1,
 
 
 def _emulated(config, stages: int, processes: int) -> bool:
-    """``config.emulate_workers`` (a bool, :func:`_check_step_fields`), with emulation's
+    """``config.emulate_workers`` (a bool, :class:`sdp_jax.options.StepOptions`), with emulation's
     refusals (:func:`sdp_jax.placement.check_emulation`)."""
     emulate = config.emulate_workers
     if emulate:
@@ -326,43 +326,11 @@ def _emulated(config, stages: int, processes: int) -> bool:
     return emulate
 
 
-# How a run config names the step's settings (sdp_jax.step.check_settings words its refusals so)
-CONFIG_NAMES = {"averaging": "config.sdp.average", "sync_every": "config.sdp.sync_every",
-                "fsdp": "config.fsdp", "remat": "config.remat", "dtype": "config.dtype",
-                "emulate_workers": "config.emulate_workers",
-                "grad_accum": "config.grad_accum"}
-
-
-def _check_step_fields(config, remat: tuple | None = None) -> None:
-    """Validate the step's settings of a run config (every model family): ``sdp.method``,
-    ``sdp.average``, ``sdp.sync_every``, ``fsdp``, ``remat`` (one of ``remat``,
-    default :data:`sdp_jax.runner.REMAT`) and ``dtype``.
-
-    Raises:
-      ValueError: naming the bad value and the choices: an unknown averaging mode or method,
-        a bad ``sync_every``, ``sync_every`` without parameter averaging, parameter averaging
-        with a backward-masking variant or with FSDP."""
-    sdp = config.sdp
-    if config.dtype is None:   # (the step's "as stored" is no run setting)
-        raise ValueError("config.dtype=None; use float32 or bfloat16.")
-    step_lib.check_settings(variant=sdp.variant, averaging=sdp.average,
-                            sync_every=sdp.sync_every, fsdp=config.fsdp, remat=config.remat,
-                            dtype=config.dtype, remat_modes=tuple(remat or runner.REMAT),
-                            names=CONFIG_NAMES, emulate_workers=config.emulate_workers,
-                            grad_accum=config.grad_accum)
-    task_lib.step_method(sdp.method, "config.sdp.method")
-    if sdp.average == "gradients" and sdp.sync_every != 1:   # (a config-only rule)
-        raise ValueError(f"config.sdp.sync_every={sdp.sync_every} only applies with "
-                         "--config.sdp.average=parameters (gradients are averaged every step); "
-                         "set both or neither.")
-
-
 def canonical_dtype(config) -> None:
     """``bf16`` / ``fp32`` -> ``bfloat16`` / ``float32``, so that checkpoints record one name."""
-    alias = {"bf16": "bfloat16", "fp32": "float32"}
-    if config.dtype in alias:
+    if config.dtype in DTYPE_ALIASES:
         with config.unlocked():
-            config.dtype = alias[config.dtype]
+            config.dtype = DTYPE_ALIASES[config.dtype]
 
 
 def total_steps(config, coverage: float, steps: int | None = None) -> int:
@@ -380,7 +348,7 @@ def make_mesh(run: RunSpec):
     ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order; one device
     with ``config.emulate_workers``."""
     return mesh_lib.make_mesh(run.workers, run.pipe.stages,
-                              emulated=run.settings.emulate_workers)
+                              emulated=run.options.emulate_workers)
 
 
 def trajectory_config(config) -> dict[str, Any]:

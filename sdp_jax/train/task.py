@@ -38,69 +38,13 @@ import jax
 import ml_collections
 import numpy as np
 
-from sdp_jax import costs, runner
+from sdp_jax import costs
+from sdp_jax import fields as fields_lib
 from sdp_jax import spec as spec_lib
 from sdp_jax import step as step_lib
+from sdp_jax.options import REMAT, ModelHooks, StepOptions
 from sdp_jax.train import config as config_lib
 from sdp_jax.train import optimizer as optim_lib
-
-# config.sdp.method -> the step's averaging method
-METHODS = {"auto": "alltoall", "alltoall": "alltoall", "reference": "psum"}
-
-
-def step_method(method: str, name: str = "method") -> str:
-    """The :class:`sdp_jax.step.SDPStep` averaging method of a config's ``sdp.method``:
-    ``auto`` / ``alltoall`` -> ``alltoall`` (holder-only bytes), ``reference`` -> ``psum`` (the
-    full-size masked psum).
-
-    Raises:
-      ValueError: an unknown method (``name`` is how the message calls the field)."""
-    if method not in METHODS:
-        raise ValueError(f"{name}={method!r}; use one of {', '.join(METHODS)} "
-                         "(--config.sdp.method).")
-    return METHODS[method]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSettings:
-    """The :class:`sdp_jax.step.SDPStep` settings a run config gives in every family, as
-    :func:`sdp_jax.train.run.resolve` checked them (:func:`sdp_jax.step.check_settings`).
-
-    Attributes:
-      averaging: ``gradients`` or ``parameters`` (``config.sdp.average``).
-      sync_every: steps between parameter averagings (``config.sdp.sync_every``).
-      method: ``config.sdp.method`` as the config names it (``auto``, ``alltoall`` or
-        ``reference``; :func:`step_method` gives the step's).
-      fsdp: ZeRO-3 sharding over the workers; remat: activation checkpointing (``none``,
-        ``full``, ``dots``); dtype: the compute dtype (``float32`` or ``bfloat16``).
-      emulate_workers: the ``W`` workers emulated on one device (``config.emulate_workers``;
-        :mod:`sdp_jax.placement`).
-      grad_accum: microbatches per optimizer step (``config.grad_accum``;
-        :mod:`sdp_jax.accumulation`).
-    """
-
-    averaging: str
-    sync_every: int
-    method: str
-    fsdp: bool
-    remat: str
-    dtype: str
-    emulate_workers: bool = False
-    grad_accum: int = 1
-
-    @classmethod
-    def from_config(cls, config) -> "StepSettings":
-        """The settings of a run config (no checks: :func:`sdp_jax.train.run.resolve` checks)."""
-        s = config.sdp
-        return cls(averaging=s.average, sync_every=s.sync_every, method=s.method,
-                   fsdp=config.fsdp, remat=config.remat, dtype=config.dtype,
-                   emulate_workers=config.emulate_workers, grad_accum=config.grad_accum)
-
-    def kwargs(self) -> dict[str, Any]:
-        """The settings as keyword arguments of the families' step builders
-        (:func:`sdp_jax.train.families.language_model_step`, ``vision_step``)."""
-        return dataclasses.asdict(self)
-
 
 def compiled_flops(compiled, devices: int, counted: bool) -> dict:
     """``{"model_flops_per_step": XLA's FLOP count of the compiled train step times the
@@ -129,11 +73,11 @@ class Family:
     :meth:`plan`) read the run's ``ml_collections.ConfigDict``; every later hook takes the one
     resolved run, ``run``, a :class:`sdp_jax.train.run.RunSpec` (``run.model``: what
     :meth:`model_config` returned, ``run.plan``: what :meth:`plan` returned, ``run.workers``,
-    ``run.global_batch``, ``run.total_steps``, ``run.optim``, ``run.pipe``, ``run.settings``:
-    the :class:`StepSettings`, and ``run.config``: the checked config, for the family's own
-    fields such as ``seq_len`` or ``data``). The hooks that raise
-    ``NotImplementedError`` here are the ones a family must define; :class:`Task` defines all of
-    them from a user's few model functions.
+    ``run.global_batch``, ``run.total_steps``, ``run.optim``, ``run.pipe``,
+    ``run.options``: the step's :class:`sdp_jax.options.StepOptions`, and ``run.config``: the
+    checked config, for the family's own fields such as ``seq_len`` or ``data``). The hooks
+    that raise ``NotImplementedError`` here are the ones a family must define; :class:`Task`
+    defines all of them from a user's few model functions.
 
     Attributes:
       kind: what the messages call the family's runs (``language-model``, ``vision``, a
@@ -153,7 +97,7 @@ class Family:
     rate_key: str = "examples_per_s"
     positive_fields: tuple = ()
     non_negative_fields: tuple = ()
-    remat: tuple = runner.REMAT
+    remat: tuple = REMAT
     fixed_model_fields: bool = False
 
     def _undefined(self, hook: str):
@@ -287,13 +231,22 @@ class Family:
 
 # The model functions a Task must define; the rest are optional.
 REQUIRED = ("init", "rules", "loss", "batch")
-# SDPStep arguments the run sets from its config, and the config field that sets each.
-SET_BY_THE_RUN = {"grad_clip": "optim.grad_clip", "schedule": "optim", "total_steps": "steps",
-                  "init_fn": "init (the Task's)", "averaging": "sdp.average",
-                  "sync_every": "sdp.sync_every", "method": "sdp.method", "fsdp": "fsdp",
-                  "remat": "remat", "dtype": "dtype", "spec": "sdp (the run's masks)",
-                  "loss_fn": "the Task's loss", "optimizer": "optim", "mesh": "workers",
-                  "emulate_workers": "emulate_workers", "grad_accum": "grad_accum"}
+def _check_hooks(name: str, hooks: dict) -> None:
+    """Refuse a task's :meth:`Task.model_hooks` that names something other than a model hook.
+
+    Raises:
+      ValueError: naming the key, and the config field when it is a run setting."""
+    allowed = sorted({f.name for f in dataclasses.fields(ModelHooks)} - {"loss_fn", "init_fn"})
+    set_by_run = {f.name: f.metadata["path"] for f in fields_lib.settings(StepOptions)}
+    for key in hooks:
+        if set_by_run.get(key):
+            raise ValueError(f"{name}.model_hooks gives {key}, which the run sets "
+                             f"(--config.{set_by_run[key]}); set it there and leave it out "
+                             "of model_hooks (or override Task.step).")
+        if key not in allowed:
+            raise ValueError(f"{name}.model_hooks gives {key!r}, which is not a model hook; "
+                             f"give only {', '.join(allowed)} (sdp_jax.options.ModelHooks), "
+                             "or override Task.step.")
 
 
 def _signature(batch) -> tuple:
@@ -305,7 +258,7 @@ def _signature(batch) -> tuple:
 class Task(Family):
     """A model that is not part of this package, trained by the one loop: subclass it and
     define :meth:`init`, :meth:`rules`, :meth:`loss` and :meth:`batch` (and, if the model has
-    any, :meth:`model_fields`); :meth:`val_batches` and :meth:`step_options` are optional.
+    any, :meth:`model_fields`); :meth:`val_batches` and :meth:`model_hooks` are optional.
 
     Every :class:`Family` hook then has a default: the config is :meth:`config` (the ``sdp``,
     ``optim`` and run-control fields of every run and the model section), the spec is
@@ -362,7 +315,7 @@ class Task(Family):
         leaves; under backward masking the full model). The default evaluation
         (:meth:`sdp_jax.step.SDPStep.eval_step_fn`) calls it on the full model, so it takes
         the depth from ``params`` (e.g. ``len(params["blocks"])`` for an ``nnx.List``), not
-        from ``plan``. With ``step_options`` giving ``block_fn`` or ``has_aux``, the forms
+        from ``plan``. With ``model_hooks`` giving ``block_fn`` or ``has_aux``, the forms
         :class:`SDPStep` documents for them."""
         raise self._undefined("loss")
 
@@ -386,13 +339,15 @@ class Task(Family):
         the batches' losses); none by default (no evaluation)."""
         return []
 
-    def step_options(self, model: ml_collections.FrozenConfigDict,
-                     plan: spec_lib.SDPSpec) -> dict[str, Any]:
-        """Further keyword arguments of :class:`sdp_jax.step.SDPStep` that the config does not
-        set, e.g. ``block_fn`` (the block runner, which ``remat`` needs), ``has_aux`` (the loss
-        returns ``(loss, {name: scalar})``, reported as metrics) or ``param_metrics``; none by
+    def model_hooks(self, model: ml_collections.FrozenConfigDict,
+                    plan: spec_lib.SDPSpec) -> dict[str, Any]:
+        """Further model functions of the step, as fields of
+        :class:`sdp_jax.options.ModelHooks` besides the loss and ``init_fn``, e.g.
+        ``block_fn`` (the block runner, which ``remat`` needs), ``has_aux`` (the loss returns
+        ``(loss, {name: scalar})``, reported as metrics) or ``param_metrics``; none by
         default. (With ``state_spec`` or ``stacked_slots`` the default evaluation does not
-        apply: override :meth:`evaluator`.)"""
+        apply: override :meth:`evaluator`.) The step's settings are the config's
+        (:class:`sdp_jax.options.StepOptions`), not given here."""
         return {}
 
     # ------------------------------------------------------------ the run config
@@ -407,6 +362,10 @@ class Task(Family):
 
         Raises:
           ValueError: :meth:`init`, :meth:`rules`, :meth:`loss` or :meth:`batch` not defined."""
+        if hasattr(self, "step_options"):
+            raise ValueError(f"{type(self).__name__} defines step_options, which is now "
+                             "model_hooks (the same dict of sdp_jax.options.ModelHooks fields: "
+                             "block_fn, has_aux, ...); rename the method.")
         missing = [m for m in REQUIRED if getattr(type(self), m) is getattr(Task, m)]
         if missing:
             raise ValueError(f"{type(self).__name__} does not define {', '.join(missing)}; a "
@@ -428,9 +387,9 @@ class Task(Family):
 
     # ------------------------------------------------------------ the Family hooks
     def aligns(self, model, plan) -> bool:
-        """True unless :meth:`step_options` gives ``stacked_slots`` (a model that runs its
+        """True unless :meth:`model_hooks` gives ``stacked_slots`` (a model that runs its
         own block slots has no full-model loss of its own here)."""
-        return not self.step_options(model, plan).get("stacked_slots")
+        return not self.model_hooks(model, plan).get("stacked_slots")
 
     def plan(self, config, model, workers: int, pipe) -> spec_lib.SDPSpec:
         """:func:`sdp_jax.spec.build` of the parameters' shapes (:meth:`init` traced, no
@@ -501,29 +460,21 @@ class Task(Family):
         return (train_at if train else None), val
 
     def step(self, run, mesh) -> step_lib.SDPStep:
-        """The :class:`sdp_jax.step.SDPStep` of :meth:`loss` with the run's settings
-        (``run.settings``), the optimizer of ``config.optim`` and its schedule, clipping
-        at ``optim.grad_clip``, ``init_fn`` from :meth:`init`, and :meth:`step_options`.
+        """The :class:`sdp_jax.step.SDPStep` of :meth:`loss` with the run's options
+        (``run.options``), the optimizer of ``config.optim`` and its schedule, ``init_fn``
+        from :meth:`init`, and :meth:`model_hooks`.
 
         Raises:
-          ValueError: :meth:`step_options` gives an argument the config sets (naming the
-            field); everything :class:`SDPStep` refuses."""
+          ValueError: :meth:`model_hooks` gives a name that is no model hook (naming the
+            config field when the run sets it); everything :class:`SDPStep` refuses."""
         model, plan = run.model, run.plan
-        options = dict(self.step_options(model, plan))
-        clash = sorted(set(options) & set(SET_BY_THE_RUN))
-        if clash:
-            raise ValueError(f"{type(self).__name__}.step_options gives {clash[0]}, which the "
-                             f"run sets ({SET_BY_THE_RUN[clash[0]]}); set it there and leave "
-                             "it out of step_options (or override Task.step).")
-        settings = run.settings.kwargs()
-        settings["method"] = step_method(settings["method"], "config.sdp.method")
+        hooks = dict(self.model_hooks(model, plan))
+        _check_hooks(type(self).__name__, hooks)
         return step_lib.SDPStep(
-            plan, self.loss(model, plan),
-            optim_lib.make_optimizer(run.optim, run.total_steps), mesh,
-            grad_clip=run.optim.grad_clip,
-            schedule=optim_lib.lr_schedule(run.optim, run.total_steps),
-            total_steps=run.total_steps, init_fn=lambda seed: self.init(model, seed),
-            **settings, **options)
+            plan, ModelHooks(self.loss(model, plan), init_fn=lambda seed: self.init(model, seed),
+                             **hooks),
+            optim_lib.make_optimizer(run.optim, run.total_steps), mesh, run.options,
+            schedule=optim_lib.lr_schedule(run.optim, run.total_steps))
 
     def batch_shapes(self, run):
         """Step 0's global batch as ``jax.ShapeDtypeStruct``."""
@@ -543,10 +494,10 @@ class Task(Family):
     def compiled(self, run, compiled) -> tuple[list[str], dict]:
         """``model_flops_per_step`` from XLA's count of the compiled step
         (:func:`compiled_flops`; None with a block runner or activation checkpointing)."""
-        looped = ("block_fn" in self.step_options(run.model, run.plan)
-                  or run.settings.grad_accum > 1)
+        looped = ("block_fn" in self.model_hooks(run.model, run.plan)
+                  or run.options.grad_accum > 1)
         return [], compiled_flops(compiled, run.worker_devices,
-                                  not looped and run.settings.remat == "none")
+                                  not looped and run.options.remat == "none")
 
     def evaluator(self, run, builder, val_batches, put, log):
         """``state -> {"val_loss": float}``: the full model's loss

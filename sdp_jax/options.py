@@ -1,0 +1,172 @@
+"""What a train step is given besides the spec, the optimizer and the mesh: its options
+(:class:`StepOptions`, every setting declared once with its run-config field, doc and rule) and
+the model's functions (:class:`ModelHooks`).
+
+A run config's step settings are these declarations: :mod:`sdp_jax.train.config` builds its
+fields from them (same names, defaults and docs), :meth:`StepOptions.from_config` reads a
+config into one object, and every refusal names the field as the command line sets it
+(``config.sdp.average='x'`` for ``--config.sdp.average``). docs/configuration.md lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from sdp_jax.fields import check_settings, read_settings, setting
+
+# Activation checkpointing modes of the block runner (sdp_jax.runner.remat_block).
+REMAT = ("none", "full", "dots")
+# Compute dtypes, and the short names a config may give (recorded under the canonical name).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The settings of one :class:`sdp_jax.step.SDPStep`, checked when built.
+
+    Every field is declared once (:func:`sdp_jax.fields.setting`): its run-config field
+    (``path``), default, one-line doc and rule. A run builds it from its config
+    (:meth:`from_config`); a library user writes ``StepOptions(fsdp=True, remat="full")``.
+
+    Raises:
+      ValueError: one line naming the field as a run config sets it (``config.sdp.average``,
+        the flag ``--config.sdp.average``), the value and the rule: a value of the wrong type
+        or out of bounds; parameter averaging with FSDP; ``sync_every`` other than 1 without
+        parameter averaging.
+    """
+
+    average: str = setting(
+        "gradients", "gradients (every step; C = 1 is DDP) or parameters (each worker steps on "
+        "its own gradient, parameters averaged over holders every sync_every steps)",
+        path="sdp.average", choices=("gradients", "parameters"))
+    sync_every: int = setting(
+        1, "H, the steps between parameter averagings (sdp.average=parameters)",
+        path="sdp.sync_every", kind=int, low=1)
+    method: str = setting(
+        "auto", "averaging of masked leaves: auto (= alltoall), alltoall (holder-only bytes) "
+        "or reference (the full-size masked psum)",
+        path="sdp.method", choices=("auto", "alltoall", "reference"))
+    fsdp: bool = setting(
+        False, "shard parameters, gradients and optimizer state over the workers (ZeRO-3)",
+        path="fsdp", kind=bool)
+    remat: str = setting(
+        "none", "activation checkpointing of every block: none, full (save the block input) "
+        "or dots (also matmul outputs); vision models: none or full",
+        path="remat", choices=REMAT)
+    dtype: str = setting(
+        "float32", "compute dtype, float32 or bfloat16 (bf16); master parameters, optimizer "
+        "state and gradient averaging stay float32", path="dtype", choices=tuple(DTYPES))
+    emulate_workers: bool = setting(
+        False, "run the W workers on one device (jax.vmap; W times one worker's memory)",
+        path="emulate_workers", kind=bool)
+    grad_accum: int = setting(
+        1, "microbatches per optimizer step, run one after another; 1 = no accumulation",
+        path="grad_accum", kind=int, low=1)
+    grad_clip: float = setting(
+        0.0, "clip the averaged gradient to this global norm; 0 = no clipping",
+        path="optim.grad_clip", kind=float, low=0)
+    total_steps: int | None = setting(
+        None, "the run's optimizer steps (the last one averages under parameter averaging); "
+        "None = unknown", kind=int, low=0)
+    unroll: bool = setting(
+        False, "unroll the block scan (XLA counts a loop body's FLOPs once; same results)",
+        kind=bool)
+
+    def __post_init__(self):
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+        check_settings(self)
+        if self.periodic and self.fsdp:
+            raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, "
+                             "but FSDP stores one sharded copy (config.fsdp=True); use "
+                             "--config.sdp.average=gradients, or --config.fsdp=False.")
+        if not self.periodic and self.sync_every != 1:
+            raise ValueError(f"config.sdp.sync_every={self.sync_every} only applies with "
+                             "--config.sdp.average=parameters (gradients are averaged every "
+                             "step); set both or neither.")
+
+    @classmethod
+    def from_config(cls, config, **library) -> "StepOptions":
+        """The options a run config gives (each field read at its declared path), with
+        ``library`` (the fields no config sets: ``total_steps``, ``unroll``).
+
+        Raises:
+          ValueError: as the class does."""
+        return cls(**read_settings(cls, config), **library)
+
+    def check_for(self, spec, remat_modes: tuple = REMAT) -> None:
+        """Refuse options the model or the masking regime does not support.
+
+        Args:
+          spec: the run's :class:`sdp_jax.spec.SDPSpec` (backward masking keeps every worker's
+            full parameters identical: no parameter averaging).
+          remat_modes: the activation checkpointing modes the model supports.
+
+        Raises:
+          ValueError: naming the field, the value and the fix."""
+        if self.remat not in remat_modes:
+            raise ValueError(f"config.remat={self.remat!r}; use one of {', '.join(remat_modes)} "
+                             "(activation checkpointing of every block).")
+        if self.periodic and spec.backward:
+            raise ValueError(f"config.sdp.average=parameters is not available for {spec.variant} "
+                             "(backward masking keeps every worker's full parameters "
+                             "identical); use --config.sdp.average=gradients or a forward "
+                             "variant (ddp, b-sdp, n-sdp).")
+
+    @property
+    def periodic(self) -> bool:
+        """Periodic parameter averaging (``average="parameters"``)."""
+        return self.average == "parameters"
+
+    @property
+    def reference(self) -> bool:
+        """Masked leaves averaged by the full-size masked psum (``method="reference"``)
+        instead of the holder-only all_to_alls (:func:`sdp_jax.sync.average`)."""
+        return self.method == "reference"
+
+    @property
+    def compute_dtype(self):
+        """The compute dtype as a ``jnp.dtype``."""
+        return jnp.dtype(DTYPES[self.dtype])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelHooks:
+    """The model's functions a train step calls (see :class:`sdp_jax.step.SDPStep`).
+
+    Attributes:
+      loss_fn: ``(params, batch) -> loss`` or, with ``block_fn``, ``(params, batch, run) ->
+        loss``; float32 scalar, ``(loss, aux dict)`` with ``has_aux``, and with
+        ``state_spec`` also the new model state last.
+      block_fn: ``(block_params, h) -> h`` for one block of the stacked block subtree (the
+        block runner: needed by FSDP's per-block gathers and activation checkpointing).
+      init_fn: ``seed -> full parameters`` for :meth:`sdp_jax.step.SDPStep.init_state`.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; the aux values are averaged over workers
+        and reported as metrics.
+      state_spec: the :class:`sdp_jax.spec.SDPSpec` of non-gradient model state (e.g.
+        BatchNorm statistics), built with the same variant, W and masks as the parameters'.
+      stacked_slots: list-form block slots reach ``loss_fn`` stacked as stored.
+      param_metrics: ``params -> {name: float32 scalar}`` of the worker's updated
+        parameters, reported as metrics.
+      extras: anything the builder of the step attaches for its callers, e.g. a pipeline's
+        schedule (:class:`sdp_jax.pipeline.Pipeline`); the step keeps it as
+        :attr:`sdp_jax.step.SDPStep.extras` and never reads it.
+    """
+
+    loss_fn: Callable
+    block_fn: Callable | None = None
+    init_fn: Callable | None = None
+    has_aux: bool = False
+    state_spec: Any = None
+    stacked_slots: bool = False
+    param_metrics: Callable | None = None
+    extras: Any = None
+
+    def __post_init__(self):
+        if not callable(self.loss_fn):
+            raise ValueError(f"loss_fn={self.loss_fn!r} is not callable; give the model's "
+                             "loss, (params, batch) -> float32 scalar.")
