@@ -56,25 +56,25 @@ class StepOptions:
     remat: str = setting(
         "none", "activation checkpointing of every block: none, full (save the block input) "
         "or dots (also matmul outputs); vision models: none or full",
-        path="remat", choices=REMAT)
+        path="remat", choices=REMAT, control=True)
     dtype: str = setting(
         "float32", "compute dtype, float32 or bfloat16 (bf16); master parameters, optimizer "
         "state and gradient averaging stay float32", path="dtype", choices=tuple(DTYPES))
     emulate_workers: bool = setting(
         False, "run the W workers on one device (jax.vmap; W times one worker's memory)",
-        path="emulate_workers", kind=bool)
+        path="emulate_workers", kind=bool, control=True)
     grad_accum: int = setting(
         1, "microbatches per optimizer step, run one after another; 1 = no accumulation",
-        path="grad_accum", kind=int, low=1)
+        path="grad_accum", kind=int, low=1, control=True)
     grad_clip: float = setting(
         0.0, "clip the averaged gradient to this global norm; 0 = no clipping",
         path="optim.grad_clip", kind=float, low=0)
     total_steps: int | None = setting(
         None, "the run's optimizer steps (the last one averages under parameter averaging); "
-        "None = unknown", kind=int, low=0)
+        "None = unknown", path=None, kind=int, low=0)
     unroll: bool = setting(
         False, "unroll the block scan (XLA counts a loop body's FLOPs once; same results)",
-        kind=bool)
+        path=None)
 
     def __post_init__(self):
         if self.dtype in DTYPE_ALIASES:

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sdp_jax import comm, fields, sync
+from sdp_jax.fields import setting
 from sdp_jax.mesh import DATA, STAGE
 
 METHODS = ("none", "fixed", "unconstrained", "mapl")
@@ -89,59 +90,40 @@ class PipelineConfig:
         training loss.
     """
 
-    stages: int = 1
-    microbatches: int = 4
-    schedule: str = "gpipe"
-    method: str = "none"
-    ratio: int = 4
-    anchor_rank: int = 16
-    proj_lr: float = 0.01
-    proj_momentum: float = 0.9
-    polar_steps: int = 10
-    rvq_levels: int = 0
-    rvq_codebook: int = 256
-    rvq_beta: float = 0.25
+    SECTION = "pipeline"
+
+    stages: int = setting(1, "P pipeline stages on the mesh axis stage (W x P devices; 1 = no "
+                          "pipeline)", low=1)
+    microbatches: int = setting(4, "M microbatches per worker batch (batch_per_worker "
+                                "divisible by M)", low=1)
+    schedule: str = setting("gpipe", "gpipe (all forwards, then all backwards) or 1f1b (one "
+                            "forward, one backward: at most 2P - 1 microbatches' activations)",
+                            choices=SCHEDULES)
+    method: str = setting("none", "what crosses a stage boundary: none (the residual stream), "
+                          "fixed, unconstrained or mapl (a projection to d / ratio floats)",
+                          choices=METHODS)
+    ratio: int = setting(4, "compression ratio d / r (d_model divisible by it)", low=1)
+    anchor_rank: int = setting(16, "rank of the anchor embeddings subtracted before the "
+                               "projection (0 = no anchors, no token ids sent)", low=0)
+    proj_lr: float = setting(0.01, "mapl: peak learning rate of the projectors' Stiefel "
+                             "optimizer", low=0, open_low=True)
+    proj_momentum: float = setting(0.9, "mapl: the Stiefel optimizer's momentum", low=0, high=1,
+                                   open_high=True)
+    polar_steps: int = setting(10, "mapl: Polar Express iterations per msign (fewer do not "
+                               "reach the polar factor; more only lengthen the compile)", low=8,
+                               high=32)
+    rvq_levels: int = setting(0, "residual vector quantization of the boundary payload: levels "
+                              "(0 = off)", low=0)
+    rvq_codebook: int = setting(256, "codes per quantization level (indices travel as uint8 up "
+                                "to 256, uint16 up to 65536)", low=1, high=65536)
+    rvq_beta: float = setting(0.25, "commitment weight of the quantization", low=0)
 
     def __post_init__(self):
-        for name in ("stages", "microbatches", "ratio", "rvq_codebook"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"pipeline.{name}={v!r} must be a positive integer "
-                                 f"(--config.pipeline.{name}=...).")
-        if isinstance(self.rvq_levels, bool) or not isinstance(self.rvq_levels, int) \
-                or self.rvq_levels < 0:
-            raise ValueError(f"pipeline.rvq_levels={self.rvq_levels!r} must be an integer >= 0 "
-                             "(0 = no quantization).")
-        if self.rvq_codebook > 65536:
-            raise ValueError(f"pipeline.rvq_codebook={self.rvq_codebook} exceeds 65536 codes "
-                             "(indices travel as uint16 at most).")
-        beta = self.rvq_beta
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1e6:
-            raise ValueError(f"pipeline.rvq_beta={beta!r} must be a number >= 0.")
-        ps = self.polar_steps
-        if isinstance(ps, bool) or not isinstance(ps, int) or not 8 <= ps <= 32:
-            raise ValueError(f"pipeline.polar_steps={ps!r} must be an integer in [8, 32]: fewer "
-                             "Polar Express steps do not reach the polar factor (Amsel et al. "
-                             "publish 8 coefficient sets), more only lengthen the compile; use 10.")
+        fields.check_settings(self)
         if self.method != "none" and self.stages == 1:
             raise ValueError(f"pipeline.method={self.method!r} compresses stage boundaries, but "
                              "pipeline.stages=1 has none; set --config.pipeline.stages=2 (or "
                              "more), or method=none.")
-        a = self.anchor_rank
-        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
-            raise ValueError(f"pipeline.anchor_rank={a!r} must be an integer >= 0 (0 = no "
-                             "anchors).")
-        if self.method not in METHODS:
-            raise ValueError(f"pipeline.method={self.method!r}; choose one of "
-                             f"{', '.join(METHODS)}.")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline.schedule={self.schedule!r}; choose gpipe or 1f1b.")
-        lr, mom = self.proj_lr, self.proj_momentum
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
-                or lr <= 0:
-            raise ValueError(f"pipeline.proj_lr={lr!r} must be a finite number > 0.")
-        if isinstance(mom, bool) or not isinstance(mom, (int, float)) or not 0 <= mom < 1:
-            raise ValueError(f"pipeline.proj_momentum={mom!r} must be in [0, 1).")
 
     @classmethod
     def from_config(cls, cfg) -> PipelineConfig:

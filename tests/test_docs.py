@@ -14,8 +14,8 @@ next to each kind below), the long ones (hours, a 1B model, a pod slice) are mea
 as the README says next to each figure.
 
 Beyond the commands: the steps the docs ask of the default run are ones it keeps, the runs a
-plot draws are trained before it, docs/configuration.md names every field of the config schema
-(read at run time), and every table of measured figures names the commit it was measured at.
+plot draws are trained before it, docs/configuration.md's field tables are generated from the
+declarations (every field of every built-in config declared once), and every table of measured figures names the commit it was measured at.
 """
 
 import ast
@@ -37,8 +37,9 @@ from sdp_jax.models.vision import MODELS as VISION_MODELS
 from sdp_jax.study import __main__ as study
 from sdp_jax.models import hf_llama
 from sdp_jax.models.llama import LlamaConfig
-from sdp_jax.tools import harness, plot, prepare, trained
+from sdp_jax.tools import configdoc, harness, plot, prepare, trained
 from sdp_jax.train import cli, fit, launch
+from sdp_jax.train import config as config_lib
 from sdp_jax.train.config import vision_config
 from sdp_jax.train.run import resolve, total_steps
 
@@ -301,6 +302,8 @@ def test_documented_command_is_valid(sandbox, monkeypatch, corpus_kit, path, cmd
     elif cmd[1:3] == ["-m", "sdp_jax.tools.prepare"]:   # runs, on the kit's small corpus
         done = prepare.main(cmd[3:])
         assert done["train_tokens"] > 0 and os.path.isfile(done["train"][0])
+    elif cmd[1:3] == ["-m", "sdp_jax.tools.configdoc"]:   # the page is current (--check)
+        assert configdoc.main(["--check"]) == 0
     elif cmd[1:3] == ["-m", "sdp_jax.tools.plot"]:   # drawn from real runs in its own test
         assert plot.main(cmd[3:], check_only=True) is None
         assert "plot.main" in open(os.path.join(ROOT, "tests", "test_train_cli.py")).read()
@@ -494,125 +497,29 @@ def test_the_runs_a_documented_plot_reads_are_trained_before_it():
 
 
 # ------------------------------------------------------------------ docs/configuration.md
-def _flat(config, prefix: str = "") -> dict:
-    """``{dotted field: value}`` of a config's leaves."""
-    out = {}
-    for key, value in config.items():
-        if hasattr(value, "items"):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
-def config_schemas() -> tuple[dict, dict]:
-    """The fields of the language-model config (``configs/llama_small.py``, the default run:
-    ``base_config`` with its settings) with their values, and those of every vision model's
-    config (``vision_config``), read at run time."""
-    spec = importlib.util.spec_from_file_location("_llama_small",
-                                                  os.path.join(ROOT, "configs", "llama_small.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    vision = {}
+def test_configuration_doc_is_generated_from_the_declarations(capsys):
+    """docs/configuration.md's field tables are what the declarations give
+    (``python -m sdp_jax.tools.configdoc --check``), and every field of every built-in run
+    config is declared once (so every field has its row): a field added, renamed, re-documented
+    or given another default fails here until the page is regenerated."""
+    assert configdoc.main(["--check"]) == 0, capsys.readouterr().out
+    lm = configdoc._llama_small()
+    assert config_lib.undeclared(lm, config_lib.LANGUAGE_MODEL_DECLARED) == []
     for name in VISION_MODELS:
-        vision.update(_flat(vision_config(name, "digits")))
-    return _flat(mod.get_config()), vision
-
-
-def _split_cell(cell: str) -> list[str]:
-    """A table cell's comma-separated values, commas inside backticks or parentheses kept."""
-    parts, depth, quoted, cur = [], 0, False, ""
-    for ch in cell:
-        quoted ^= ch == "`"
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and not quoted and depth == 0:
-            parts.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return parts + [cur.strip()]
-
-
-def _doc_value(text: str):
-    text = text.strip().strip("`")
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
-def config_doc_rows(text: str) -> dict[str, list[tuple[list[str], str]]]:
-    """``{section heading: [(fields of a row, its default cell)]}`` of the tables of
-    docs/configuration.md (a row's first cell names its fields in backticks)."""
-    rows, heading = {}, ""
-    for line in text.splitlines():
-        if line.startswith("## "):
-            heading = line[3:].strip()
-        elif line.startswith("|") and not re.match(r"\|\s*(field|-)", line):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows.setdefault(heading, []).append((re.findall(r"`([^`]+)`", cells[0]), cells[1]))
-    return rows
-
-
-def config_doc_problems(text: str, lm: dict, vision: dict) -> list[str]:
-    """What docs/configuration.md gets wrong about the schema: a field of the language-model
-    config missing from its table, a field there that config lacks (or a wildcard), a default
-    that is not ``llama_small``'s; a vision model's own field (its ``model.*`` and ``data.*``,
-    and the fields language models lack) missing from the vision table, or one there that no
-    vision config has."""
-    rows = config_doc_rows(text)
-    lm_rows = next((r for h, r in rows.items() if h.lower().startswith("language")), [])
-    vision_rows = next((r for h, r in rows.items() if h.lower().startswith("vision")), [])
-    problems = [f"{f}: a wildcard hides fields; name each" for r in lm_rows + vision_rows
-                for f in r[0] if "*" in f]
-    named = [f for fields_, _ in lm_rows for f in fields_]
-    problems += [f"{f}: not in the language-model table" for f in sorted(set(lm) - set(named))]
-    problems += [f"{f}: in the language-model table, but no field of its config"
-                 for f in named if f not in lm and "*" not in f]
-    for fields_, cell in lm_rows:
-        values = _split_cell(cell)
-        if len(values) != len(fields_):
-            problems.append(f"{', '.join(fields_)}: {len(fields_)} fields, defaults {cell!r}")
-            continue
-        for f, v in zip(fields_, values):
-            want, got = lm.get(f), _doc_value(v)
-            if f in lm and (got != want or isinstance(got, bool) != isinstance(want, bool)):
-                problems.append(f"{f}: default {v} in the table, {want!r} in llama_small")
-    own = {f for f in vision if f.split(".")[0] in ("model", "data") or f not in lm}
-    vnamed = [f for fields_, _ in vision_rows for f in fields_]
-    problems += [f"{f}: not in the vision table" for f in sorted(own - set(vnamed))]
-    problems += [f"{f}: in the vision table, but no vision config has it"
-                 for f in vnamed if f not in vision and "*" not in f]
-    return problems
-
-
-def test_configuration_doc_names_every_field_of_the_schema():
-    """docs/configuration.md names every field of the language-model config (with
-    llama_small's default) and every vision model's own field, and no field that does not
-    exist: the schema is read from sdp_jax.train.config when the test runs, so a field added
-    to it, or renamed, fails here until the page has its row."""
-    lm, vision = config_schemas()
+        assert config_lib.undeclared(vision_config(name, "digits"),
+                                     config_lib.EVERY_RUN + config_lib.VISION_DECLARED) == []
     with open(os.path.join(ROOT, "docs", "configuration.md")) as f:
         text = f.read()
-    assert len(lm) > 60 and {"sdp.stage_blocks", "eval_limit", "model.window"} <= set(vision)
-    assert config_doc_problems(text, lm, vision) == []
-    # (the check has teeth: the defects a user found in the page are each caught)
-    lm_section = text[:text.index("## Vision models")]
-    with_vision_field = text.replace(lm_section, lm_section + (
-        "| `model.subnet_rescale` | True | N-SDP rescaling |\n"))
-    assert "model.subnet_rescale: in the language-model table, but no field of its config" in \
-        config_doc_problems(with_vision_field, lm, vision)
-    wildcard = re.sub(r"\| `optim\.b1`, `optim\.b2`, `optim\.eps` \|[^\n]*\n",
-                      "| `optim.*` | - | AdamW |\n", text)
-    assert {"optim.*: a wildcard hides fields; name each",
-            "optim.b1: not in the language-model table"} <= set(
-                config_doc_problems(wildcard, lm, vision))
-    assert "data.new_field: not in the language-model table" in config_doc_problems(
-        text, {**lm, "data.new_field": ""}, vision)
-    assert "sdp.coverage: default 0.5 in the table, 0.25 in llama_small" in config_doc_problems(
-        text, {**lm, "sdp.coverage": 0.25}, vision)
-    assert "eval_bn_batches: not in the vision table" in config_doc_problems(
-        text.replace("| `eval_bn_batches` |", "| eval_bn_batches |"), lm, vision)
+    rows = re.findall(r"^\| `([^`]+)` \|", text, re.M)
+    assert len(rows) > 90 and {"sdp.coverage", "grad_accum", "model.window", "eval_limit"} <= set(
+        rows)
+    # (the check has teeth: an edited row, a new field and a missing marker are each caught)
+    edited = text.replace("| `grad_accum` | 1 |", "| `grad_accum` | 2 |")
+    assert configdoc.render(edited) == text != edited
+    lm.sdp.new_field = 0
+    assert config_lib.undeclared(lm, config_lib.LANGUAGE_MODEL_DECLARED) == ["sdp.new_field"]
+    with pytest.raises(ValueError, match="has no marker '<!-- fields: vision -->'"):
+        configdoc.render(text.replace("<!-- fields: vision -->", ""))
 
 
 # ------------------------------------------------------------------ measured at a commit

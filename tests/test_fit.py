@@ -66,7 +66,7 @@ def test_auto_picks_the_largest_that_fits_or_refuses_in_one_line(monkeypatch, ca
                        "--config.sdp.memory_budget_gib=GIB"):
         fit.resolve(tiny(), 8)
     assert calls == []   # refused before any compile
-    with pytest.raises(ValueError, match="memory_budget_gib=-1.0 must be a number >= 0"):
+    with pytest.raises(ValueError, match="memory_budget_gib=-1.0 must be a finite number >= 0"):
         fit.resolve(tiny(memory_budget_gib=-1.0), 8)
     with pytest.raises(ValueError, match="this command needs a number: give "
                        "--config.sdp.coverage=C"):

@@ -34,14 +34,15 @@ def test_every_option_is_declared_with_a_doc_and_a_rule():
         assert m["kind"] in (bool, int, float, str), f.name
         assert m["kind"] is not str or m["choices"], f.name   # a string has its choices
         # the field's name is the config's name (no translation between them)
-        assert m["path"] is None or m["path"].split(".")[-1] == f.name, f.name
+        path = fields.config_path(StepOptions, f)
+        assert path is None or path.split(".")[-1] == f.name, f.name
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_run_configs_are_built_from_the_declarations(family):
     config = CONFIGS[family]
     for f in fields.settings(StepOptions):
-        path = f.metadata["path"]
+        path = fields.config_path(StepOptions, f)
         if path:
             assert _at(config, path) == RUN_DEFAULTS.get(path, f.default), path
     options = StepOptions.from_config(config, total_steps=7)
@@ -71,8 +72,8 @@ def test_a_config_is_read_at_each_declared_path():
     ({"fsdp": "yes"}, r"^config\.fsdp='yes' must be True or False \(shard parameters"),
     ({"emulate_workers": 1}, r"^config\.emulate_workers=1 must be True or False"),
     ({"average": "both"}, r"^config\.sdp\.average='both'; use gradients or parameters \("),
-    ({"method": "psum"}, r"^config\.sdp\.method='psum'; use auto or alltoall or reference \("),
-    ({"remat": "some"}, r"^config\.remat='some'; use none or full or dots \("),
+    ({"method": "psum"}, r"^config\.sdp\.method='psum'; use one of auto, alltoall, reference \("),
+    ({"remat": "some"}, r"^config\.remat='some'; use one of none, full, dots \("),
     ({"dtype": "float16"}, r"^config\.dtype='float16'; use float32 or bfloat16 \("),
     ({"grad_clip": float("nan")}, r"^config\.optim\.grad_clip=nan must be a finite number >= 0"),
     ({"grad_clip": -1.0}, r"^config\.optim\.grad_clip=-1\.0 must be a finite number >= 0"),

@@ -422,7 +422,7 @@ def tiny_pipe(**kw):
     ({"pipeline.stages": 3}, "pipeline.stages=3 does not divide model.n_layers=4"),
     ({"pipeline.microbatches": 3}, "microbatches=3 does not divide batch_per_worker=2"),
     ({"pipeline.method": "pca"}, "pipeline.method='pca'"),
-    ({"pipeline.schedule": "pipedream"}, "choose gpipe or 1f1b"),
+    ({"pipeline.schedule": "pipedream"}, "use gpipe or 1f1b"),
     ({"pipeline.method": "none", "pipeline.rvq_levels": 2}, "rvq_levels=2 needs a compressed"),
     ({"fsdp": True}, "fsdp=True with pipeline.method='mapl'"),
     ({"sdp.average": "parameters", "sdp.sync_every": 2}, "mean of the workers' orthogonal"),

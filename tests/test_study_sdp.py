@@ -81,10 +81,10 @@ def test_study_writes_resumes_and_skips_finished_runs(tmp_path, monkeypatch, cap
     (["--budgets=steps"], "--budgets='steps': choose distinct values from step, flop"),
     (["--arms=digits", f"--vision_config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}"],
      "is not a vision config (the digits arm)"),
-    (["--lm_config.sdp.scheme=zigzag"], "--lm_config: ddp masks 4 blocks: unknown mask "
-     "scheme 'zigzag'"),
+    (["--lm_config.sdp.scheme=zigzag"], "--lm_config: --lm_config.sdp.scheme='zigzag'; use one of "
+     "cyclic, random, grouped"),
     (["--arms=lm", "--variants=b-sdp", "--lm_config.sdp.scheme=zigzag"],
-     "--lm_config: ddp masks 4 blocks: unknown mask scheme 'zigzag'"),   # not a skipped run
+     "--lm_config: --lm_config.sdp.scheme='zigzag'; use one of cyclic"),   # not a skipped run
     (["--arms=lm", "--variants=b-sdp", "--coverages=0.375"],
      "the lm arm: no variant of --variants is realizable at --coverages=0.375"),
     (["--arms=lm", "--lm_config.fsdp=True"], "--lm_config: --align_every=4: the gradient "

@@ -112,7 +112,7 @@ def test_cifar_reads_tfds_on_disk_format(tmp_path):
 
 def test_bad_vision_configs():
     c = vision_config("resnet18", "mnist")
-    with pytest.raises(ValueError, match="unknown data.dataset='mnist'.*digits, cifar10"):
+    with pytest.raises(ValueError, match="config.data.dataset='mnist'; use one of digits, cifar10"):
         resolve(c, 8)
     c = vision_config("resnet18", "cifar100")
     c.model.num_classes = 10

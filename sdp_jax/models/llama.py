@@ -39,6 +39,7 @@ from flax import nnx
 
 from sdp_jax import fields
 from sdp_jax import pipeline as pl
+from sdp_jax.fields import setting
 from sdp_jax import spec as spec_lib
 
 BLOCK_KEY = "blocks"
@@ -56,43 +57,39 @@ class LlamaConfig:
     full model used for validation sees the scale it was trained at. Our default (the SDP paper
     does not say); no effect on the full model or at C = 1."""
 
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    d_ff: int = 384
-    max_seq_len: int = 256
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    subnet_rescale: bool = True
-    attention: str = "dot_product"
-    attention_chunk: int = 128
+    SECTION = "model"
+
+    vocab_size: int = setting(256, "vocabulary (256: byte-level text; llm.c shards need "
+                              "theirs, e.g. 50304 or 32000)", low=1)
+    d_model: int = setting(128, "width d", low=1)
+    n_layers: int = setting(4, "number of blocks L (B-SDP's components)", low=1)
+    n_heads: int = setting(4, "query heads", low=1)
+    n_kv_heads: int = setting(4, "key/value heads (grouped-query attention: n_heads a multiple "
+                              "of n_kv_heads; N-SDP masks a key/value group with its query "
+                              "heads)", low=1)
+    d_ff: int = setting(384, "SwiGLU hidden width (N-SDP's neurons)", low=1)
+    max_seq_len: int = setting(256, "longest sequence the rotary embeddings are built for (at "
+                               "least seq_len)", low=1)
+    tie_embeddings: bool = setting(False, "share the input embedding with the output layer")
+    rope_theta: float = setting(10000.0, "rotary base", low=0, open_low=True)
+    norm_eps: float = setting(1e-5, "RMSNorm epsilon", low=0, open_low=True)
+    init_std: float = setting(0.02, "standard deviation of the initial weights", low=0,
+                              open_low=True)
+    subnet_rescale: bool = setting(True, "N-SDP: scale a pruned layer's output by configured / "
+                                   "held (inverted dropout), so the full model sees the "
+                                   "trained scale")
+    attention: str = setting("dot_product", "dot_product, cudnn (NVIDIA GPUs) or chunked "
+                             "(queries in chunks of attention_chunk rows); how attention is "
+                             "computed, not what", choices=ATTENTION, control=True)
+    attention_chunk: int = setting(128, "query rows per chunk of attention=chunked", low=1,
+                                   control=True)
 
     def __post_init__(self):
-        if self.attention not in ATTENTION:
-            raise ValueError(f"model.attention={self.attention!r}; use one of "
-                             f"{', '.join(ATTENTION)}.")
+        fields.check_settings(self)
         if self.attention == "cudnn" and jax.default_backend() != "gpu":
             raise ValueError(f"model.attention='cudnn' needs an NVIDIA GPU, but JAX's backend "
                              f"is {jax.default_backend()!r}; use model.attention=chunked (or "
                              "dot_product) here.")
-        if isinstance(self.attention_chunk, bool) or not isinstance(self.attention_chunk, int) \
-                or self.attention_chunk < 1:
-            raise ValueError(f"model.attention_chunk={self.attention_chunk!r} must be a positive "
-                             "integer (query rows per chunk of model.attention=chunked).")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "max_seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"model.{name}={v!r} must be a positive integer.")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v <= 0:
-                raise ValueError(f"model.{name}={v!r} must be a finite positive number.")
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} must be divisible by "
                              f"model.n_heads={self.n_heads}.")

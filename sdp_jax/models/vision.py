@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from sdp_jax import fields
+from sdp_jax.fields import setting
 
 RESNETS = ("resnet18", "wrn18")
 MODELS = RESNETS + ("swin_t",)
@@ -61,11 +62,6 @@ SWIN_FIELDS = ("embed_dim", "depths", "num_heads", "window", "patch", "mlp_ratio
 BN_MOMENTUM = 0.9
 BN_EPS = 1e-5
 LN_EPS = 1e-5
-
-
-def _check_pos_int(name, v):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"model.{name}={v!r} must be a positive integer.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,30 +80,33 @@ class VisionConfig:
       subnet_rescale: see the module docstring.
     """
 
-    name: str = "resnet18"
-    num_classes: int = 10
-    image_size: int = 32
-    in_channels: int = 3
-    width: int = 64
-    widen: int = 1
-    depths: tuple = ()
-    embed_dim: int = 96
-    num_heads: tuple = (3, 6, 12, 24)
-    window: int = 4
-    patch: int = 2
-    mlp_ratio: int = 4
-    subnet_rescale: bool = True
+    SECTION = "model"
+
+    name: str = setting("resnet18", "the model: resnet18, wrn18 (WideResNet-18) or swin_t",
+                        choices=MODELS)
+    num_classes: int = setting(10, "classifier outputs (10 for CIFAR-10 and the digits, 100 for "
+                               "CIFAR-100; a run config's 0 = the dataset's)", low=1)
+    image_size: int = setting(32, "input height = width in pixels", low=1)
+    in_channels: int = setting(3, "input channels", low=1)
+    width: int = setting(64, "ResNet base width (64: 64, 128, 256, 512 channels per stage)",
+                         low=1)
+    widen: int = setting(1, "ResNet widening factor (wrn18: 2)", low=1)
+    depths: tuple = setting((), "blocks per stage (() = the model's: ResNet-18's (2, 2, 2, 2), "
+                            "Swin-T's (2, 2, 6, 2))")
+    embed_dim: int = setting(96, "Swin: token width of the first stage", low=1)
+    num_heads: tuple = setting((3, 6, 12, 24), "Swin: attention heads per stage")
+    window: int = setting(4, "Swin: attention window", low=1)
+    patch: int = setting(2, "Swin: patch size", low=1)
+    mlp_ratio: int = setting(4, "Swin: MLP width over the token width", low=1)
+    subnet_rescale: bool = setting(True, "N-SDP: scale a pruned layer's output by configured / "
+                                   "held (inverted dropout), so the full model sees the "
+                                   "trained scale")
 
     def __post_init__(self):
-        if self.name not in MODELS:
-            raise ValueError(f"model.name={self.name!r}; choose one of {', '.join(MODELS)} "
-                             "(or llama for language models).")
+        fields.check_settings(self)
         default = (2, 2, 2, 2) if self.name in RESNETS else (2, 2, 6, 2)
         object.__setattr__(self, "depths", tuple(self.depths) or default)
         object.__setattr__(self, "num_heads", tuple(self.num_heads))
-        for name in ("num_classes", "image_size", "in_channels", "width", "widen", "embed_dim",
-                     "window", "patch", "mlp_ratio"):
-            _check_pos_int(name, getattr(self, name))
         if not self.depths or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
                                   for d in self.depths):
             raise ValueError(f"model.depths={self.depths!r} must be positive integers.")

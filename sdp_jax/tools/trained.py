@@ -88,13 +88,16 @@ def read_config(workdir: str, task=None):
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
     template = (task or families.family_of(config)).template(config)[0]
-    for key in run_lib.RUN_CONTROL:   # newer than the run, not part of its trajectory
-        if key not in config and key in template:
-            config[key] = template[key]
-    for name in run_lib.SECTION_CONTROL:
-        section, key = name.split(".")
-        if section in config and key not in config[section] and key in template.get(section, {}):
-            config[section][key] = template[section][key]
+    for path in run_lib.CONTROL:   # newer than the run, not part of its trajectory
+        *sections, key = path.split(".")
+        node, tnode = config, template
+        for section in sections:
+            if section not in node or section not in tnode:
+                break
+            node, tnode = node[section], tnode[section]
+        else:
+            if key not in node and key in tnode:
+                node[key] = tnode[key]
     config.lock()
     return config
 

@@ -17,62 +17,225 @@ import dataclasses
 import ml_collections
 
 from sdp_jax import fields
+from sdp_jax.fields import setting
+from sdp_jax.masks import SCHEMES
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.models.vision import VisionConfig
 from sdp_jax.options import StepOptions
 from sdp_jax.pipeline import PipelineConfig
+from sdp_jax.spec import VARIANTS
 from sdp_jax.train import data, vision_data
 from sdp_jax.train.optimizer import OptimConfig
 
 
-def defaults(cls, drop: tuple = (), **fields) -> ml_collections.ConfigDict:
-    """A config section with the defaults of the dataclass ``cls`` (the single place they are
-    declared: :class:`sdp_jax.train.optimizer.OptimConfig`,
-    :class:`sdp_jax.models.llama.LlamaConfig`, :class:`sdp_jax.pipeline.PipelineConfig`),
-    without the fields ``drop``, with ``fields`` added first."""
-    values = {k: v for k, v in dataclasses.asdict(cls()).items() if k not in drop}
-    return ml_collections.ConfigDict({**fields, **values})
+@dataclasses.dataclass(frozen=True)
+class SdpConfig:
+    """The ``sdp`` section's mask recipe (the averaging fields of the section are the step's:
+    :class:`sdp_jax.options.StepOptions`).
+
+    Raises:
+      ValueError: a field of the wrong type, out of bounds or not one of its choices, naming
+        ``config.sdp.FIELD``; a coverage that is neither a number in (0, 1] nor ``auto``."""
+
+    SECTION = "sdp"
+
+    variant: str = setting("ddp", "ddp, b-sdp, n-sdp (forward masking: the subnetwork alone "
+                           "runs), bb-sdp, nb-sdp (backward masking: full forward, sparse "
+                           "gradients); ddp ignores coverage", choices=VARIANTS)
+    coverage: object = setting(1.0, "C, the fraction of blocks (or of each block's neurons and "
+                               "head groups) each worker holds, in (0, 1]; C·G and W·C must be "
+                               "whole; or auto: the largest realizable C whose compiled train "
+                               "step fits sdp.memory_budget_gib", kind=object)
+    memory_budget_gib: float = setting(0.0, "GiB per device the compiled train step must fit "
+                                       "(coverage=auto, and every run when > 0); 0 = the "
+                                       "accelerator's memory x 0.9", kind=float, low=0,
+                                       control=True)
+    scheme: str = setting("cyclic", "cyclic (sliding windows, connected), random (balanced, "
+                          "seeded by mask_seed) or grouped (groups that share nothing: needs "
+                          "allow_disconnected)", choices=SCHEMES)
+    mask_seed: int = setting(0, "seed of the random scheme's masks", low=0)
+    allow_nonuniform: bool = setting(False, "accept W·C not whole: each component held by "
+                                     "floor(W·C) or ceil(W·C) workers")
+    allow_disconnected: bool = setting(False, "accept a mask graph with spectral gap 0")
+
+    def __post_init__(self):
+        fields.check_settings(self)
+        check_coverage(self.coverage)
+
+
+def check_coverage(cov) -> None:
+    """``sdp.coverage``: a number in (0, 1], or ``auto``.
+
+    Raises:
+      ValueError: naming the value and the fix."""
+    if cov != "auto" and (isinstance(cov, bool) or not isinstance(cov, (int, float))
+                          or not 0 < cov <= 1):
+        raise ValueError(f"config.sdp.coverage={cov!r} must be a number in (0, 1] (the fraction "
+                         "of components each worker holds; 1 for ddp), or auto (the largest "
+                         "that fits --config.sdp.memory_budget_gib).")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunControl:
+    """The top-level fields of every run: devices, batch, length, logging, checkpoints.
+
+    Raises:
+      ValueError: a field of the wrong type or out of bounds, naming ``config.FIELD``."""
+
+    workers: int = setting(0, "W data-parallel workers; 0 = every device (/ pipeline.stages)",
+                           low=0)
+    num_cpu_devices: int = setting(8, "devices simulated when only a CPU is present", low=1,
+                                   control=True)
+    batch_per_worker: int = setting(8, "b, examples per worker per step; the global batch is "
+                                    "W·b", low=1)
+    steps: int = setting(300, "optimizer steps (the DDP budget when flop_matched); 0 = train "
+                         "nothing: the initial state is saved as step 0 and evaluated", low=0)
+    flop_matched: bool = setting(False, "an SDP run takes ceil(steps / C) steps (the paper's "
+                                 "FLOP-matched budget)")
+    eval_every: int = setting(100, "steps between full-model evaluations (and at the end; 0 = "
+                              "only at the end)", low=0, control=True)
+    log_every: int = setting(10, "steps between progress lines and metrics.jsonl records",
+                             low=1, control=True)
+    checkpoint_every: int = setting(100, "steps between orbax checkpoints (and at the end; 0 = "
+                                    "only at the end)", low=0, control=True)
+    keep_checkpoints: int = setting(2, "the last this many checkpoints are kept", low=1,
+                                    control=True)
+    stop_at_step: int = setting(0, "stop (saving a checkpoint) once this step is reached, as a "
+                                "preemption would; 0 = off", low=0, control=True)
+    elastic: bool = setting(False, "resume a checkpoint written under another W, coverage, "
+                            "scheme, variant, fsdp or batch_per_worker, re-laid out "
+                            "(docs/checkpoints.md); False refuses it", control=True)
+    peak_flops: float = setting(0.0, "a device's peak FLOP/s for mfu (e.g. 989e12 for an "
+                                "H100's bf16); 0 = known GPUs and TPUs only", kind=float, low=0,
+                                    control=True)
+    align_every: int = setting(0, "steps between gradient-alignment measurements "
+                               "(grad_alignment, update_alignment in metrics.jsonl); 0 = off",
+                               low=0, control=True)
+    profile_start: int = setting(0, "first optimizer step traced by JAX's profiler into "
+                                 "WORKDIR/profile/ (with profile_stop; both 0 = off)", low=0,
+                                     control=True)
+    profile_stop: int = setting(0, "last step traced (inclusive)", low=0, control=True)
+    seed: int = setting(0, "seed of the parameters' initialization and of the data order",
+                        low=0, high=2**31, open_high=True)
+
+    def __post_init__(self):
+        fields.check_settings(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageModelRun:
+    """The fields of a language-model run besides every run's (:class:`RunControl`) and its
+    sections.
+
+    Raises:
+      ValueError: a field of the wrong type or out of bounds, naming ``config.FIELD``."""
+
+    name: str = setting("llama", "the model family (llama; the vision models' names under "
+                        "Vision models)", path="model.name", choices=("llama",))
+    seq_len: int = setting(128, "T, tokens per sequence", low=1)
+    eval_batches: int = setting(8, "validation batches of W·b sequences per evaluation", low=1,
+                                control=True)
+    init_from: str = setting("", "a Hugging Face LLaMA folder (LlamaForCausalLM, safetensors) "
+                             "the run starts from when it has no checkpoint ('' = init)",
+                                 control=True)
+
+    def __post_init__(self):
+        fields.check_settings(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionRun:
+    """The fields of a vision run besides every run's (:class:`RunControl`) and its sections.
+
+    Raises:
+      ValueError: a field of the wrong type or out of bounds, naming ``config.FIELD``."""
+
+    eval_limit: int = setting(0, "test images per evaluation (0 = the whole test split)", low=0,
+                              control=True)
+    eval_bn_batches: int = setting(8, "forward-masking SDP with BatchNorm: training batches on "
+                                   "which the full model's BatchNorm statistics are "
+                                   "re-estimated before each evaluation", low=0, control=True)
+    stage_blocks: tuple = setting((), "B-SDP: blocks per worker in each stage, e.g. "
+                                  "(1, 2, 4, 1); () = apportion C over the stages",
+                                  path="sdp.stage_blocks")
+
+    def __post_init__(self):
+        fields.check_settings(self)
+
+
+# The declarations every run config is built from, in the order of its fields.
+EVERY_RUN = (SdpConfig, StepOptions, OptimConfig, RunControl)
+# Every declaration of a family's run config, in the order docs/configuration.md lists them.
+LANGUAGE_MODEL_DECLARED = (SdpConfig, StepOptions, RunControl, LanguageModelRun, OptimConfig,
+                           LlamaConfig, PipelineConfig, data.DataConfig)
+VISION_DECLARED = (VisionRun, VisionConfig, vision_data.VisionDataConfig)
+
+
+def _leaves(config, prefix: str = "") -> dict:
+    """``{dotted path: value}`` of a config's leaves."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def declared_rows(classes: tuple, configs: list) -> list[tuple[str, object, str, str]]:
+    """``(path, default, rule, doc)`` of every field the declarations ``classes`` give a run
+    config, the default read from the first of ``configs`` (``ConfigDict``) that has the field;
+    declared fields none of them has are left out (e.g. LLaMA's ``model.subnet_rescale``)."""
+    leaves = [_leaves(c) for c in configs]
+    rows = []
+    for cls in classes:
+        for path, rule, doc in fields.setting_rows(cls):
+            have = [c[path] for c in leaves if path in c]
+            if have:
+                rows.append((path, have[0], rule, doc))
+    return rows
+
+
+def control_paths() -> tuple[str, ...]:
+    """The fields of every built-in run config declared ``control=True``: a checkpoint written
+    under other values still resumes (:func:`sdp_jax.fields.control_paths`)."""
+    return fields.control_paths(*dict.fromkeys(EVERY_RUN + LANGUAGE_MODEL_DECLARED
+                                               + VISION_DECLARED))
+
+
+def undeclared(config, classes: tuple) -> list[str]:
+    """The fields of ``config`` that none of ``classes`` declares (none, for a built-in
+    family's config: every field is declared once)."""
+    declared = {fields.config_path(cls, f) for cls in classes for f in fields.settings(cls)}
+    return sorted(set(_leaves(config)) - declared)
+
+
+def declare(c: ml_collections.ConfigDict, *classes, drop: tuple = ()) -> ml_collections.ConfigDict:
+    """Set on ``c`` the fields of the declared ``classes`` (:func:`sdp_jax.fields.setting`) at
+    their paths with their defaults, sections created as needed, except the paths in ``drop``;
+    a field declared ``object`` or ``tuple`` is typed so that ``--config.X=V`` can give
+    another type (``sdp.coverage=auto``, a tuple)."""
+    for cls in classes:
+        for path, default in fields.setting_defaults(cls).items():
+            if path in drop:
+                continue
+            *sections, name = path.split(".")
+            node = c
+            for section in sections:
+                if section not in node:
+                    node[section] = ml_collections.ConfigDict()
+                node = node[section]
+            kind = next(f.metadata["kind"] for f in fields.settings(cls)
+                        if fields.config_path(cls, f) == path)
+            node[name] = (ml_collections.FieldReference(default, field_type=kind)
+                          if kind in (object, tuple) else default)
+    return c
 
 
 def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The fields of every run config (set on ``c``; families change some defaults)."""
-    c.sdp = ml_collections.ConfigDict(dict(
-        variant="ddp",            # ddp | b-sdp | n-sdp | bb-sdp | nb-sdp
-        # C: fraction of blocks / neurons / heads each worker holds, or "auto": the largest
-        # realizable C whose compiled step fits memory_budget_gib (sdp_jax.train.fit)
-        coverage=ml_collections.FieldReference(1.0, field_type=object),
-        memory_budget_gib=0.0,    # GiB per device for coverage=auto; 0 = the accelerator's x 0.9
-        scheme="cyclic",          # cyclic | random | grouped (disconnected: allow_disconnected)
-        mask_seed=0,              # seed of the random scheme
-        allow_nonuniform=False,   # accept W*C not whole (near-uniform multiplicities)
-        allow_disconnected=False, # accept a mask graph with spectral gap 0
-    ))
-    c.optim = defaults(OptimConfig)   # AdamW (or SGD), schedule cosine | wsd
-    c.workers = 0               # W data-parallel workers; 0 = every device
-    # The step's settings, declared in sdp_jax.options.StepOptions (sdp.average, sdp.sync_every,
-    # sdp.method, fsdp, remat, dtype, emulate_workers, grad_accum, optim.grad_clip)
-    for path, default in fields.setting_defaults(StepOptions).items():
-        *sections, name = path.split(".")
-        node = c
-        for section in sections:
-            node = node[section]
-        node[name] = default
+    declare(c, *EVERY_RUN)
     c.optim.grad_clip = 1.0     # a run clips by default (the library's StepOptions does not)
-    c.num_cpu_devices = 8       # simulated devices when only a CPU is present
-    c.batch_per_worker = 8      # examples per worker per step (b); global batch = W * b
-    c.steps = 300               # optimizer steps (the DDP budget when flop_matched)
-    c.flop_matched = False      # SDP runs ceil(steps / C) steps (the paper's FLOP-matched budget)
-    c.eval_every = 100          # steps between full-model evaluations (and at the end)
-    c.log_every = 10            # steps between progress updates
-    c.checkpoint_every = 100    # steps between checkpoints (and at the end); 0 = only at the end
-    c.keep_checkpoints = 2
-    c.stop_at_step = 0          # stop (as if preempted) once this step is reached; 0 = off
-    c.elastic = False           # resume a checkpoint of another W / coverage / variant (re-laid out)
-    c.peak_flops = 0.0          # FLOP/s per device for MFU; 0 = the device's known bf16 peak (none on CPU)
-    c.align_every = 0           # steps between gradient-alignment measurements; 0 = off
-    c.profile_start = 0         # first step of a profiler trace into WORKDIR/profile/; 0 = off
-    c.profile_stop = 0          # its last step (inclusive; see sdp_jax.train.profiling)
-    c.seed = 0
     return c
 
 
@@ -90,23 +253,18 @@ def base_config() -> ml_collections.ConfigDict:
     """A language-model run; the ``configs/llama_*.py`` files set the model shape on top.
 
     Sections: ``model`` (:class:`sdp_jax.models.llama.LlamaConfig` fields), ``data``
-    (:func:`sdp_jax.train.data.default_data_config`), ``sdp`` (variant and mask recipe), ``pipeline``
+    (:class:`sdp_jax.train.data.DataConfig`), ``sdp`` (variant and mask recipe), ``pipeline``
     (:class:`sdp_jax.pipeline.PipelineConfig` fields), ``optim``
     (:class:`sdp_jax.train.optimizer.OptimConfig` fields), and run control at the top level.
     """
     c = ml_collections.ConfigDict()
     # (subnet_rescale is a field of the vision models' configs only: LLaMA runs keep the
     # dataclass's default)
-    c.model = defaults(LlamaConfig, name="llama", drop=("subnet_rescale",))
-    c.data = data.default_data_config()
+    declare(c, LanguageModelRun, LlamaConfig, data.DataConfig, drop=("model.subnet_rescale",))
     _run_fields(c)
     # Pipeline stages on the mesh axis `stage` (W * stages devices), with compressed boundaries
     # (MAPL): see sdp_jax.pipeline.PipelineConfig. stages=1: no pipeline.
-    c.pipeline = defaults(PipelineConfig)   # stages, schedule gpipe | 1f1b, method, ratio, ...
-    c.seq_len = 128             # tokens per sequence (T)
-    c.eval_batches = 8          # validation batches of W * b sequences
-    c.init_from = ""            # a Hugging Face LLaMA folder the run starts from ('' = init)
-    return c
+    return declare(c, PipelineConfig)
 
 
 def paper_scale_config(*, d_model: int, n_layers: int, n_heads: int, d_ff: int,
@@ -138,7 +296,7 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
     """An image-classification run (``configs/resnet18_*.py``, ``wrn18_*``, ``swin_t_*``).
 
     Sections: ``model`` (:class:`sdp_jax.models.vision.VisionConfig` fields; ``num_classes=0``
-    takes the dataset's), ``data`` (:func:`sdp_jax.train.vision_data.default_vision_data_config`),
+    takes the dataset's), ``data`` (:class:`sdp_jax.train.vision_data.VisionDataConfig`),
     and the ``sdp``, ``optim`` and run-control fields of every run (:func:`_run_fields`, with
     vision defaults: AdamW 2e-3 with warm-up and cosine decay), with ``eval_limit`` (test images per evaluation; 0 =
     the whole test split) instead of ``eval_batches``, ``eval_bn_batches`` (see
@@ -147,18 +305,11 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     # the model's fields and defaults (VisionConfig); num_classes 0: the dataset's
     c.model = ml_collections.ConfigDict({**VisionConfig.section(name), "num_classes": 0})
-    c.data = vision_data.default_vision_data_config()
+    declare(c, vision_data.VisionDataConfig)
     c.data.dataset = dataset
-    _run_fields(c)
-    # Block variants: blocks per worker in each stage, e.g. (1, 2, 4, 1); () = apportion C.
-    c.sdp.stage_blocks = ml_collections.FieldReference((), field_type=tuple)
+    declare(_run_fields(c), VisionRun)
+    # vision defaults
     c.optim.update(lr=2e-3, min_lr_ratio=0.01, warmup_steps=100, weight_decay=0.05, b2=0.999)
-    c.batch_per_worker = 64     # images per worker per step
-    c.steps = 8000
-    c.eval_every = 1000
-    c.eval_limit = 0
-    c.eval_bn_batches = 8       # forward-masking SDP with BatchNorm: re-estimate the full
-                                # model's BatchNorm statistics on this many training batches
-    c.log_every = 50
-    c.checkpoint_every = 1000
+    c.update(batch_per_worker=64, steps=8000, eval_every=1000, log_every=50,
+             checkpoint_every=1000)
     return c

@@ -47,6 +47,7 @@ the corpus once. :func:`clear_cache` drops the cache.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import math
 import os
@@ -58,6 +59,8 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from sdp_jax import fields
+from sdp_jax.fields import setting
 from sdp_jax.train import corpus
 
 SOURCES = corpus.DOCUMENT_SOURCES[:4] + ("llmc",) + corpus.DOCUMENT_SOURCES[4:]
@@ -79,34 +82,50 @@ _FILE_SOURCES = ("text", "jsonl", "parquet", "llmc")
 # ----------------------------------------------------------------------------
 
 
-def default_data_config() -> ml_collections.ConfigDict:
-    """Returns the data config with its defaults.
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The ``data`` section of a language-model run, each field declared once
+    (:func:`sdp_jax.fields.setting`; docs/configuration.md lists them).
 
-    Fields: ``source`` (one of :data:`SOURCES`), ``train_files`` / ``val_files``
-    (comma-separated glob patterns, ``~`` expanded; ``text``, ``jsonl``, ``parquet`` and
-    ``llmc``), ``val_fraction`` (fraction of files, or of tokens for a single file, held out
-    for validation; in [0, 1)), ``tokenizer`` (a Hugging Face ``tokenizer.json`` or its
-    folder; ``''`` = bytes), ``eot_token`` (the token ending a document; ``''`` = the
-    tokenizer's usual one), ``text_field`` (the JSONL field or Parquet column of the text),
-    ``tfds_name``, ``tfds_train_split``, ``tfds_val_split``, ``tfds_text_key``,
-    ``tfds_data_dir`` (``''`` = tfds default), ``worker_count`` (grain worker processes;
-    0 = in-process).
-    """
-    cfg = ml_collections.ConfigDict()
-    cfg.source = "stdlib"
-    cfg.train_files = ""
-    cfg.val_files = ""
-    cfg.val_fraction = 0.05
-    cfg.tokenizer = ""
-    cfg.eot_token = ""
-    cfg.text_field = "text"
-    cfg.tfds_name = ""
-    cfg.tfds_train_split = "train"
-    cfg.tfds_val_split = "validation"
-    cfg.tfds_text_key = "text"
-    cfg.tfds_data_dir = ""
-    cfg.worker_count = 0
-    return cfg
+    Raises:
+      ValueError: a field of the wrong type, an unknown source, ``val_fraction`` outside
+        [0, 1), a negative ``worker_count`` (naming ``config.data.FIELD``)."""
+
+    SECTION = "data"
+
+    source: str = setting("stdlib", "stdlib (the Python standard library's sources), text, "
+                          "jsonl, parquet, llmc (token shards) or tfds (docs/data.md)",
+                          choices=SOURCES)
+    train_files: str = setting("", "comma-separated glob patterns (~ expanded, ** recursive) of "
+                               "the text, jsonl, parquet and llmc sources")
+    val_files: str = setting("", "the same for validation; '' = the files split by "
+                             "val_fraction")
+    val_fraction: float = setting(0.05, "fraction of the files (of the tokens, for a single "
+                                  "file) held out for validation", low=0, high=1,
+                                  open_high=True)
+    tokenizer: str = setting("", "a Hugging Face tokenizer.json (or its folder) for the "
+                             "document sources; '' = UTF-8 bytes, vocab 256")
+    eot_token: str = setting("", "the token appended after every document ('' = the "
+                             "tokenizer's usual end-of-text token; bytes end documents with a "
+                             "newline)")
+    text_field: str = setting("text", "the JSONL field or Parquet column of a document's text")
+    tfds_name: str = setting("", "tfds: a TensorFlow Datasets text dataset")
+    tfds_train_split: str = setting("train", "tfds: its training split")
+    tfds_val_split: str = setting("validation", "tfds: its validation split")
+    tfds_text_key: str = setting("text", "tfds: the feature that holds the text")
+    tfds_data_dir: str = setting("", "TFDS' data folder ('' = its default, "
+                                 "~/tensorflow_datasets)")
+    worker_count: int = setting(0, "grain worker processes that load batches (0 = in the "
+                                "training process); the batches do not depend on it", low=0,
+                                    control=True)
+
+    def __post_init__(self):
+        fields.check_settings(self)
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+    """The ``data`` section with its defaults (:class:`DataConfig`)."""
+    return ml_collections.ConfigDict(dataclasses.asdict(DataConfig()))
 
 
 def _cfg_get(cfg: Any, name: str) -> Any:
@@ -133,13 +152,8 @@ def _cache_key(cfg: Any) -> _Key:
     """Validates the data config's fields (one-line errors naming the field and the fix) and
     returns what determines its token arrays."""
     get = functools.partial(_cfg_get, cfg)
-    source = str(get("source"))
-    if source not in SOURCES:
-        raise ValueError(f"unknown data source {source!r}; valid sources: {', '.join(SOURCES)} "
-                         "(set --config.data.source=...)")
-    val_fraction = float(get("val_fraction"))
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    DataConfig(**{f.name: get(f.name) for f in dataclasses.fields(DataConfig)})   # the rules
+    source, val_fraction = str(get("source")), float(get("val_fraction"))
     for field in ("train_files", "val_files"):
         if str(get(field)).strip() and source not in _FILE_SOURCES:
             raise ValueError(

@@ -471,8 +471,7 @@ class LanguageModelFamily(Family):
     nats/token and, for byte-level data, ``val_bpb`` bits/byte) and the summary fields."""
 
     kind = "language-model"
-    positive_fields = ("seq_len", "eval_batches")
-    non_negative_fields = ("data.worker_count",)
+    declared = (config_lib.LanguageModelRun, data_lib.DataConfig)
     rate_key = "tokens_per_s"
 
     def template(self, config):
@@ -659,7 +658,7 @@ class VisionFamily(Family):
     trained them, :attr:`VisionEval.recalibrate`) and the summary fields."""
 
     kind = "vision"
-    non_negative_fields = ("eval_limit", "eval_bn_batches", "data.worker_count")
+    declared = (config_lib.VisionRun, vision_data.VisionDataConfig)
     remat = VISION_REMAT
     rate_key = "images_per_s"
 

@@ -8,12 +8,12 @@ Clipping is not here: the step clips by the holder-averaged global norm
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import optax
 
 from sdp_jax import fields, stiefel
+from sdp_jax.fields import setting
 from sdp_jax import pipeline as pl
 from sdp_jax.options import StepOptions
 
@@ -32,42 +32,33 @@ class OptimConfig:
     Training Durations", Sec. 3), whose runs can be extended (``steps`` may grow on
     resume)."""
 
-    name: str = "adamw"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    schedule: str = "cosine"
-    cooldown_fraction: float = 0.2
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    SECTION = "optim"
+
+    name: str = setting("adamw", "adamw (optax), or sgd for plain SGD",
+                        choices=("adamw", "sgd"))
+    lr: float = setting(3e-3, "peak learning rate, reached after a linear warm-up of "
+                        "warmup_steps steps", kind=float, low=0, high=3.4e38, open_low=True,
+                        open_high=True)
+    min_lr_ratio: float = setting(0.1, "the floor the rate decays to, as a fraction of lr",
+                                  low=0, high=1)
+    warmup_steps: int = setting(20, "steps of the linear warm-up", low=0)
+    schedule: str = setting("cosine", "cosine (decay over the whole run) or wsd (warm-up, "
+                            "stable, decay: the peak rate until the last cooldown_fraction of "
+                            "the steps, then linear to the floor; a wsd run may be extended)",
+                            choices=SCHEDULES)
+    cooldown_fraction: float = setting(0.2, "wsd: the fraction of the steps that cool down",
+                                       low=0, high=1, open_low=True)
+    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay", low=0)
+    b1: float = setting(0.9, "AdamW's first-moment decay rate", low=0, high=1, open_high=True)
+    b2: float = setting(0.95, "AdamW's second-moment decay rate", low=0, high=1, open_high=True)
+    eps: float = setting(1e-8, "AdamW's epsilon", low=0, open_low=True)
 
     def __post_init__(self):
-        if self.name not in ("adamw", "sgd"):
-            raise ValueError(f"optim.name={self.name!r}; choose adamw or sgd.")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"optim.schedule={self.schedule!r}; choose "
-                             f"{' or '.join(SCHEDULES)} (--config.optim.schedule=...).")
-
-        def check(name, ok, rule):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or not ok(v):
-                raise ValueError(f"optim.{name}={v!r} must be {rule} "
-                                 f"(--config.optim.{name}=...).")
-        check("lr", lambda v: 0 < v < 3.4e38, "a finite number > 0 (in float32)")
+        fields.check_settings(self)
         if self.name == "adamw" and self.lr > 1:
             raise ValueError(f"optim.lr={self.lr!r} is not a usable AdamW learning rate: AdamW "
                              "moves every weight by about lr per step (LLaMA-style runs use "
                              "1e-4 .. 1e-2); set --config.optim.lr <= 1.")
-        check("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]")
-        check("warmup_steps", lambda v: v >= 0 and float(v).is_integer(), "an integer >= 0")
-        check("weight_decay", lambda v: v >= 0, ">= 0")
-        check("b1", lambda v: 0 <= v < 1, "in [0, 1)")
-        check("b2", lambda v: 0 <= v < 1, "in [0, 1)")
-        check("eps", lambda v: v > 0, "> 0")
-        check("cooldown_fraction", lambda v: 0 < v <= 1, "in (0, 1]")
 
     @classmethod
     def from_config(cls, cfg) -> "OptimConfig":

@@ -13,31 +13,22 @@ from typing import Any
 import jax
 import ml_collections
 
-from sdp_jax import alignment
+from sdp_jax import alignment, fields
 from sdp_jax import mesh as mesh_lib
 from sdp_jax import pipeline as pl
 from sdp_jax import placement
 from sdp_jax.options import DTYPE_ALIASES, StepOptions
 from sdp_jax.models.vision import MODELS
+from sdp_jax.train import config as config_lib
 from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import task as task_lib
 from sdp_jax.train.config import base_config, vision_config
 
-# Fields that do not change the training trajectory: a checkpoint written under other values
-# still resumes (remat: same results, may change).
-RUN_CONTROL = ("eval_every", "eval_batches", "eval_limit", "eval_bn_batches", "log_every",
-               "checkpoint_every", "keep_checkpoints", "stop_at_step", "num_cpu_devices",
-               "remat", "peak_flops", "align_every", "emulate_workers", "grad_accum",
-               "profile_start", "profile_stop", "init_from", "elastic")
-# The same, inside a section (coverage=auto's budget: the chosen coverage is what is recorded).
-SECTION_CONTROL = ("data.worker_count", "sdp.memory_budget_gib")
-# Model fields that choose how the same function is computed (not what is computed): a
-# checkpoint resumes under other values.
-MODEL_EXECUTION = ("attention", "attention_chunk")
-# What an integer field's message adds after its rule.
-HINTS = {"data.worker_count": "0 = read data in the training process",
-         "steps": "0 = save the initial state, e.g. config.init_from's model, as step 0"}
+# The settings that do not change the training trajectory (declared control=True: how often to
+# log or save, how the same function is computed, coverage=auto's budget): a checkpoint written
+# under other values still resumes.
+CONTROL = config_lib.control_paths()
 
 
 @dataclasses.dataclass
@@ -77,20 +68,6 @@ class RunSpec:
         (``config.emulate_workers``); a compiled step's per-device FLOPs times this is the
         step's FLOPs."""
         return 1 if self.options.emulate_workers else self.workers
-
-
-def _integer(v, name: str, low: int, hint: str = "") -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"config.{name}={v!r} must be "
-                         + ("a positive integer" if low == 1 else f"an integer >= {low}")
-                         + (f" ({hint})." if hint else "."))
-
-
-def _value(config, name: str):
-    """The field ``name`` (dotted: ``data.worker_count``) of ``config``."""
-    for part in name.split("."):
-        config = config[part]
-    return config
 
 
 def _check_schema(config, family) -> None:
@@ -163,7 +140,7 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
     canonical_dtype(config)
     family = families.family_of(config) if task is None else task
     _check_schema(config, family)
-    _check_run_control(config, family)
+    _check_declared(config, family)
     model = family.model_config(config)
     optim = optim_lib.OptimConfig.from_config(config.optim)
     options = StepOptions.from_config(config)
@@ -208,48 +185,19 @@ def _check_microbatches(config, pipe) -> None:
                          f"= {b} / {k}; choose a divisor of it, or a smaller config.grad_accum.")
 
 
-def _check_run_control(config, family) -> None:
-    """The integer fields (every run's and ``family``'s own), ``peak_flops``, ``seed`` and
-    ``sdp.coverage``.
+def _check_declared(config, family) -> None:
+    """Every declared field of every run and of ``family``'s own (``family.declared``) against
+    its type, bounds and choices (:func:`sdp_jax.fields.check_settings`); a coverage given as
+    ``auto``, which only a command that compiles can pick.
 
     Raises:
       ValueError: naming the field, its value and what it must be."""
-    for name in ("batch_per_worker", "log_every", "keep_checkpoints",
-                 "num_cpu_devices") + family.positive_fields:
-        _integer(_value(config, name), name, 1, HINTS.get(name, ""))
-    for name in ("steps", "eval_every", "checkpoint_every", "stop_at_step", "seed",
-                 "align_every", "profile_start", "profile_stop") + family.non_negative_fields:
-        _integer(_value(config, name), name, 0, HINTS.get(name, ""))
-    pf = config.peak_flops
-    if isinstance(pf, bool) or not isinstance(pf, (int, float)) or not 0 <= pf < math.inf:
-        raise ValueError(f"config.peak_flops={pf!r} must be a number >= 0 (a device's peak "
-                         "FLOP/s, e.g. 989e12 for an H100's bf16; 0 = known devices only).")
-    if config.seed >= 2**31:   # the data pipelines and initializers derive seeds from it
-        raise ValueError(f"config.seed={config.seed} must be below 2**31; pick a smaller seed.")
-    if not isinstance(config.elastic, bool):
-        raise ValueError(f"config.elastic={config.elastic!r} must be True or False (True: "
-                         "resume a checkpoint of another W, coverage or variant).")
-    _check_coverage(config.sdp.coverage, config.sdp.memory_budget_gib)
-
-
-def _check_coverage(cov, gib) -> None:
-    """``sdp.coverage`` a number in (0, 1] (``'auto'`` is replaced by a number before
-    :func:`resolve`: :func:`sdp_jax.train.fit.resolve`) and ``sdp.memory_budget_gib`` a finite
-    number >= 0 (GiB per device).
-
-    Raises:
-      ValueError: naming the value and the fix."""
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < math.inf:
-        raise ValueError(f"config.sdp.memory_budget_gib={gib!r} must be a number >= 0 (GiB per "
-                         "device for --config.sdp.coverage=auto; 0 = the accelerator's memory).")
-    if cov == "auto":
+    for cls in (config_lib.SdpConfig, config_lib.RunControl) + tuple(family.declared):
+        cls(**fields.read_settings(cls, config))
+    if config.sdp.coverage == "auto":
         raise ValueError("config.sdp.coverage='auto' is picked by compiling the run (python "
                          "train.py, or python -m sdp_jax.bench --fit for the table); this "
                          "command needs a number: give --config.sdp.coverage=C.")
-    if isinstance(cov, bool) or not isinstance(cov, (int, float)) or not 0 < cov <= 1:
-        raise ValueError(f"config.sdp.coverage={cov!r} must be a number in (0, 1] (the fraction "
-                         "of components each worker holds; 1 for ddp), or auto (the largest "
-                         "that fits --config.sdp.memory_budget_gib).")
 
 
 def _check_profile(first: int, last: int, total: int) -> None:
@@ -289,7 +237,6 @@ def resolve_workers(config, device_count: int, stages: int = 1,
         mesh_lib.check_devices_per_process()
     zero = "0 = every device" + (" / pipeline.stages" if stages > 1 else "")
     workers = config.workers or max(device_count // stages, 1)
-    _integer(workers, "workers", 1, zero)
     if _emulated(config, stages, processes):
         return workers
     need = workers * stages
@@ -354,13 +301,12 @@ def make_mesh(run: RunSpec):
 def trajectory_config(config) -> dict[str, Any]:
     """The parts of the config a checkpoint must agree with (plain JSON dict)."""
     d = json.loads(config.to_json())
-    for k in RUN_CONTROL:
-        d.pop(k, None)
-    for name in SECTION_CONTROL:
-        section, key = name.split(".")
-        d.get(section, {}).pop(key, None)
-    for k in MODEL_EXECUTION:
-        d.get("model", {}).pop(k, None)
+    for path in CONTROL:
+        *sections, key = path.split(".")
+        node = d
+        for section in sections:
+            node = node.get(section, {})
+        node.pop(key, None)
     return d
 
 

@@ -84,8 +84,9 @@ class Family:
         task's ``name``).
       rate_key: the throughput field of ``metrics.jsonl`` (``tokens_per_s``,
         ``images_per_s``, ``examples_per_s``); its prefix is what :meth:`items_per_step` counts.
-      positive_fields, non_negative_fields: the family's own integer fields (dotted names,
-        e.g. ``data.worker_count``), checked by :func:`sdp_jax.train.run.resolve`.
+      declared: the classes that declare the family's own fields
+        (:func:`sdp_jax.fields.setting`, e.g. :class:`sdp_jax.train.config.LanguageModelRun`),
+        checked by :func:`sdp_jax.train.run.resolve`.
       remat: the activation checkpointing modes the family supports.
       fixed_model_fields: True when :meth:`template`'s ``model`` section lists every field of
         the model section (then ``resolve`` names a missing or unknown one like any other
@@ -95,8 +96,7 @@ class Family:
 
     kind: str = "model"
     rate_key: str = "examples_per_s"
-    positive_fields: tuple = ()
-    non_negative_fields: tuple = ()
+    declared: tuple = ()
     remat: tuple = REMAT
     fixed_model_fields: bool = False
 
@@ -237,7 +237,8 @@ def _check_hooks(name: str, hooks: dict) -> None:
     Raises:
       ValueError: naming the key, and the config field when it is a run setting."""
     allowed = sorted({f.name for f in dataclasses.fields(ModelHooks)} - {"loss_fn", "init_fn"})
-    set_by_run = {f.name: f.metadata["path"] for f in fields_lib.settings(StepOptions)}
+    set_by_run = {f.name: fields_lib.config_path(StepOptions, f)
+                  for f in fields_lib.settings(StepOptions)}
     for key in hooks:
         if set_by_run.get(key):
             raise ValueError(f"{name}.model_hooks gives {key}, which the run sets "

@@ -23,13 +23,15 @@ A run's data position is its step (the same global batches on any process layout
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import grain
-import ml_collections
 import numpy as np
 
+from sdp_jax import fields
+from sdp_jax.fields import setting
 from sdp_jax.train.data import Origin, Stream, iterate, layout_free_batches, process_rows
 
 DATASETS = ("digits", "cifar10", "cifar100")
@@ -40,13 +42,28 @@ _STATS = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 DIGITS_TEST = 360
 
 
-def default_vision_data_config() -> ml_collections.ConfigDict:
-    """``data`` section of vision runs: ``dataset`` (digits | cifar10 | cifar100),
-    ``tfds_data_dir`` ('' = TFDS' default ~/tensorflow_datasets), ``augment`` (pad-crop and
-    flip for CIFAR, random shifts of up to 2 pixels for digits), ``worker_count`` (grain worker
-    processes; 0 = in the training process)."""
-    return ml_collections.ConfigDict(dict(dataset="digits", tfds_data_dir="", augment=True,
-                                          worker_count=0))
+@dataclasses.dataclass(frozen=True)
+class VisionDataConfig:
+    """The ``data`` section of a vision run, each field declared once
+    (:func:`sdp_jax.fields.setting`).
+
+    Raises:
+      ValueError: an unknown dataset or a field of the wrong type (naming
+        ``config.data.FIELD``)."""
+
+    SECTION = "data"
+
+    dataset: str = setting("digits", "digits (scikit-learn's handwritten digits, no download), "
+                           "cifar10 or cifar100 (TFDS)", choices=DATASETS)
+    tfds_data_dir: str = setting("", "TFDS' data folder for CIFAR ('' = its default, "
+                                 "~/tensorflow_datasets)")
+    augment: bool = setting(True, "training augmentation: pad-crop and flip for CIFAR, shifts "
+                            "of up to 2 pixels for the digits")
+    worker_count: int = setting(0, "grain worker processes that load batches (0 = in the "
+                                "training process)", low=0, control=True)
+
+    def __post_init__(self):
+        fields.check_settings(self)
 
 
 class ArraySource(grain.sources.RandomAccessDataSource):
@@ -103,9 +120,7 @@ def _tfds_source(name: str, split: str, data_dir: str):
 
 
 def _check(cfg: Any):
-    if cfg.dataset not in DATASETS:
-        raise ValueError(f"unknown data.dataset={cfg.dataset!r}; choose one of "
-                         f"{', '.join(DATASETS)} (--config.data.dataset=...).")
+    VisionDataConfig(**dict(cfg))   # the declared rules
 
 
 def open_split(data_cfg: Any, split: str, image_size: int, channels: int):
