@@ -17,7 +17,8 @@ from sdp_jax.mesh import DATA
 from sdp_jax.placement import Placement
 from sdp_jax.runner import ModelCall
 from sdp_jax.sources import Source
-from sdp_jax.state import Kind, StateLayout
+from sdp_jax.regime import Kind
+from sdp_jax.state import StateLayout
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
@@ -26,15 +27,16 @@ class Evaluation:
     """Full-model gathers and the jitted evaluation loss of one step's state layout.
 
     Args:
-      state: the state layout; call: the model call; source: the run's parameter source
-        (its FSDP gathers are reused here); periodic: parameter averaging (the holders'
-        average is evaluated); placement: where the workers run
+      state: the state layout (its regime: under parameter averaging the holders' average is
+        evaluated); call: the model call; source: the run's parameter source (its FSDP
+        gathers are reused here); placement: where the workers run
         (:class:`sdp_jax.placement.Placement`).
     """
 
-    def __init__(self, state: StateLayout, call: ModelCall, source: Source, periodic: bool,
+    def __init__(self, state: StateLayout, call: ModelCall, source: Source,
                  placement: Placement):
-        self.state, self.call, self.source, self.periodic = state, call, source, periodic
+        self.state, self.call, self.source = state, call, source
+        self.periodic = state.regime.periodic
         self.placement = placement
         self._step = None
         if call.block_fn is not None:

@@ -147,8 +147,8 @@ def check_settings(obj) -> None:
 
     Raises:
       ValueError: one line naming the first bad setting (:func:`setting_name`), its value,
-        the rule and the setting's doc, e.g. ``config.grad_accum=0 must be a positive integer
-        (microbatches per optimizer step; 1 = no accumulation).``"""
+        the rule and the setting's doc, e.g. ``config.sdp.sync_every=0 must be a positive
+        integer (H, the steps between parameter averagings (sdp.average=parameters)).``"""
     for f in settings(obj):
         value = getattr(obj, f.name)
         if not _fits(f, value):

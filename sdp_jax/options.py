@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from sdp_jax.fields import check_settings, read_settings, setting
+from sdp_jax.fields import check_settings, config_path, read_settings, setting, settings
 
 # Activation checkpointing modes of the block runner (sdp_jax.runner.remat_block).
 REMAT = ("none", "full", "dots")
@@ -127,6 +127,32 @@ class StepOptions:
         """Masked leaves averaged by the full-size masked psum (``method="reference"``)
         instead of the holder-only all_to_alls (:func:`sdp_jax.sync.average`)."""
         return self.method == "reference"
+
+    @property
+    def flops_counted(self) -> bool:
+        """Whether XLA's cost analysis of the compiled step counts every FLOP of it: it counts
+        a loop body once, so not with activation checkpointing's block scan (``remat``) or
+        the accumulation loop (``grad_accum > 1``)."""
+        return self.remat == "none" and self.grad_accum == 1
+
+    def describe(self, workers: int, batch_per_worker: int) -> str:
+        """The settings that make this step differ from plain DDP's, as a run's opening line
+        and the bench print them: ``"; FSDP (ZeRO-3) over the 8 workers; activation
+        checkpointing: full; ..."`` (``""`` for none; ``batch_per_worker`` sizes the
+        accumulation's microbatches)."""
+        return ((f"; parameters averaged over holders every {self.sync_every} steps"
+                 if self.periodic else "")
+                + (f"; FSDP (ZeRO-3) over the {workers} workers" if self.fsdp else "")
+                + (f"; activation checkpointing: {self.remat}" if self.remat != "none" else "")
+                + (f"; compute dtype {self.dtype}" if self.dtype != "float32" else "")
+                + (f"; gradient accumulation over {self.grad_accum} microbatches of "
+                   f"{batch_per_worker // self.grad_accum}" if self.grad_accum > 1 else ""))
+
+    def record(self) -> dict:
+        """``{field: value}`` of the settings a run config sets (its names: ``average``,
+        ``fsdp``, ``grad_accum``, ...), for ``summary.json``."""
+        return {f.name: getattr(self, f.name) for f in settings(self)
+                if config_path(type(self), f)}
 
     @property
     def compute_dtype(self):

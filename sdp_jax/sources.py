@@ -28,26 +28,25 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from sdp_jax import layout as layout_lib
+from sdp_jax import regime as regime_lib
 from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 from sdp_jax.mesh import DATA
 from sdp_jax.runner import GATHERED, ModelCall, held_weight_grads
-from sdp_jax.state import Kind, StateLayout
+from sdp_jax.regime import Kind
+from sdp_jax.state import StateLayout
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
 
-def in_loop_tables(state: StateLayout, call: ModelCall, method: str,
-                   accumulating: bool = False) -> dict:
+def in_loop_tables(state: StateLayout, call: ModelCall) -> dict:
     """The block leaves whose gradients are averaged inside the backward loop
     (:func:`sdp_jax.sync.mean_in_backward`: {local path: None for a plain mean, or the leaf's
     holder tables}); the others are averaged after the backward pass.
 
-    In the loop: the block runner, gradient averaging by ``alltoall``, no FSDP (its
-    reduce-scatter is the transpose of its gathers), no periodic averaging, no pipeline (its
-    schedule runs the blocks once per microbatch, which would repeat the collectives), no
-    gradient accumulation (``accumulating``: for the same reason; the accumulated gradient is
-    averaged once, after the last microbatch). Leaves
+    In the loop when the regime allows it (:attr:`sdp_jax.regime.Regime.averages_in_loop`:
+    the block runner, gradient averaging by ``alltoall``, no FSDP, periodic averaging,
+    pipeline or gradient accumulation). Leaves
     stored per worker (``C``) held by every worker (DDP's blocks) get a plain mean, N-SDP's
     neuron leaves (loop step i is layer i on every worker) the holder mean of layer i.
     B-SDP's blocks cannot be averaged there: loop step i runs a different block on each worker
@@ -61,8 +60,7 @@ def in_loop_tables(state: StateLayout, call: ModelCall, method: str,
     have its gradient).
     """
     lay, spec = state.layout, state.spec
-    if (call.block_fn is None or state.fsdp or state.periodic or state.staged
-            or method != "alltoall" or accumulating):
+    if not state.regime.averages_in_loop:
         return {}
     if spec.backward:   # N-SDP's neuron leaves, left in the owners' shards (ZeRO-2)
         if spec_lib.BLOCK in spec.kinds:
@@ -482,10 +480,15 @@ class FsdpWhole(Source):
         return _flatten(params)
 
 
-def source_of(state: StateLayout, call: ModelCall, tables: dict, method: str):
-    """The parameter source of a run's regime (see the module docstring)."""
-    if state.fsdp:
-        return FsdpGather(state, call) if call.block_fn is not None else FsdpWhole(state, call)
-    if state.spec.backward:
-        return BackwardHeld(state, call, tables, method)
+def source_of(state: StateLayout, call: ModelCall, tables: dict) -> Source:
+    """The parameter source the regime chose (:attr:`sdp_jax.regime.Regime.source`; see the
+    module docstring), built on the state layout ``state``, the model call ``call`` and the
+    in-loop holder tables ``tables`` (:func:`in_loop_tables`)."""
+    regime = state.regime
+    if regime.source == regime_lib.Source.FSDP_BLOCKS:
+        return FsdpGather(state, call)
+    if regime.source == regime_lib.Source.FSDP_WHOLE:
+        return FsdpWhole(state, call)
+    if regime.source == regime_lib.Source.BACKWARD_HELD:
+        return BackwardHeld(state, call, tables, regime.method)
     return Compact(state, call, tables)

@@ -21,7 +21,6 @@ rows for ``S``); the step drops it inside ``shard_map`` (:meth:`StateLayout.unst
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Callable
 
 import jax
@@ -35,17 +34,9 @@ from sdp_jax import layout as layout_lib
 from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 from sdp_jax.mesh import DATA, STAGE
+from sdp_jax.regime import Kind, Regime
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
-
-
-class Kind(enum.StrEnum):
-    """How one stored leaf lies on the mesh (the module docstring gives the shapes)."""
-
-    REPLICATED = "R"
-    COMPACT = "C"
-    PER_WORKER = "Rw"
-    SHARDED = "S"
 
 
 WORKER_AXIS = (Kind.COMPACT, Kind.PER_WORKER)   # kinds with a leading [W] axis
@@ -115,10 +106,10 @@ class StateLayout:
         (and ``stats_specs``, ``stats_shapes`` with model state): nested trees.
     """
 
-    def __init__(self, spec: spec_lib.SDPSpec, optimizer, mesh, *, prefix, fsdp: bool,
-                 periodic: bool, state_spec: spec_lib.SDPSpec | None, stacked_slots: bool):
+    def __init__(self, spec: spec_lib.SDPSpec, optimizer, mesh, *, prefix, regime: Regime,
+                 state_spec: spec_lib.SDPSpec | None, stacked_slots: bool):
         self.spec, self.optimizer, self.mesh, self.prefix = spec, optimizer, mesh, prefix
-        self.fsdp, self.periodic = fsdp, periodic
+        self.regime, self.fsdp, self.periodic = regime, regime.fsdp, regime.periodic
         self.state_spec, self.stacked_slots = state_spec, stacked_slots
         self.staged = STAGE in mesh.axis_names
         self.stages = int(mesh.shape[STAGE]) if self.staged else 1
@@ -130,7 +121,7 @@ class StateLayout:
         # elementwise optimizer such as AdamW). Backward masking keeps always-kept leaves
         # outside the blocks whole (R: updated alike on every worker, e.g. the pipeline's
         # projectors, which the Stiefel optimizer needs as matrices).
-        self.sharded_update = bool(fsdp or spec.backward)
+        self.sharded_update = regime.sharded_update
         self.rows = self._row_tables() if self.sharded_update else {}
         if self.sharded_update:   # 1 / holders of every entry (broadcastable), float32
             self.inv_holders = {
@@ -138,7 +129,7 @@ class StateLayout:
                 else (1.0 / np.maximum(spec.leaf_mask(p).sum(0), 1)).astype(np.float32)
                 for p in spec.shapes}
         lay = self.layout
-        p_keys = spec.shapes if (spec.backward or fsdp) else lay.stored_shapes
+        p_keys = spec.shapes if regime.full_parameters else lay.stored_shapes
         o_keys = spec.shapes if self.sharded_update else lay.stored_shapes
         self.param_layout = {p: self._kind(p, optimizer=False) for p in p_keys}
         self.compact_layout = {p: self._kind(p, optimizer=True) for p in o_keys}
@@ -153,15 +144,11 @@ class StateLayout:
             self.state_specs["stats"] = self.stats_specs
 
     def _kind(self, p, optimizer: bool) -> Kind:
-        if self.fsdp:
-            return Kind.SHARDED
-        if self.spec.backward:   # full replicated copies; optimizer state and update on shards
-            if not optimizer or not (self.in_block(p) or self.spec.leaf_mask(p) is not None):
-                return Kind.REPLICATED
-            return Kind.SHARDED
-        if self.layout.stored_compact(p):
-            return Kind.COMPACT
-        return Kind.PER_WORKER if self.periodic else Kind.REPLICATED
+        """Leaf ``p``'s layout kind, as the regime decides it (:meth:`Regime.kind`)."""
+        return self.regime.kind(
+            optimizer=optimizer,
+            in_blocks_or_masked=self.in_block(p) or self.spec.leaf_mask(p) is not None,
+            stored_compact=not self.regime.full_parameters and self.layout.stored_compact(p))
 
     # ------------------------------------------------------------------ pipeline stages
     def in_block(self, p) -> bool:

@@ -26,7 +26,8 @@ Two forms of the loss:
 
 The step is assembled from pieces, one job each, inside ``jax.shard_map`` over the mesh axis
 ``data`` (or, with ``emulate_workers``, under ``jax.vmap`` over ``data`` on one device: the
-placement, :mod:`sdp_jax.placement`):
+placement, :mod:`sdp_jax.placement`), as the regime decided once from the spec and the options
+says (:class:`sdp_jax.regime.Regime`, :attr:`SDPStep.regime`):
 
 * :class:`sdp_jax.state.StateLayout`: how every leaf of the state is stored (the layout kinds
   ``R``, ``C``, ``Rw``, ``S``), its shapes and partition specs, init and ``full_params``;
@@ -73,6 +74,7 @@ from sdp_jax import mesh as mesh_lib
 from sdp_jax.mesh import DATA, STAGE
 from sdp_jax.options import ModelHooks, StepOptions
 from sdp_jax.placement import placement_of
+from sdp_jax.regime import Regime
 from sdp_jax.runner import ModelCall
 from sdp_jax.sources import in_loop_tables, source_of
 from sdp_jax.state import StateLayout
@@ -259,19 +261,16 @@ class SDPStep:
         self.options, self.schedule = options, schedule
         self.periodic = options.periodic
         self.call = ModelCall(spec, model, options)
+        self.regime = Regime.of(spec, options, runner=model.block_fn is not None,
+                                staged=STAGE in mesh.axis_names)
         self.state_layout = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix,
-                                        fsdp=options.fsdp, periodic=self.periodic,
-                                        state_spec=model.state_spec,
+                                        regime=self.regime, state_spec=model.state_spec,
                                         stacked_slots=model.stacked_slots)
-        method = "reference" if options.reference else "alltoall"
-        self.in_loop_tables = in_loop_tables(self.state_layout, self.call, method,
-                                             accumulating=options.grad_accum > 1)
-        self.source = source_of(self.state_layout, self.call, self.in_loop_tables, method)
+        self.in_loop_tables = in_loop_tables(self.state_layout, self.call)
+        self.source = source_of(self.state_layout, self.call, self.in_loop_tables)
         self.accumulated_grads = accumulate(self.source, options.grad_accum, options.unroll)
-        self.update = update_lib.update_of(self.state_layout, method, self.in_loop_tables,
-                                           self.periodic)
-        self.evaluation = Evaluation(self.state_layout, self.call, self.source, self.periodic,
-                                     self.placement)
+        self.update = update_lib.update_of(self.state_layout, self.in_loop_tables)
+        self.evaluation = Evaluation(self.state_layout, self.call, self.source, self.placement)
         st = self.state_layout   # the layout's public names, as the step has always offered them
         self.layout, self.staged, self.stages = st.layout, st.staged, st.stages
         self.param_layout, self.compact_layout = st.param_layout, st.compact_layout

@@ -26,7 +26,8 @@ from sdp_jax import layout as layout_lib
 from sdp_jax import spec as spec_lib
 from sdp_jax import sync
 from sdp_jax.mesh import DATA
-from sdp_jax.state import Kind, StateLayout
+from sdp_jax.regime import Kind, Update
+from sdp_jax.state import StateLayout
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
@@ -126,13 +127,14 @@ def averaged_stats(state: StateLayout, new: dict, method: str) -> dict:
                        for p, x in avg.items()})
 
 
-def update_of(state: StateLayout, method: str, in_loop: dict, periodic: bool) -> Averaged:
-    """The update piece of a run's averaging mode (see the module docstring)."""
-    if state.sharded_update:
-        return Sharded(state, method, in_loop)
-    if periodic:
-        return Periodic(state, method, in_loop)
-    return Averaged(state, method, in_loop)
+def update_of(state: StateLayout, in_loop: dict) -> Averaged:
+    """The update piece the regime chose (:attr:`sdp_jax.regime.Regime.update`; see the module
+    docstring), averaging with the regime's method except the leaves ``in_loop`` (averaged
+    inside the backward loop)."""
+    regime = state.regime
+    piece = {Update.SHARDED: Sharded, Update.PERIODIC: Periodic,
+             Update.AVERAGED: Averaged}[regime.update]
+    return piece(state, regime.method, in_loop)
 
 
 def apply(update: Averaged, optimizer, grad_clip: float, grads: dict, local: dict, opt_state,

@@ -813,9 +813,8 @@ def _main_lm(fv, config, config_path, variants, workers, mesh) -> list[dict]:
           f"{config.seq_len} tokens per worker, {workers} x {jax.devices()[0].platform}, "
           f"{config.dtype}" + (", FSDP" if config.fsdp else "") + f", remat {config.remat}, "
           f"averaging {config.sdp.method}, attention {model.attention}"
-          + (f", gradient accumulation over {config.grad_accum} microbatches of "
-             f"{config.batch_per_worker // config.grad_accum}" if config.get("grad_accum", 1) > 1
-             else ""), flush=True)
+          + step_options(config, remat="none", fsdp=False, dtype="float32").describe(
+              workers, config.batch_per_worker), flush=True)
     rows = _lm_rows(fv, config, variants, workers, mesh)
     print(format_table(rows))
     for line in reference_lines(rows):

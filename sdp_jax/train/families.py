@@ -739,8 +739,8 @@ class VisionFamily(Family):
         backward variants count their full backward pass) times the devices of the ``W``
         workers (``RunSpec.worker_devices``: ``W``, or 1 when emulated); None under
         ``remat`` (a scan, whose body XLA counts once)."""
-        return [], compiled_flops(compiled, run.worker_devices, run.options.remat == "none"
-                                  and run.options.grad_accum == 1)
+        return [], compiled_flops(compiled, run.worker_devices,
+                                  run.options.flops_counted)
 
     def param_count(self, run) -> int:
         return vm.param_count(run.model)

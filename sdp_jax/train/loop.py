@@ -740,16 +740,10 @@ def _data_from(stream, saved: dict | None, start: int, run: run_lib.RunSpec, met
 def _log_run(run: run_lib.RunSpec, builder, mesh) -> None:
     """The run's opening lines: devices, masks and settings, the family's lines, the mask
     graph and the parameter counts."""
-    s, devices, mask_info = run.options, list(mesh.devices.flat), run.plan.summary()
+    devices, mask_info = list(mesh.devices.flat), run.plan.summary()
     log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
         f"process(es)); {run.plan.describe()}"
-        + (f"; parameters averaged over holders every {s.sync_every} steps"
-           if s.periodic else "")
-        + (f"; FSDP (ZeRO-3) over the {run.workers} workers" if s.fsdp else "")
-        + (f"; activation checkpointing: {s.remat}" if s.remat != "none" else "")
-        + (f"; compute dtype {s.dtype}" if s.dtype != "float32" else "")
-        + (f"; gradient accumulation over {s.grad_accum} microbatches of "
-           f"{run.config.batch_per_worker // s.grad_accum}" if s.grad_accum > 1 else ""))
+        + run.options.describe(run.workers, run.config.batch_per_worker))
     if builder.placement.emulated:
         log(builder.placement.describe())
     for extra in run.family.describe(run):
@@ -830,7 +824,7 @@ def _summary(run: run_lib.RunSpec, builder, prog: _Program | None, step: int,
     """``summary.json``: the family's fields and the run's own (settings, steps, wall
     seconds, memory, parameter counts, masks, throughput unit and model FLOPs); ``prog``:
     the compiled program (None when nothing was compiled, ``steps=0``: no memory figures)."""
-    family, s = run.family, run.options
+    family = run.family
     mask_info = run.plan.summary()
     mem = None if prog is None else prog.memory
     items = family.items_per_step(run) if prog is None else prog.items
@@ -839,17 +833,16 @@ def _summary(run: run_lib.RunSpec, builder, prog: _Program | None, step: int,
         **family.summary(run, step, last_eval, last_rec),
         "variant": run.config.sdp.variant, "regime": run.plan.regime,
         "coverage": run.plan.coverage,
-        "workers": run.workers, "scheme": run.config.sdp.scheme, "average": s.average,
-        "sync_every": s.sync_every, "fsdp": s.fsdp, "remat": s.remat,
-        "dtype": s.dtype, "steps": step, "total_steps": run.total_steps,
+        "workers": run.workers, "scheme": run.config.sdp.scheme,
+        **run.options.record(),   # average, sync_every, method, fsdp, remat, dtype, ...
+        "steps": step, "total_steps": run.total_steps,
         "completed": step >= run.total_steps, "wall_s": wall,
         "peak_bytes_per_device": None if mem is None else mem["peak_bytes_per_device"],
         "memory": mem, "params_total": family.param_count(run),
         "params_per_device": builder.per_device_param_count(),
         "masks": mask_info, "spectral_gap": mask_info["spectral_gap"],
         "platform": list(builder.mesh.devices.flat)[0].platform,
-        "devices": builder.mesh.devices.size, "emulate_workers": s.emulate_workers,
-        "grad_accum": s.grad_accum,
+        "devices": builder.mesh.devices.size,
         "item": family.rate_key.split("_per_s")[0],
         "items_per_step": items, "model_flops_per_step": (
             None if per_item is None else per_item * items),

@@ -23,8 +23,8 @@ from sdp_jax import layout as layout_lib
 from sdp_jax import pipeline as pl
 from sdp_jax import spec as spec_lib
 from sdp_jax import sync
-from sdp_jax.sources import BackwardHeld
-from sdp_jax.state import Kind, map_moments, shardings
+from sdp_jax.regime import Kind
+from sdp_jax.state import map_moments, shardings
 from sdp_jax.step import SDPStep
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
@@ -57,13 +57,12 @@ def compatibility(run) -> dict:
 
 
 def layouts(step: SDPStep) -> tuple[Migration, ...]:
-    """The migrations that apply to ``step``'s run, in the order they are tried."""
-    out = []
-    if isinstance(step.source, BackwardHeld):
-        out.append(compact_optimizer(step))
-    if step.staged:
-        out.append((lambda t: pipeline_kept(t, True), lambda t: pipeline_kept(t, False)))
-    return tuple(out)
+    """The migrations that apply to ``step``'s run, in the order they are tried: those of the
+    earlier layouts of its regime (:attr:`sdp_jax.regime.Regime.earlier_layouts`)."""
+    known = {"compact_optimizer": lambda: compact_optimizer(step),
+             "pipeline_kept": lambda: (lambda t: pipeline_kept(t, True),
+                                       lambda t: pipeline_kept(t, False))}
+    return tuple(known[name]() for name in step.regime.earlier_layouts)
 
 
 def _compact_codes(step: SDPStep) -> dict:

@@ -495,10 +495,9 @@ class Task(Family):
     def compiled(self, run, compiled) -> tuple[list[str], dict]:
         """``model_flops_per_step`` from XLA's count of the compiled step
         (:func:`compiled_flops`; None with a block runner or activation checkpointing)."""
-        looped = ("block_fn" in self.model_hooks(run.model, run.plan)
-                  or run.options.grad_accum > 1)
+        runner = "block_fn" in self.model_hooks(run.model, run.plan)   # (a block scan)
         return [], compiled_flops(compiled, run.worker_devices,
-                                  not looped and run.options.remat == "none")
+                                  run.options.flops_counted and not runner)
 
     def evaluator(self, run, builder, val_batches, put, log):
         """``state -> {"val_loss": float}``: the full model's loss
