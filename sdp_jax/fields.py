@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
+
+import numpy as np
 
 
 def from_section(cls, cfg: Any, section: str, note: str = ""):
@@ -27,11 +30,13 @@ def from_section(cls, cfg: Any, section: str, note: str = ""):
 # Declared settings: a dataclass field with its config path, one-line doc and rule
 # ----------------------------------------------------------------------------------------------
 KINDS = (bool, int, float, str, tuple, object)
+_SAME = object()   # run_default not given: a run config's default is the declaration's
 
 
 def setting(default, doc: str, *, path: str | None = "", kind: type | None = None,
             choices: tuple | None = None, low: float | None = None, high: float | None = None,
-            open_low: bool = False, open_high: bool = False, control: bool = False):
+            open_low: bool = False, open_high: bool = False, control: bool = False,
+            run_default=_SAME, rule: str = ""):
     """A dataclass field declared once with everything the rest of the package reads from it.
 
     Args:
@@ -50,6 +55,10 @@ def setting(default, doc: str, *, path: str | None = "", kind: type | None = Non
         ``open_high``), or None.
       control: the setting does not change the training trajectory (how often to log, how
         the same function is computed): a checkpoint written under another value resumes.
+      run_default: the default of a run config when it differs from a library caller's
+        (``optim.grad_clip``: a run clips at 1, ``StepOptions()`` does not clip).
+      rule: the rule in words where the declared kind does not say it (an ``object`` field,
+        a value the class replaces), for messages and docs/configuration.md.
 
     Returns:
       a ``dataclasses.field`` whose metadata :func:`check_settings`, :func:`read_settings`,
@@ -62,7 +71,8 @@ def setting(default, doc: str, *, path: str | None = "", kind: type | None = Non
         raise ValueError(f"setting kind {kind!r}: declare one of {KINDS} (give kind=).")
     return dataclasses.field(default=default, metadata={
         "doc": doc, "path": path, "kind": kind, "choices": choices, "low": low, "high": high,
-        "open_low": open_low, "open_high": open_high, "control": control})
+        "open_low": open_low, "open_high": open_high, "control": control,
+        "run_default": default if run_default is _SAME else run_default, "rule": rule})
 
 
 def settings(cls) -> list[dataclasses.Field]:
@@ -92,15 +102,14 @@ def rule(f: dataclasses.Field) -> str:
     [0, 1)``, ``one of none, full, dots`` (empty for ``object`` or a ``str`` without
     choices)."""
     m = f.metadata
+    if m["rule"]:
+        return m["rule"]
     if m["choices"] is not None:
         return ("" if len(m["choices"]) == 1 else "one of ") + ", ".join(map(str, m["choices"]))
     kind, low, high = m["kind"], m["low"], m["high"]
-    if kind is bool:
-        return "True or False"
-    if kind is tuple:
-        return "a tuple"
-    if kind not in (int, float):
-        return ""
+    if kind in (bool, tuple, str, object):
+        return {bool: "True or False", tuple: "a tuple or list", str: "a string",
+                object: ""}[kind]
     what = "an integer" if kind is int else "a finite number"
     low, high = (None if b is None else str(int(b)) if float(b).is_integer() and abs(b) < 1e15
                  else f"{b:g}" for b in (low, high))
@@ -127,12 +136,13 @@ def _fits(f: dataclasses.Field, value) -> bool:
     if kind is object:
         return True
     if kind is bool:
-        return isinstance(value, bool)
+        return isinstance(value, (bool, np.bool_))
     if kind is tuple:
         return isinstance(value, (tuple, list))
     if kind is str:
         return isinstance(value, str)
-    if isinstance(value, bool) or not isinstance(value, (int,) if kind is int else (int, float)):
+    number = numbers.Integral if kind is int else numbers.Real   # (numpy scalars too)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, number):
         return False
     if not math.isfinite(value):
         return False
@@ -152,7 +162,7 @@ def check_settings(obj) -> None:
     for f in settings(obj):
         value = getattr(obj, f.name)
         if not _fits(f, value):
-            words = rule(f) or f"a {f.metadata['kind'].__name__}"
+            words = rule(f)
             choices = f.metadata["choices"] or ()
             words = ("; use " + (" or ".join(map(str, choices)) if len(choices) == 2 else words)
                      if choices else " must be " + words)
@@ -174,16 +184,17 @@ def read_settings(cls, config) -> dict[str, Any]:
 
 
 def setting_defaults(cls) -> dict[str, Any]:
-    """``{path: default}`` of the settings of ``cls`` that a run config sets, for building the
-    config's fields from the declarations (:mod:`sdp_jax.train.config`)."""
-    return {config_path(cls, f): f.default for f in settings(cls) if config_path(cls, f)}
+    """``{path: a run config's default}`` of the settings of ``cls`` that a run config sets,
+    for building the config's fields from the declarations (:mod:`sdp_jax.train.config`)."""
+    return {config_path(cls, f): f.metadata["run_default"] for f in settings(cls)
+            if config_path(cls, f)}
 
 
 def control_paths(*classes) -> tuple[str, ...]:
     """The config paths of the settings of ``classes`` declared ``control=True`` (see
     :func:`setting`)."""
-    return tuple(config_path(cls, f) for cls in classes for f in settings(cls)
-                 if f.metadata["control"] and config_path(cls, f))
+    return tuple(dict.fromkeys(config_path(cls, f) for cls in classes for f in settings(cls)
+                               if f.metadata["control"] and config_path(cls, f)))
 
 
 def setting_rows(cls) -> list[tuple[str, str, str]]:

@@ -15,13 +15,20 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from sdp_jax.fields import check_settings, config_path, read_settings, setting, settings
+from sdp_jax.fields import (check_settings, config_path, read_settings, setting, setting_name,
+                            settings)
 
 # Activation checkpointing modes of the block runner (sdp_jax.runner.remat_block).
 REMAT = ("none", "full", "dots")
 # Compute dtypes, and the short names a config may give (recorded under the canonical name).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _name(field: str) -> str:
+    """How messages name a :class:`StepOptions` field: its run-config field
+    (:func:`sdp_jax.fields.setting_name`, e.g. ``config.sdp.average``)."""
+    return setting_name(StepOptions, next(f for f in settings(StepOptions) if f.name == field))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +64,11 @@ class StepOptions:
         "none", "activation checkpointing of every block: none, full (save the block input) "
         "or dots (also matmul outputs); vision models: none or full",
         path="remat", choices=REMAT, control=True)
-    dtype: str = setting(
-        "float32", "compute dtype, float32 or bfloat16 (bf16); master parameters, optimizer "
-        "state and gradient averaging stay float32", path="dtype", choices=tuple(DTYPES))
+    dtype: str | None = setting(
+        None, "compute dtype, float32 or bfloat16 (bf16): floating parameters are cast to it "
+        "before the loss (the stored parameters, optimizer state and gradient averaging keep "
+        "their dtype: float32 in a run); None = as stored", path="dtype",
+        kind=str, choices=tuple(DTYPES), run_default="float32")
     emulate_workers: bool = setting(
         False, "run the W workers on one device (jax.vmap; W times one worker's memory)",
         path="emulate_workers", kind=bool, control=True)
@@ -67,8 +76,9 @@ class StepOptions:
         1, "microbatches per optimizer step, run one after another; 1 = no accumulation",
         path="grad_accum", kind=int, low=1, control=True)
     grad_clip: float = setting(
-        0.0, "clip the averaged gradient to this global norm; 0 = no clipping",
-        path="optim.grad_clip", kind=float, low=0)
+        0.0, "clip the averaged gradient to this global norm (each component counted once); "
+        "0 = no clipping (a run's default: 1)", path="optim.grad_clip", kind=float, low=0,
+        run_default=1.0)
     total_steps: int | None = setting(
         None, "the run's optimizer steps (the last one averages under parameter averaging); "
         "None = unknown", path=None, kind=int, low=0)
@@ -80,14 +90,19 @@ class StepOptions:
         if self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         check_settings(self)
+        for f in settings(self):   # numpy scalars (np.float32(0.5), np.True_) as Python's
+            value, kind = getattr(self, f.name), f.metadata["kind"]
+            if value is not None and kind in (bool, int, float):
+                object.__setattr__(self, f.name, kind(value))
+        average, fsdp, sync_every = (_name(n) for n in ("average", "fsdp", "sync_every"))
         if self.periodic and self.fsdp:
-            raise ValueError("config.sdp.average=parameters needs per-worker parameter copies, "
-                             "but FSDP stores one sharded copy (config.fsdp=True); use "
-                             "--config.sdp.average=gradients, or --config.fsdp=False.")
+            raise ValueError(f"{average}=parameters needs per-worker parameter copies, but FSDP "
+                             f"stores one sharded copy ({fsdp}=True); use "
+                             f"--{average}=gradients, or --{fsdp}=False.")
         if not self.periodic and self.sync_every != 1:
-            raise ValueError(f"config.sdp.sync_every={self.sync_every} only applies with "
-                             "--config.sdp.average=parameters (gradients are averaged every "
-                             "step); set both or neither.")
+            raise ValueError(f"{sync_every}={self.sync_every} only applies with "
+                             f"--{average}=parameters (gradients are averaged every step); set "
+                             "both or neither.")
 
     @classmethod
     def from_config(cls, config, **library) -> "StepOptions":
@@ -109,13 +124,14 @@ class StepOptions:
         Raises:
           ValueError: naming the field, the value and the fix."""
         if self.remat not in remat_modes:
-            raise ValueError(f"config.remat={self.remat!r}; use one of {', '.join(remat_modes)} "
-                             "(activation checkpointing of every block).")
+            raise ValueError(f"{_name('remat')}={self.remat!r}; use one of "
+                             f"{', '.join(remat_modes)} (activation checkpointing of every "
+                             "block).")
         if self.periodic and spec.backward:
-            raise ValueError(f"config.sdp.average=parameters is not available for {spec.variant} "
-                             "(backward masking keeps every worker's full parameters "
-                             "identical); use --config.sdp.average=gradients or a forward "
-                             "variant (ddp, b-sdp, n-sdp).")
+            raise ValueError(f"{_name('average')}=parameters is not available for "
+                             f"{spec.variant} (backward masking keeps every worker's full "
+                             f"parameters identical); use --{_name('average')}=gradients or a "
+                             "forward variant (ddp, b-sdp, n-sdp).")
 
     @property
     def periodic(self) -> bool:
@@ -144,7 +160,8 @@ class StepOptions:
                  if self.periodic else "")
                 + (f"; FSDP (ZeRO-3) over the {workers} workers" if self.fsdp else "")
                 + (f"; activation checkpointing: {self.remat}" if self.remat != "none" else "")
-                + (f"; compute dtype {self.dtype}" if self.dtype != "float32" else "")
+                + (f"; compute dtype {self.dtype}" if self.dtype not in (None, "float32")
+                   else "")
                 + (f"; gradient accumulation over {self.grad_accum} microbatches of "
                    f"{batch_per_worker // self.grad_accum}" if self.grad_accum > 1 else ""))
 
@@ -156,8 +173,8 @@ class StepOptions:
 
     @property
     def compute_dtype(self):
-        """The compute dtype as a ``jnp.dtype``."""
-        return jnp.dtype(DTYPES[self.dtype])
+        """The compute dtype as a ``jnp.dtype`` (None: as stored)."""
+        return None if self.dtype is None else jnp.dtype(DTYPES[self.dtype])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,9 +195,9 @@ class ModelHooks:
       stacked_slots: list-form block slots reach ``loss_fn`` stacked as stored.
       param_metrics: ``params -> {name: float32 scalar}`` of the worker's updated
         parameters, reported as metrics.
-      extras: anything the builder of the step attaches for its callers, e.g. a pipeline's
-        schedule (:class:`sdp_jax.pipeline.Pipeline`); the step keeps it as
-        :attr:`sdp_jax.step.SDPStep.extras` and never reads it.
+      extras: anything the builder of the step attaches for its callers, e.g. the vision
+        model of :func:`sdp_jax.train.families.vision_step`, which its evaluation reads; the
+        step keeps it as :attr:`sdp_jax.step.SDPStep.extras` and never reads it.
     """
 
     loss_fn: Callable

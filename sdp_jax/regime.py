@@ -11,10 +11,10 @@ instead of working the combination out again:
   (:attr:`Regime.averages_in_loop`, :func:`sdp_jax.sources.in_loop_tables`);
 * the parameter source (:attr:`Regime.source`: where a worker's parameters come from and where
   its gradients go, :func:`sdp_jax.sources.source_of`), the update
-  (:attr:`Regime.update`, :func:`sdp_jax.update.update_of`), and so the evaluation's gather
-  (:class:`sdp_jax.evaluation.Evaluation` asks the source);
-* the checkpoint layouts earlier releases wrote for it (:attr:`Regime.earlier_layouts`, read by
-  :mod:`sdp_jax.train.migrations`).
+  (:attr:`Regime.update`, :func:`sdp_jax.update.update_of`), and through the source the
+  evaluation's gather (:class:`sdp_jax.evaluation.Evaluation` asks it) and the checkpoint
+  layouts earlier releases wrote (:meth:`sdp_jax.sources.Source.earlier_layouts`, which
+  :mod:`sdp_jax.train.migrations` tries).
 
 The four regimes (Singh et al., arXiv 2507.09029, Sec. 3: forward masking runs the subnetwork,
 backward masking the full model with sparse gradients; FSDP is ZeRO-3, Rajbhandari et al. 2020):
@@ -147,12 +147,3 @@ class Regime:
         if self.sharded_update:
             return Update.SHARDED
         return Update.PERIODIC if self.periodic else Update.AVERAGED
-
-    @property
-    def earlier_layouts(self) -> tuple[str, ...]:
-        """The checkpoint layouts earlier releases wrote for this regime, which
-        :mod:`sdp_jax.train.migrations` converts: ``compact_optimizer`` (backward masking's
-        optimizer state, compact before the sharded update) and ``pipeline_kept`` (a
-        pipeline's always-kept leaves, before they were stored once per stage)."""
-        return ((("compact_optimizer",) if self.backward and not self.fsdp else ())
-                + (("pipeline_kept",) if self.staged else ()))

@@ -34,7 +34,7 @@ from sdp_jax import sync
 from sdp_jax.mesh import DATA
 from sdp_jax.runner import GATHERED, ModelCall, held_weight_grads
 from sdp_jax.regime import Kind
-from sdp_jax.state import StateLayout
+from sdp_jax.state import StateLayout, map_moments, shardings
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
@@ -105,6 +105,12 @@ class Source:
         """Whether a worker's unheld blocks skip their weight gradients
         (:func:`sdp_jax.runner.held_weight_grads`); only :class:`BackwardHeld` can."""
         return False
+
+    def earlier_layouts(self, optimizer, placement, opt_specs) -> tuple:
+        """The checkpoint layouts earlier releases wrote for this regime, as pairs ``(current
+        abstract state -> old, restored old state -> current)`` (:mod:`sdp_jax.train.migrations`
+        tries them in turn); none but :class:`BackwardHeld`'s."""
+        return ()
 
     def worker_grads(self, params, batch, stats=None, count_branch=None):
         """``(loss, aux, gradient, new model state)`` of the worker's ``batch``: the gradient
@@ -284,6 +290,50 @@ class BackwardHeld(Source):
                 lambda leaves, h: call.block({p: call.cast(x) for p, x in leaves.items()}, h),
                 s >= 0, own, base, always, h, branch=count_branch)
         return apply
+
+    def earlier_layouts(self, optimizer, placement, opt_specs) -> tuple:
+        return (self.compact_optimizer(optimizer, placement, opt_specs),)
+
+    def compact_optimizer(self, optimizer, placement, opt_specs) -> tuple:
+        """The compact optimizer layout of checkpoints written before the sharded update, and
+        its conversion to layout ``S``: every parameter-shaped entry (a moment) goes from its
+        holders to the shards as a gradient does (:meth:`mean_shards`; holders agree, so the
+        mean is their value, to the last bit with two holders and to float32 rounding with
+        more). ``placement``: where the workers run; ``opt_specs``: the current optimizer
+        state's partition specs. Returns ``(to_old, from_old)`` (see
+        :meth:`Source.earlier_layouts`)."""
+        st, lay = self.state, self.state.layout
+        codes = {p: Kind.COMPACT if lay.stored_compact(p) else Kind.REPLICATED
+                 for p in lay.stored_shapes}
+        specs, shapes = st.struct(codes)
+        old_specs = layout_lib.opt_state_specs(optimizer, specs, shapes)
+
+        def to_old(abstract: dict) -> dict:
+            opt = jax.eval_shape(optimizer.init, shapes)
+            opt = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                               opt, shardings(st.mesh, old_specs))
+            return {**abstract, "opt_state": opt}
+
+        def moment(tree):   # this worker's compact leaves (stored form) -> its shards
+            flat = {p: x[0] if codes[p] == Kind.COMPACT else sync.to_varying(x)
+                    for p, x in spec_lib.flatten(tree).items()}
+            dts = {x.dtype for x in flat.values()}   # the moments' dtype (e.g. mu_dtype)
+            flat = lay.to_local(flat)
+            if self.call.block_fn is None:   # full-size leaves, zero where not held
+                flat = st.zero_embedded(flat)
+            return spec_lib.unflatten({p: x.astype(next(iter(dts)) if len(dts) == 1 else
+                                                   lay.dtype(p))
+                                       for p, x in self.mean_shards(flat).items()})
+
+        def convert(opt):
+            opt = map_moments(moment, st.unstage(opt, old_specs), shapes)
+            return st.restage(opt, opt_specs)
+
+        def from_old(state: dict) -> dict:
+            fn = placement.map(convert, (old_specs,), opt_specs)
+            return {**state, "opt_state": jax.jit(fn)(state["opt_state"])}
+
+        return to_old, from_old
 
     def mean_shards(self, g: dict, done: dict | None = None) -> dict:
         """A worker's gradient (flat; compact leaves of the block subtree, full-size leaves

@@ -37,14 +37,15 @@ says (:class:`sdp_jax.regime.Regime`, :attr:`SDPStep.regime`):
   FSDP gathers; it gives the loss its parameters and takes back the gradient;
 * the update (:mod:`sdp_jax.update`): holder averaging (:func:`sdp_jax.sync.average`, mean
   over each component's holders, invariant 2), the global norm of :func:`sdp_jax.sync.
-  global_norm`, the clipped optax update; or periodic parameter averaging (``averaging=
+  global_norm`, the clipped optax update; or periodic parameter averaging (``average=
   "parameters"``: each worker steps on its own gradient and the parameters are averaged over
   their holders every ``sync_every`` steps);
 * :class:`sdp_jax.evaluation.Evaluation` (the full model's loss and gathers) and
   :mod:`sdp_jax.alignment` (gradient alignment).
 
-Mixed precision (``dtype="bfloat16"``): compute and FSDP gathers in bf16; master parameters,
-optimizer state and gradient averaging in float32.
+Mixed precision (``StepOptions(dtype="bfloat16")``): compute and FSDP gathers in bf16; the
+stored parameters, the optimizer state and gradient averaging keep their dtype (float32 in a
+run: master parameters).
 
 Pipeline stages: on a mesh ``('data', 'stage')`` of ``W x P`` devices the spec describes one
 stage (its ``L / P`` blocks; the same masks in every stage) and every leaf of the block subtree
@@ -104,8 +105,8 @@ def _explain_unreplicated(fn: Callable) -> Callable:
                 "stores it alike: the optimizer changed it by a value of one worker's own "
                 "gradient, as optax.clip_by_global_norm (or another transform that reads the "
                 "gradient's global norm) does inside shard_map; leave clipping out of the "
-                "optax chain and pass grad_clip= to SDPStep (--config.optim.grad_clip), which "
-                "clips by the holder-averaged norm (docs/design.md invariant 6).") from None
+                "optax chain and set StepOptions(grad_clip=...) (--config.optim.grad_clip), "
+                "which clips by the holder-averaged norm (docs/design.md invariant 6).") from None
     return traced
 
 
@@ -119,7 +120,8 @@ def _check_mesh(spec: spec_lib.SDPSpec, mesh, emulate: bool):
             raise ValueError(f"the spec has W={W} workers but only {len(jax.devices())} "
                              "devices are present; on a CPU set "
                              f"jax.config.update('jax_num_cpu_devices', {W}) before using "
-                             "JAX, or emulate the workers on one device (emulate_workers=True).")
+                             "JAX, or emulate the workers on one device "
+                             "(StepOptions(emulate_workers=True)).")
         mesh = mesh_lib.make_mesh(W, emulated=emulate)
     if DATA not in mesh.shape:
         raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}, none named "
@@ -127,7 +129,8 @@ def _check_mesh(spec: spec_lib.SDPSpec, mesh, emulate: bool):
     if mesh.shape[DATA] != W and not emulate:
         raise ValueError(f"mesh axis '{DATA}' has {mesh.shape[DATA]} devices but the "
                          f"spec has W={W} workers; give a mesh of {W} devices, or emulate "
-                         "the workers on a mesh of one device (emulate_workers=True).")
+                         "the workers on a mesh of one device "
+                         "(StepOptions(emulate_workers=True)).")
     return mesh
 
 
@@ -138,9 +141,10 @@ def _check_runner(spec, mesh, block_fn, remat) -> None:
                          "block_fn and a pipelined loss_fn(params, batch, run) (e.g. "
                          "sdp_jax.pipeline.Pipeline.loss), or drop the 'stage' axis.")
     if remat != "none" and block_fn is None:
-        raise ValueError("remat works block by block inside the block runner: pass block_fn "
-                         "(one block's apply) and a loss_fn(params, batch, run) that calls "
-                         "run(h), or set remat off (or checkpoint inside your model).")
+        raise ValueError("remat works block by block inside the block runner: give "
+                         "ModelHooks(loss_fn, block_fn=...) (one block's apply) with a "
+                         "loss_fn(params, batch, run) that calls run(h), or set remat off (or "
+                         "checkpoint inside your model).")
     if block_fn is not None and not spec.blocks_stacked:
         raise ValueError("block_fn needs a stacked block subtree (rules with "
                          "Blocks(path, stacked=True)); this spec has "
@@ -340,6 +344,14 @@ class SDPStep:
         of unheld blocks instead)."""
         return self.source.skips_unheld()
 
+    def earlier_layouts(self) -> tuple:
+        """The checkpoint layouts earlier releases wrote for this step's regime, as pairs
+        ``(current abstract state -> old abstract state, restored old state -> current
+        state)``, tried in turn when a checkpoint does not restore as it is
+        (:mod:`sdp_jax.train.migrations`): backward masking's compact optimizer state
+        (:meth:`sdp_jax.sources.BackwardHeld.compact_optimizer`); none for the others."""
+        return self.source.earlier_layouts(self.optimizer, self.placement, self.opt_specs)
+
     def _local_step(self, state, batch, sync_now: bool, count_branch: bool | None):
         st = self.state_layout
         state = st.unstage(state, self.state_specs)
@@ -445,7 +457,7 @@ class SDPStep:
         needs), e.g. by building the model from the number of blocks it is given.
 
         Raises:
-          ValueError: FSDP, parameter averaging (``averaging="parameters"``: the workers'
+          ValueError: FSDP, parameter averaging (``average="parameters"``: the workers'
             copies differ), a pipeline (``stage`` axis), or ``stacked_slots`` (a model that
             runs its own slots, e.g. the vision models, has no full-model loss here)."""
         alignment.check(self.options, pipelined=self.staged,

@@ -12,11 +12,11 @@ from sdp_jax import spec as spec_lib
 from sdp_jax.options import ModelHooks, StepOptions
 from sdp_jax.train import config as config_lib
 from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train import run as run_lib
 
 CONFIGS = {"language model": config_lib.base_config(),
            "vision": config_lib.vision_config("resnet18", "digits"),
            "task": config_lib.task_config({"name": "mine"})}
-RUN_DEFAULTS = {"optim.grad_clip": 1.0}   # where a run's default is not the library's
 
 
 def _at(config, path):
@@ -44,9 +44,11 @@ def test_run_configs_are_built_from_the_declarations(family):
     for f in fields.settings(StepOptions):
         path = fields.config_path(StepOptions, f)
         if path:
-            assert _at(config, path) == RUN_DEFAULTS.get(path, f.default), path
+            assert _at(config, path) == f.metadata["run_default"], path
     options = StepOptions.from_config(config, total_steps=7)
-    assert options == StepOptions(grad_clip=1.0, total_steps=7)
+    # a run clips at 1 and computes in float32; a library caller's defaults do neither
+    assert options == StepOptions(grad_clip=1.0, dtype="float32", total_steps=7)
+    assert StepOptions().grad_clip == 0 and StepOptions().compute_dtype is None
     assert "grad_clip" not in {f.name for f in dataclasses.fields(optim_lib.OptimConfig)}
     assert optim_lib.OptimConfig.from_config(config.optim) == optim_lib.OptimConfig(
         **{k: v for k, v in config.optim.items() if k != "grad_clip"})
@@ -87,6 +89,28 @@ def test_a_bad_option_is_one_line_naming_the_config_field(change, match):
     with pytest.raises(ValueError, match=match) as e:
         StepOptions(**change)
     assert "\n" not in str(e.value)
+
+
+def test_numpy_scalars_are_taken_as_python_values():
+    got = StepOptions(grad_clip=np.float32(0.5), grad_accum=np.int64(2), fsdp=np.bool_(True))
+    assert (got.grad_clip, got.grad_accum, got.fsdp) == (0.5, 2, True)
+    assert type(got.grad_accum) is int and type(got.fsdp) is bool
+    with pytest.raises(ValueError, match=r"config\.grad_accum=.*must be a positive integer"):
+        StepOptions(grad_accum=np.float32(2))
+
+
+def test_the_fields_a_resumed_run_may_change():
+    """The fields declared control=True, which a resumed run may change (its checkpoint still
+    resumes): pinned, since checkpoint compatibility depends on them."""
+    assert set(run_lib.CONTROL) == {
+        "sdp.memory_budget_gib", "remat", "emulate_workers", "grad_accum", "num_cpu_devices",
+        "eval_every", "log_every", "checkpoint_every", "keep_checkpoints", "stop_at_step",
+        "elastic", "peak_flops", "align_every", "profile_start", "profile_stop",
+        "eval_batches", "init_from", "eval_limit", "eval_bn_batches", "model.attention",
+        "model.attention_chunk", "data.worker_count"}
+    d = run_lib.trajectory_config(config_lib.base_config())
+    assert "grad_accum" not in d and "worker_count" not in d["data"] and "seq_len" in d
+    assert "attention" not in d["model"] and d["sdp"]["average"] == "gradients"
 
 
 def test_the_options_a_model_or_a_regime_refuses():

@@ -144,7 +144,7 @@ def test_pipelined_ddp_equals_unpipelined_ddp_after_3_steps():
 @pytest.mark.slow
 def test_full_width_identity_projector_equals_uncompressed():
     st = _step("fixed", ratio=1)   # r = d
-    full = st.init_fn(0)
+    full = st.model.init_fn(0)
     bnd = dict(full["boundary"])
     bnd["frozen_A"] = jnp.broadcast_to(jnp.eye(CFG.d_model), bnd["frozen_A"].shape)
     bnd["anchor_embed"] = bnd["anchor_embed"] * 50  # anchors far from zero cancel exactly
@@ -170,7 +170,7 @@ def test_full_width_identity_projector_equals_uncompressed():
 @pytest.mark.parametrize("rvq_levels", [0, 2])
 def test_compressed_pipeline_forward_and_gradient_match_single_device(rvq_levels):
     st = _step("mapl", ratio=4, rvq_levels=rvq_levels)
-    full = st.init_fn(0)
+    full = st.model.init_fn(0)
     tok, tok_d = _tokens(st)
     want_loss, want = jax.jit(jax.value_and_grad(
         lambda f, t: reference_loss(CFG, st.pipe, f, t)))(full, tok)
@@ -195,7 +195,7 @@ def test_block_sdp_pipeline_averages_over_holders():
     bt = st.spec.kinds["block"]
     held, Lp = bt.held, st.spec.n_blocks                      # the same masks in every stage
     assert held.shape == (4, 2) and Lp == 4 and list(bt.counts) == [2, 2, 2, 2]
-    full = st.init_fn(0)
+    full = st.model.init_fn(0)
     params = st.init(full)["params"]
     tok, tok_d = _tokens(st)
     _, grads = st.grads_fn()(params, tok_d)

@@ -85,7 +85,8 @@ class VisionConfig:
     name: str = setting("resnet18", "the model: resnet18, wrn18 (WideResNet-18) or swin_t",
                         choices=MODELS)
     num_classes: int = setting(10, "classifier outputs (10 for CIFAR-10 and the digits, 100 for "
-                               "CIFAR-100; a run config's 0 = the dataset's)", low=1)
+                               "CIFAR-100; a run config's 0 = the dataset's)", low=1,
+                               run_default=0, rule="a positive integer, or 0 in a run config")
     image_size: int = setting(32, "input height = width in pixels", low=1)
     in_channels: int = setting(3, "input channels", low=1)
     width: int = setting(64, "ResNet base width (64: 64, 128, 256, 512 channels per stage)",
@@ -138,12 +139,15 @@ class VisionConfig:
     def section(cls, name: str) -> dict:
         """The ``model`` section of a run config of model ``name``: the fields that model
         reads (the shared ones, then ResNet's or Swin's), with their defaults (the one place
-        they are declared: this class).
+        they are declared: this class; a run config's where it has its own, ``num_classes``
+        0 = the dataset's).
 
         Raises:
           ValueError: an unknown ``name``."""
         own = RESNET_FIELDS if name in RESNETS else SWIN_FIELDS
         values = dataclasses.asdict(cls(name=name, widen=WIDEN.get(name, 1)))
+        values.update({f.name: f.metadata["run_default"] for f in fields.settings(cls)
+                       if f.metadata["run_default"] != f.default})
         return {k: values[k] for k in SHARED_FIELDS + own}
 
     @classmethod

@@ -45,7 +45,8 @@ class SdpConfig:
     coverage: object = setting(1.0, "C, the fraction of blocks (or of each block's neurons and "
                                "head groups) each worker holds, in (0, 1]; C·G and W·C must be "
                                "whole; or auto: the largest realizable C whose compiled train "
-                               "step fits sdp.memory_budget_gib", kind=object)
+                               "step fits sdp.memory_budget_gib", kind=object,
+                               rule="a number in (0, 1], or auto")
     memory_budget_gib: float = setting(0.0, "GiB per device the compiled train step must fit "
                                        "(coverage=auto, and every run when > 0); 0 = the "
                                        "accelerator's memory x 0.9", kind=float, low=0,
@@ -234,9 +235,7 @@ def declare(c: ml_collections.ConfigDict, *classes, drop: tuple = ()) -> ml_coll
 
 def _run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The fields of every run config (set on ``c``; families change some defaults)."""
-    declare(c, *EVERY_RUN)
-    c.optim.grad_clip = 1.0     # a run clips by default (the library's StepOptions does not)
-    return c
+    return declare(c, *EVERY_RUN)
 
 
 def task_config(model: dict) -> ml_collections.ConfigDict:
@@ -304,7 +303,7 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
     """
     c = ml_collections.ConfigDict()
     # the model's fields and defaults (VisionConfig); num_classes 0: the dataset's
-    c.model = ml_collections.ConfigDict({**VisionConfig.section(name), "num_classes": 0})
+    c.model = ml_collections.ConfigDict(VisionConfig.section(name))
     declare(c, vision_data.VisionDataConfig)
     c.data.dataset = dataset
     declare(_run_fields(c), VisionRun)

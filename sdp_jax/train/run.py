@@ -236,6 +236,7 @@ def resolve_workers(config, device_count: int, stages: int = 1,
     if processes > 1:
         mesh_lib.check_devices_per_process()
     zero = "0 = every device" + (" / pipeline.stages" if stages > 1 else "")
+    config_lib.RunControl(**fields.read_settings(config_lib.RunControl, config))
     workers = config.workers or max(device_count // stages, 1)
     if _emulated(config, stages, processes):
         return workers

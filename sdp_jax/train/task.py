@@ -240,6 +240,9 @@ def _check_hooks(name: str, hooks: dict) -> None:
     set_by_run = {f.name: fields_lib.config_path(StepOptions, f)
                   for f in fields_lib.settings(StepOptions)}
     for key in hooks:
+        if key in ("loss_fn", "init_fn"):
+            raise ValueError(f"{name}.model_hooks gives {key}, which the Task's "
+                             f"{key[:-3]}() gives; leave it out of model_hooks.")
         if set_by_run.get(key):
             raise ValueError(f"{name}.model_hooks gives {key}, which the run sets "
                              f"(--config.{set_by_run[key]}); set it there and leave it out "

@@ -120,7 +120,7 @@ def _tfds_source(name: str, split: str, data_dir: str):
 
 
 def _check(cfg: Any):
-    VisionDataConfig(**dict(cfg))   # the declared rules
+    fields.from_section(VisionDataConfig, cfg, "data")   # unknown keys, the declared rules
 
 
 def open_split(data_cfg: Any, split: str, image_size: int, channels: int):
