@@ -78,7 +78,7 @@ from sdp_jax.placement import placement_of
 from sdp_jax.regime import Regime
 from sdp_jax.runner import ModelCall
 from sdp_jax.sources import in_loop_tables, source_of
-from sdp_jax.state import StateLayout
+from sdp_jax.state import StateLayout, map_moments
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -334,6 +334,49 @@ class SDPStep:
         ``optimizer_layout``, a tree in the optimizer's layout instead (``compact_specs``:
         :meth:`grads_fn`'s gradient, a moment of the optimizer state)."""
         return self.state_layout.full_params(params, optimizer_layout)
+
+    def full_state(self, state: dict, average: bool = False) -> dict:
+        """A train state in this step's layout -> ``{params, opt_state, stats}`` of the full
+        model (host numpy; gathers to this host, one process): the parameters and every
+        parameter-shaped entry of the optimizer state joined (``average``: the holders' mean,
+        for parameter averaging's drifted copies), other optimizer entries as stored, the
+        model state (``stats``; None without one) joined like the parameters. :meth:`store`
+        lays it out again (an elastic resume, :mod:`sdp_jax.train.elastic`)."""
+        st = self.state_layout
+        opt = map_moments(lambda x: st.full_params(x, True, average), state["opt_state"],
+                          st.compact_shapes, other=np.asarray)
+        stats = state.get("stats")
+        if stats is not None:
+            stats = st.full_stats(stats, average)
+        return {"params": st.full_params(state["params"], average=average), "opt_state": opt,
+                "stats": stats}
+
+    def store(self, full, part: str = "params"):
+        """A full tree (nested dict of full-shape arrays, e.g. from :meth:`full_state`) -> its
+        stored form in this step's layout (traceable under ``jit``), for ``part``:
+        ``params`` (the parameters), ``moment`` (a parameter-shaped entry of the optimizer
+        state, in the optimizer's layout) or ``stats`` (the model state).
+
+        Raises:
+          ValueError: another ``part``."""
+        st = self.state_layout
+        forms = {"params": st.store, "moment": lambda t: st.optimizer_form(st.store(t)),
+                 "stats": st.store_stats}
+        if part not in forms:
+            raise ValueError(f"part={part!r}; use params, moment or stats.")
+        return forms[part](full)
+
+    def per_worker(self, fn, in_specs, out_specs, check_vma: bool = True):
+        """``fn`` written for one worker, run over the ``W`` workers as the step's own programs
+        are (``jax.shard_map`` over ``data``, or ``jax.vmap`` when emulated; the arguments
+        as :meth:`sdp_jax.placement.Placement.map` takes them), e.g. a family's own
+        evaluation."""
+        return self.placement.map(fn, in_specs, out_specs, check_vma)
+
+    def describe_placement(self) -> str:
+        """One line on where the workers run when they are emulated on one device
+        (:meth:`sdp_jax.placement.Emulated.describe`); ``""`` on ``W`` devices."""
+        return self.placement.describe() if self.placement.emulated else ""
 
     # ------------------------------------------------------------------ the step
     def skips_unheld(self) -> bool:

@@ -55,7 +55,7 @@ def main(workdir: str, config) -> None:
     full, _ = elastic.read_full(manager, step, saved, run)          # the reference, again
     manager.close()
     gathered = multihost_utils.process_allgather(state, tiled=True)
-    again = elastic.full_state(builder, gathered, average=False)
+    again = builder.full_state(gathered, average=False)
     assert int(gathered["step"]) == step
     want = jax.tree_util.tree_flatten_with_path(full)[0]
     got = jax.tree.leaves(again)

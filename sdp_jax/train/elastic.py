@@ -176,21 +176,6 @@ def check(run: run_lib.RunSpec, saved: dict, stream) -> None:
                          f"{max(before // run.workers, 1)}.")
 
 
-def full_state(builder, state: dict, average: bool) -> dict:
-    """A train state in ``builder``'s layout -> ``{params, opt_state, stats}`` of the full
-    model (host numpy): the parameters and every parameter-shaped entry of the optimizer
-    state joined (``average``: holders' mean), other optimizer entries as stored, the model
-    state (``stats``; None without one) joined like the parameters."""
-    st = builder.state_layout
-    opt = state_lib.map_moments(lambda x: st.full_params(x, True, average), state["opt_state"],
-                                st.compact_shapes, other=np.asarray)
-    stats = state.get("stats")
-    if stats is not None:
-        stats = st.full_stats(stats, average)
-    return {"params": st.full_params(state["params"], average=average), "opt_state": opt,
-            "stats": stats}
-
-
 def _lay(fn, full, abstract):
     """``fn(full)`` (full host arrays -> a stored tree), placed as ``abstract``
     (ShapeDtypeStructs with shardings): computed on this process's own CPU device (with
@@ -209,34 +194,36 @@ def _lay(fn, full, abstract):
 
 
 def lay_out(builder, full: dict, step: int) -> dict:
-    """:func:`full_state`'s output -> a train state in ``builder``'s layout on its mesh, at
-    ``step`` (:func:`_lay`: each device receives only its share).
+    """:meth:`sdp_jax.step.SDPStep.full_state`'s output -> a train state in ``builder``'s
+    layout on its mesh, at ``step`` (:meth:`sdp_jax.step.SDPStep.store`, placed by
+    :func:`_lay`: each device receives only its share).
 
     Raises:
       ValueError: the optimizer state's structure differs (another optimizer)."""
-    st, abstract = builder.state_layout, builder.abstract_state()
-    fresh, tdef, is_new = state_lib.split_moments(abstract["opt_state"], st.compact_shapes)
+    abstract = builder.abstract_state()
+    fresh, tdef, is_new = state_lib.split_moments(abstract["opt_state"], builder.compact_shapes)
     old, old_def, _ = state_lib.split_moments(full["opt_state"], full["params"])
     if tdef != old_def:
         raise ValueError("--config.elastic=True: the checkpoint's optimizer state has another "
                          "structure than this run's optimizer; resume with the checkpoint's "
                          "optimizer settings.")
-    moment = lambda t: st.optimizer_form(st.store(t))  # noqa: E731
+    moment = lambda t: builder.store(t, "moment")  # noqa: E731
     leaves = [_lay(moment, o, a) if m else _lay(jnp.asarray, np.asarray(o, a.dtype), a)
               for a, o, m in zip(fresh, old, is_new)]
-    state = {"params": _lay(st.store, full["params"], abstract["params"]),
+    state = {"params": _lay(builder.store, full["params"], abstract["params"]),
              "opt_state": tdef.unflatten(leaves),
              "step": _lay(jnp.asarray, np.int32(step), abstract["step"])}
     if full["stats"] is not None:
-        state["stats"] = _lay(st.store_stats, full["stats"], abstract["stats"])
+        state["stats"] = _lay(lambda t: builder.store(t, "stats"), full["stats"],
+                              abstract["stats"])
     return state
 
 
 def read_full(manager, step: int, saved: dict, run: run_lib.RunSpec):
     """``(full, old)``: the checkpoint at ``step`` (``saved``: its ``meta``) read to this
     process's host memory in its own layout (emulated on one local device) and joined into
-    the full model and optimizer state (:func:`full_state`); ``old``: the checkpoint's run
-    (:func:`checkpoint_run`). Every process reads the whole checkpoint.
+    the full model and optimizer state (:meth:`sdp_jax.step.SDPStep.full_state`); ``old``:
+    the checkpoint's run (:func:`checkpoint_run`). Every process reads the whole checkpoint.
 
     Raises:
       ValueError: an unreadable checkpoint, or one whose layout is not its recorded run's
@@ -246,7 +233,7 @@ def read_full(manager, step: int, saved: dict, run: run_lib.RunSpec):
     old_builder = old.family.step(old, mesh)
     target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), old_builder.abstract_state())
     state = manager.restore(step, target)
-    return full_state(old_builder, state, old.options.periodic), old
+    return old_builder.full_state(state, old.options.periodic), old
 
 
 def rebuild(manager, step: int, saved: dict, run: run_lib.RunSpec, builder,

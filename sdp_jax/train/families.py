@@ -420,7 +420,7 @@ class VisionEval:
                 # From zero running statistics one update leaves (1 - momentum) * batch stats.
                 return jax.tree.map(lambda x: jax.lax.pmean(x / (1 - vm.BN_MOMENTUM), DATA),
                                     new)
-            self._fns["bn"] = jax.jit(self.step.placement.map(
+            self._fns["bn"] = jax.jit(self.step.per_worker(
                 local, (self.step.param_specs, self._sspec(), P(DATA)), self._stats_spec))
         return self._fns["bn"]
 
@@ -444,8 +444,8 @@ class VisionEval:
             specs = (self.step.param_specs, self._sspec(), P(DATA), P(DATA), P(DATA))
             if recalibrated:
                 specs += (self._stats_spec,)
-            self._fns[recalibrated] = jax.jit(self.step.placement.map(local, specs,
-                                                                      (P(), P(), P())))
+            self._fns[recalibrated] = jax.jit(self.step.per_worker(local, specs,
+                                                                   (P(), P(), P())))
         return self._fns[recalibrated]
 
     def full_model(self, state) -> tuple[dict, dict]:
@@ -455,7 +455,7 @@ class VisionEval:
             pspec = jax.tree.map(lambda _: P(), spec_lib.unflatten(
                 {p: 0 for p in self.step.spec.shapes}))
             # Every worker returns the same values; an FSDP all_gather is not typed invariant.
-            self._fns["full"] = jax.jit(self.step.placement.map(
+            self._fns["full"] = jax.jit(self.step.per_worker(
                 self._gather, (self.step.param_specs, self._sspec()),
                 (pspec, self._stats_spec), check_vma=not self.step.options.fsdp))
         return self._fns["full"](state["params"], state.get("stats", {}))

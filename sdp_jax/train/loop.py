@@ -744,8 +744,8 @@ def _log_run(run: run_lib.RunSpec, builder, mesh) -> None:
     log(f"devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} "
         f"process(es)); {run.plan.describe()}"
         + run.options.describe(run.workers, run.config.batch_per_worker))
-    if builder.placement.emulated:
-        log(builder.placement.describe())
+    if builder.describe_placement():
+        log(builder.describe_placement())
     for extra in run.family.describe(run):
         log(extra)
     mult = ", ".join(f"{k} {v['multiplicity_min']}..{v['multiplicity_max']}"
