@@ -71,6 +71,7 @@ from sdp_jax.accumulation import accumulate
 from sdp_jax import spec as spec_lib
 from sdp_jax import update as update_lib
 from sdp_jax.evaluation import Evaluation
+from sdp_jax.host import HostForms
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.mesh import DATA, STAGE
 from sdp_jax.options import ModelHooks, StepOptions
@@ -270,6 +271,7 @@ class SDPStep:
         self.state_layout = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix,
                                         regime=self.regime, state_spec=model.state_spec,
                                         stacked_slots=model.stacked_slots)
+        self.host = HostForms(self.state_layout)
         self.in_loop_tables = in_loop_tables(self.state_layout, self.call)
         self.source = source_of(self.state_layout, self.call, self.in_loop_tables)
         self.accumulated_grads = accumulate(self.source, options.grad_accum, options.unroll)
@@ -318,7 +320,7 @@ class SDPStep:
         Raises:
           ValueError: the parameters (or the model state) differ in paths or shapes from the
             spec's (``state_spec``'s); a step with model state given no pair."""
-        return self.state_layout.init(full_params)
+        return self.host.init(full_params)
 
     def init_state(self, seed: int) -> dict:
         """:meth:`init` from ``init_fn(seed)`` (the constructor's ``init_fn``)."""
@@ -333,7 +335,7 @@ class SDPStep:
         ``params``; gathers the whole model to this host (one process). With
         ``optimizer_layout``, a tree in the optimizer's layout instead (``compact_specs``:
         :meth:`grads_fn`'s gradient, a moment of the optimizer state)."""
-        return self.state_layout.full_params(params, optimizer_layout)
+        return self.host.full_params(params, optimizer_layout)
 
     def full_state(self, state: dict, average: bool = False) -> dict:
         """A train state in this step's layout -> ``{params, opt_state, stats}`` of the full
@@ -342,13 +344,13 @@ class SDPStep:
         for parameter averaging's drifted copies), other optimizer entries as stored, the
         model state (``stats``; None without one) joined like the parameters. :meth:`store`
         lays it out again (an elastic resume, :mod:`sdp_jax.train.elastic`)."""
-        st = self.state_layout
-        opt = map_moments(lambda x: st.full_params(x, True, average), state["opt_state"],
-                          st.compact_shapes, other=np.asarray)
+        host = self.host
+        opt = map_moments(lambda x: host.full_params(x, True, average), state["opt_state"],
+                          self.compact_shapes, other=np.asarray)
         stats = state.get("stats")
         if stats is not None:
-            stats = st.full_stats(stats, average)
-        return {"params": st.full_params(state["params"], average=average), "opt_state": opt,
+            stats = host.full_stats(stats, average)
+        return {"params": host.full_params(state["params"], average=average), "opt_state": opt,
                 "stats": stats}
 
     def store(self, full, part: str = "params"):
@@ -359,9 +361,9 @@ class SDPStep:
 
         Raises:
           ValueError: another ``part``."""
-        st = self.state_layout
-        forms = {"params": st.store, "moment": lambda t: st.optimizer_form(st.store(t)),
-                 "stats": st.store_stats}
+        host = self.host
+        forms = {"params": host.store, "moment": lambda t: host.optimizer_form(host.store(t)),
+                 "stats": host.store_stats}
         if part not in forms:
             raise ValueError(f"part={part!r}; use params, moment or stats.")
         return forms[part](full)

@@ -90,7 +90,7 @@ def _config(**kw):
 
 def _full_stats(builder, state):
     """The full model state (BatchNorm statistics) of a state in ``builder``'s layout."""
-    return builder.state_layout.full_stats(state["stats"])
+    return builder.full_state(state)["stats"]
 
 
 def _checkpoint(tmp_path, config, seed=1, spread=None):
@@ -123,7 +123,7 @@ def _with_moments(builder, moments):
     place of its parameter-shaped entries, count 5."""
     fresh = jax.eval_shape(lambda: builder.init_state(0)["opt_state"])
     it = iter(moments)
-    return state_lib.map_moments(lambda _: next(it), fresh, builder.state_layout.compact_shapes,
+    return state_lib.map_moments(lambda _: next(it), fresh, builder.compact_shapes,
                                  other=lambda x: np.full(x.shape, 5, x.dtype))
 
 
@@ -138,9 +138,8 @@ def _resume(directory, config, meta=lambda saved: saved):
 
 
 def _moments(builder, state):
-    st = builder.state_layout
-    entries, _, flags = state_lib.split_moments(state["opt_state"], st.compact_shapes)
-    return [st.full_params(x, optimizer_layout=True) for x, m in zip(entries, flags) if m]
+    entries, _, flags = state_lib.split_moments(state["opt_state"], builder.compact_shapes)
+    return [builder.full_params(x, optimizer_layout=True) for x, m in zip(entries, flags) if m]
 
 
 def _assert_equal(a, b):
