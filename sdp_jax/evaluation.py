@@ -74,7 +74,7 @@ class Evaluation:
         return full, sync.gather_full(_unflatten(flat), st.state_spec)
 
     def _local(self, params, batch):
-        params = self.state.unstage(params, self.state.param_specs)
+        params = self.state.staging.unstage(params, self.state.param_specs)
         if self.source.gathers_blocks:
             out = self.source.loss(params, batch, train=False)
         elif self.call.block_fn is None:

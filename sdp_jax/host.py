@@ -45,10 +45,10 @@ class HostForms:
         for s in range(self.st.stages):   # stage s: blocks [s * L / P, (s + 1) * L / P)
             part = {}
             for p, x in flat.items():
-                n = self.st.spec.shapes[p][0] if self.st.is_staged(p) else None
+                n = self.st.spec.shapes[p][0] if self.st.staging.is_staged(p) else None
                 part[p] = x[s * n:(s + 1) * n] if n is not None else x
             parts.append(self._store_stage(part))
-        return self.st.stack(parts, self.st.param_specs)
+        return self.st.staging.stack(parts, self.st.param_specs)
 
     def _store_stage(self, flat: dict) -> dict:
         """One stage's full parameters (flat; the whole model without a pipeline) -> stored."""
@@ -136,7 +136,7 @@ class HostForms:
         masking, whose full copies the optimizer updates as shards, layout ``S``)."""
         if not self.st.spec.backward or self.st.fsdp:
             return params
-        return self.st.per_stage(
+        return self.st.staging.per_stage(
             lambda t: _unflatten({p: self.st.to_shards(p, x)
                                   if self.st.compact_layout[p] == Kind.SHARDED else x
                                   for p, x in _flatten(t).items()}),
@@ -154,9 +154,9 @@ class HostForms:
         params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
         if not self.st.staged:
             return self._full_stage(params, codes, average)
-        parts = [_flatten(self._full_stage(self.st.take(params, s, specs), codes, average))
+        parts = [_flatten(self._full_stage(self.st.staging.take(params, s, specs), codes, average))
                  for s in range(self.st.stages)]
-        return _unflatten({p: np.concatenate([q[p] for q in parts]) if self.st.is_staged(p)
+        return _unflatten({p: np.concatenate([q[p] for q in parts]) if self.st.staging.is_staged(p)
                            else parts[0][p] for p in parts[0]})
 
     def _full_stage(self, params, codes: dict, average: bool = False) -> dict:

@@ -326,8 +326,8 @@ class BackwardHeld(Source):
                                        for p, x in self.mean_shards(flat).items()})
 
         def convert(opt):
-            opt = map_moments(moment, st.unstage(opt, old_specs), shapes)
-            return st.restage(opt, opt_specs)
+            opt = map_moments(moment, st.staging.unstage(opt, old_specs), shapes)
+            return st.staging.restage(opt, opt_specs)
 
         def from_old(state: dict) -> dict:
             fn = placement.map(convert, (old_specs,), opt_specs)

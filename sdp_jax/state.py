@@ -89,71 +89,25 @@ def stage_map(fn, specs, *trees):
     return jax.tree.map(one, specs, *trees, is_leaf=_is_spec)
 
 
-class StateLayout:
-    """The layout of one run's train state ``{params, opt_state, step[, stats]}``.
+class Staging:
+    """The pipeline's stage axis of a stored train state: which leaves carry it (the stacked
+    block subtree's, on a mesh with an axis ``stage``), and the tree operations across it.
 
     Args:
-      spec: the run's spec; optimizer: the optax transformation (for the optimizer state's
-        structure); mesh: the run's mesh (``data``, optionally ``stage``).
       prefix: the stacked block subtree's path when the block runner is used, else None.
-      regime: the step's :class:`sdp_jax.regime.Regime` (each leaf's kind: FSDP puts every
-        parameter in ``S``, periodic parameter averaging always-kept ones in ``Rw``).
-      state_spec: the spec of the model state (``stats``), or None.
-      stacked_slots: the loss takes list-form slots stacked as stored.
+      mesh: the run's mesh (``data``, optionally ``stage``).
 
     Attributes:
-      param_layout / compact_layout: {path: :class:`Kind`} of the parameters / of the
-        optimizer's parameters (compact, or ``S`` under FSDP and backward masking);
-      param_specs, param_shapes, compact_specs, compact_shapes, opt_specs, state_specs
-        (and ``stats_specs``, ``stats_shapes`` with model state): nested trees.
+      staged: the mesh has an axis ``stage``; stages: its size ``P`` (1 without).
     """
 
-    def __init__(self, spec: spec_lib.SDPSpec, optimizer, mesh, *, prefix, regime: Regime,
-                 state_spec: spec_lib.SDPSpec | None, stacked_slots: bool):
-        self.spec, self.optimizer, self.mesh, self.prefix = spec, optimizer, mesh, prefix
-        self.regime, self.fsdp, self.periodic = regime, regime.fsdp, regime.periodic
-        self.state_spec, self.stacked_slots = state_spec, stacked_slots
+    def __init__(self, prefix, mesh):
+        self.prefix = prefix
         self.staged = STAGE in mesh.axis_names
         self.stages = int(mesh.shape[STAGE]) if self.staged else 1
-        self.layout = layout_lib.of(spec)
-        self.full_shapes = {p: ((self.stages * sh[0],) + tuple(sh[1:]) if self.is_staged(p)
-                                else sh) for p, sh in spec.shapes.items()}
-        # The optimizer works on shards (S) under FSDP and under backward masking, whose every
-        # worker keeps the full model: ZeRO-2 (each device updates 1/W of every masked leaf; an
-        # elementwise optimizer such as AdamW). Backward masking keeps always-kept leaves
-        # outside the blocks whole (R: updated alike on every worker, e.g. the pipeline's
-        # projectors, which the Stiefel optimizer needs as matrices).
-        self.sharded_update = regime.sharded_update
-        self.rows = self._row_tables() if self.sharded_update else {}
-        if self.sharded_update:   # 1 / holders of every entry (broadcastable), float32
-            self.inv_holders = {
-                p: np.float32(1.0 / spec.workers) if spec.leaf_mask(p) is None
-                else (1.0 / np.maximum(spec.leaf_mask(p).sum(0), 1)).astype(np.float32)
-                for p in spec.shapes}
-        lay = self.layout
-        p_keys = spec.shapes if regime.full_parameters else lay.stored_shapes
-        o_keys = spec.shapes if self.sharded_update else lay.stored_shapes
-        self.param_layout = {p: self._kind(p, optimizer=False) for p in p_keys}
-        self.compact_layout = {p: self._kind(p, optimizer=True) for p in o_keys}
-        self.param_specs, self.param_shapes = self.struct(self.param_layout)
-        self.compact_specs, self.compact_shapes = self.struct(self.compact_layout)
-        self.opt_specs = layout_lib.opt_state_specs(optimizer, self.compact_specs,
-                                                    self.compact_shapes)
-        self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
-                            "step": P()}
-        if state_spec is not None:
-            self.stats_layout, self.stats_specs, self.stats_shapes = self._state_struct()
-            self.state_specs["stats"] = self.stats_specs
 
-    def _kind(self, p, optimizer: bool) -> Kind:
-        """Leaf ``p``'s layout kind, as the regime decides it (:meth:`Regime.kind`)."""
-        return self.regime.kind(
-            optimizer=optimizer,
-            in_blocks_or_masked=self.in_block(p) or self.spec.leaf_mask(p) is not None,
-            stored_compact=not self.regime.full_parameters and self.layout.stored_compact(p))
-
-    # ------------------------------------------------------------------ pipeline stages
     def in_block(self, p) -> bool:
+        """Whether leaf ``p`` is in the stacked block subtree of the block runner."""
         return self.prefix is not None and p[:len(self.prefix)] == self.prefix
 
     def is_staged(self, p) -> bool:
@@ -187,6 +141,70 @@ class StateLayout:
         """Per-stage trees stacked on the stage axes of ``specs`` (other leaves: stage 0's)."""
         return stage_map(lambda i, *xs: jnp.stack(xs, i), specs, *parts)
 
+
+class StateLayout:
+    """The layout of one run's train state ``{params, opt_state, step[, stats]}``.
+
+    Args:
+      spec: the run's spec; optimizer: the optax transformation (for the optimizer state's
+        structure); mesh: the run's mesh (``data``, optionally ``stage``).
+      prefix: the stacked block subtree's path when the block runner is used, else None.
+      regime: the step's :class:`sdp_jax.regime.Regime` (each leaf's kind: FSDP puts every
+        parameter in ``S``, periodic parameter averaging always-kept ones in ``Rw``).
+      state_spec: the spec of the model state (``stats``), or None.
+      stacked_slots: the loss takes list-form slots stacked as stored.
+
+    Attributes:
+      param_layout / compact_layout: {path: :class:`Kind`} of the parameters / of the
+        optimizer's parameters (compact, or ``S`` under FSDP and backward masking);
+      param_specs, param_shapes, compact_specs, compact_shapes, opt_specs, state_specs
+        (and ``stats_specs``, ``stats_shapes`` with model state): nested trees.
+    """
+
+    def __init__(self, spec: spec_lib.SDPSpec, optimizer, mesh, *, prefix, regime: Regime,
+                 state_spec: spec_lib.SDPSpec | None, stacked_slots: bool):
+        self.spec, self.optimizer, self.mesh, self.prefix = spec, optimizer, mesh, prefix
+        self.regime, self.fsdp, self.periodic = regime, regime.fsdp, regime.periodic
+        self.state_spec, self.stacked_slots = state_spec, stacked_slots
+        self.staging = Staging(prefix, mesh)
+        self.staged, self.stages = self.staging.staged, self.staging.stages
+        self.layout = layout_lib.of(spec)
+        self.full_shapes = {p: ((self.stages * sh[0],) + tuple(sh[1:]) if self.staging.is_staged(p)
+                                else sh) for p, sh in spec.shapes.items()}
+        # The optimizer works on shards (S) under FSDP and under backward masking, whose every
+        # worker keeps the full model: ZeRO-2 (each device updates 1/W of every masked leaf; an
+        # elementwise optimizer such as AdamW). Backward masking keeps always-kept leaves
+        # outside the blocks whole (R: updated alike on every worker, e.g. the pipeline's
+        # projectors, which the Stiefel optimizer needs as matrices).
+        self.sharded_update = regime.sharded_update
+        self.rows = self._row_tables() if self.sharded_update else {}
+        if self.sharded_update:   # 1 / holders of every entry (broadcastable), float32
+            self.inv_holders = {
+                p: np.float32(1.0 / spec.workers) if spec.leaf_mask(p) is None
+                else (1.0 / np.maximum(spec.leaf_mask(p).sum(0), 1)).astype(np.float32)
+                for p in spec.shapes}
+        lay = self.layout
+        p_keys = spec.shapes if regime.full_parameters else lay.stored_shapes
+        o_keys = spec.shapes if self.sharded_update else lay.stored_shapes
+        self.param_layout = {p: self._kind(p, optimizer=False) for p in p_keys}
+        self.compact_layout = {p: self._kind(p, optimizer=True) for p in o_keys}
+        self.param_specs, self.param_shapes = self.struct(self.param_layout)
+        self.compact_specs, self.compact_shapes = self.struct(self.compact_layout)
+        self.opt_specs = layout_lib.opt_state_specs(optimizer, self.compact_specs,
+                                                    self.compact_shapes)
+        self.state_specs = {"params": self.param_specs, "opt_state": self.opt_specs,
+                            "step": P()}
+        if state_spec is not None:
+            self.stats_layout, self.stats_specs, self.stats_shapes = self._state_struct()
+            self.state_specs["stats"] = self.stats_specs
+
+    def _kind(self, p, optimizer: bool) -> Kind:
+        """Leaf ``p``'s layout kind, as the regime decides it (:meth:`Regime.kind`)."""
+        return self.regime.kind(
+            optimizer=optimizer,
+            in_blocks_or_masked=self.staging.in_block(p) or self.spec.leaf_mask(p) is not None,
+            stored_compact=not self.regime.full_parameters and self.layout.stored_compact(p))
+
     # ------------------------------------------------------------------ shapes and specs
     def _row_tables(self) -> dict:
         """The rows view of every leaf in ``S`` (:class:`sdp_jax.layout.HolderTables`; None
@@ -199,7 +217,7 @@ class StateLayout:
                                         0, False)
         out = {}
         for p in spec.shapes:
-            if not self.in_block(p):
+            if not self.staging.in_block(p):
                 out[p] = None
             elif lay.leaves[p].form == layout_lib.KEPT:
                 out[p] = every    # held by all, but stacked per block (e.g. N-SDP norms)
@@ -230,7 +248,7 @@ class StateLayout:
                     base = self.spec.shapes[p]
                 shape = ((W,) if c in WORKER_AXIS else ()) + tuple(base)
                 axes = [] if c == Kind.REPLICATED else [DATA]
-            if self.is_staged(p):   # [W, P, ...] for C / Rw, [P, ...] for R / S
+            if self.staging.is_staged(p):   # [W, P, ...] for C / Rw, [P, ...] for R / S
                 i = 1 if c in WORKER_AXIS else 0
                 shape = shape[:i] + (self.stages,) + shape[i:]
                 axes = axes[:i] + [STAGE] + axes[i:]

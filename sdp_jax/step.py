@@ -399,7 +399,7 @@ class SDPStep:
 
     def _local_step(self, state, batch, sync_now: bool, count_branch: bool | None):
         st = self.state_layout
-        state = st.unstage(state, self.state_specs)
+        state = st.staging.unstage(state, self.state_specs)
         loss, aux, grads, local, new_stats = self.accumulated_grads(
             state["params"], batch, state.get("stats"), count_branch=count_branch)
         params, opt_state, gnorm = update_lib.apply(self.update, self.optimizer,
@@ -420,7 +420,7 @@ class SDPStep:
         out = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
         if self.model.state_spec is not None:
             out["stats"] = update_lib.averaged_stats(st, new_stats, self.update.method)
-        return st.restage(out, self.state_specs), metrics
+        return st.staging.restage(out, self.state_specs), metrics
 
     def train_step_fn(self, sync_now: bool = True, count_branch: bool | None = None):
         """Jitted ``(state, batch) -> (state, metrics)``; ``batch`` is a pytree of arrays whose
@@ -459,11 +459,11 @@ class SDPStep:
 
     def _averaged_grads(self, params, batch):
         st = self.state_layout
-        params = st.unstage(params, self.param_specs)
+        params = st.staging.unstage(params, self.param_specs)
         loss, _, g, _, _ = self.source.grads(params, batch)
         g = self.update.averaged(g)
         return (jax.lax.pmean(loss, DATA),
-                st.restage(st.lead(g, self.compact_layout), self.compact_specs))
+                st.staging.restage(st.lead(g, self.compact_layout), self.compact_specs))
 
     def grads_fn(self):
         """Jitted ``(params, batch) -> (loss, averaged gradient)``, the gradient in the
