@@ -355,13 +355,15 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh,
     """
     total = _total_steps(options)
     options.check_for(spec, VISION_REMAT)
-    task = VisionModel(cfg, spec, options.compute_dtype, options.remat == "full",
-                       options.unroll)
+    task = VisionModel(cfg, spec, options.compute_dtype or jnp.float32,
+                       options.remat == "full", options.unroll)
     hooks = ModelHooks(task.loss, init_fn=task.init, has_aux=True, state_spec=task.stats_spec,
                        stacked_slots=True, extras=task)
+    # the model runs its own slots, checkpointed and unrolled inside it (no block runner)
+    own = dataclasses.replace(options, remat="none", unroll=False)
     return step_lib.SDPStep(spec, hooks,
                             optim_lib.make_optimizer(optim, total, decay_mask=_decay), mesh,
-                            options, optim_lib.lr_schedule(optim, total))
+                            own, optim_lib.lr_schedule(optim, total))
 
 
 class VisionEval:
