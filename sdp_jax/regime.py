@@ -101,13 +101,8 @@ class Regime:
     @property
     def sharded_update(self) -> bool:
         """The optimizer works on each device's shards of the masked leaves: FSDP (ZeRO-3)
-        and backward masking, whose every worker keeps the full model (ZeRO-2)."""
-        return self.fsdp or self.backward
-
-    @property
-    def full_parameters(self) -> bool:
-        """The stored parameters are the full model's leaves (sharded or replicated), not the
-        workers' compact ones."""
+        and backward masking, whose every worker keeps the full model (ZeRO-2). The same
+        regimes store the full model's leaves (sharded or replicated), not compact ones."""
         return self.fsdp or self.backward
 
     def kind(self, *, optimizer: bool, in_blocks_or_masked: bool, stored_compact: bool) -> Kind:

@@ -184,7 +184,7 @@ class StateLayout:
                 else (1.0 / np.maximum(spec.leaf_mask(p).sum(0), 1)).astype(np.float32)
                 for p in spec.shapes}
         lay = self.layout
-        p_keys = spec.shapes if regime.full_parameters else lay.stored_shapes
+        p_keys = spec.shapes if regime.sharded_update else lay.stored_shapes
         o_keys = spec.shapes if self.sharded_update else lay.stored_shapes
         self.param_layout = {p: self._kind(p, optimizer=False) for p in p_keys}
         self.compact_layout = {p: self._kind(p, optimizer=True) for p in o_keys}
@@ -203,7 +203,7 @@ class StateLayout:
         return self.regime.kind(
             optimizer=optimizer,
             in_blocks_or_masked=self.staging.in_block(p) or self.spec.leaf_mask(p) is not None,
-            stored_compact=not self.regime.full_parameters and self.layout.stored_compact(p))
+            stored_compact=not self.regime.sharded_update and self.layout.stored_compact(p))
 
     # ------------------------------------------------------------------ shapes and specs
     def _row_tables(self) -> dict:

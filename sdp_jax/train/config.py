@@ -217,8 +217,9 @@ def declare(c: ml_collections.ConfigDict, *classes, drop: tuple = ()) -> ml_coll
     a field declared ``object`` or ``tuple`` is typed so that ``--config.X=V`` can give
     another type (``sdp.coverage=auto``, a tuple)."""
     for cls in classes:
-        for path, default in fields.setting_defaults(cls).items():
-            if path in drop:
+        for f in fields.settings(cls):
+            path = fields.config_path(cls, f)
+            if path is None or path in drop:
                 continue
             *sections, name = path.split(".")
             node = c
@@ -226,8 +227,7 @@ def declare(c: ml_collections.ConfigDict, *classes, drop: tuple = ()) -> ml_coll
                 if section not in node:
                     node[section] = ml_collections.ConfigDict()
                 node = node[section]
-            kind = next(f.metadata["kind"] for f in fields.settings(cls)
-                        if fields.config_path(cls, f) == path)
+            default, kind = f.metadata["run_default"], f.metadata["kind"]
             node[name] = (ml_collections.FieldReference(default, field_type=kind)
                           if kind in (object, tuple) else default)
     return c
