@@ -20,7 +20,8 @@ import traceback
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # run from a checkout without installing
 
-from sdp_jax.train import launch, peers  # noqa: E402  (light: the standard library only)
+from sdp_jax.train.launch import launcher as launch  # noqa: E402  (light: the standard library only)
+from sdp_jax.train.launch import peers
 
 
 def _leave(signum: int) -> None:
@@ -30,7 +31,7 @@ def _leave(signum: int) -> None:
 
 
 # Several processes: a signal that comes before their watch has started is held until it has,
-# then this process leaves through it and the others end too (sdp_jax.train.peers.hold_signals).
+# then this process leaves through it and the others end too (sdp_jax.train.launch.peers.hold_signals).
 if __name__ == "__main__" and launch.multi_process_env():   # (not when imported: tests)
     peers.hold_signals(_leave)
 

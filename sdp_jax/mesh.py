@@ -58,7 +58,7 @@ def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = Fals
     """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of shape
     ``(W, P)`` when pipelined (axis types Auto: the pipeline's averaging is written in the
     global view and partitioned by XLA). ``emulated``: the mesh of workers emulated on one
-    device (:mod:`sdp_jax.placement`): ``('data',)`` of one device, axis type Auto (the
+    device (:mod:`sdp_jax.sync.placement`): ``('data',)`` of one device, axis type Auto (the
     per-worker ``jax.vmap`` axis is not a sharded one), whatever ``workers``.
 
     With several processes the devices are taken in process order, so that each process's

@@ -15,10 +15,16 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from sdp_jax.fields import (check_settings, config_path, read_settings, setting, setting_name,
-                            settings)
+from sdp_jax.fields import (
+    check_settings,
+    config_path,
+    read_settings,
+    setting,
+    setting_name,
+    settings,
+)
 
-# Activation checkpointing modes of the block runner (sdp_jax.runner.remat_block).
+# Activation checkpointing modes of the block runner (sdp_jax.step.runner.remat_block).
 REMAT = ("none", "full", "dots")
 # Compute dtypes, and the short names a config may give (recorded under the canonical name).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

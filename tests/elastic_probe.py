@@ -22,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from sdp_jax.train import launch  # noqa: E402
+from sdp_jax.train.launch import launcher as launch  # noqa: E402
 
 launch.initialize("auto", 120)
 

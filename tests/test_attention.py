@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax.options import StepOptions
-from sdp_jax import costs
+from sdp_jax.costs import program as costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.train import config as config_lib

@@ -1,4 +1,4 @@
-"""Communication counting from optimized HLO (sdp_jax.comm) on 8 simulated CPU devices.
+"""Communication counting from optimized HLO (sdp_jax.costs.comm) on 8 simulated CPU devices.
 
 Real programs are compiled with ``jax.shard_map`` and the byte counts checked exactly; a few
 hand-written HLO modules cover what XLA:CPU never emits (async ``*-start``/``*-done`` pairs,
@@ -17,8 +17,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax.comm import COLLECTIVE_OPS, collective_ops, comm_bytes_per_device, shape_bytes
-from sdp_jax.sync import to_varying
+from sdp_jax.costs.comm import COLLECTIVE_OPS, collective_ops, comm_bytes_per_device, shape_bytes
+from sdp_jax.sync.collectives import to_varying
 
 N = 8
 

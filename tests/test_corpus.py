@@ -1,4 +1,4 @@
-"""Tokenized corpora (sdp_jax.train.corpus, the document sources of sdp_jax.train.data) and the
+"""Tokenized corpora (sdp_jax.train.data.corpus, the document sources of sdp_jax.train.data) and the
 prepare command (sdp_jax.tools.prepare): small files written by the tests, no downloads."""
 
 import importlib.util
@@ -11,7 +11,8 @@ import pytest
 import tokenizers
 
 from sdp_jax.tools import prepare
-from sdp_jax.train import corpus, data
+from sdp_jax.train.data import corpus
+from sdp_jax.train.data import tokens as data
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {i * i}  # é {'ab' * i}\n" for i in range(40)]
 

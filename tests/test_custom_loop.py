@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from sdp_jax import mesh as mesh_lib
-from sdp_jax import spec as sdp
+from sdp_jax.spec import sdp_spec as sdp
 from sdp_jax.tools import evaluate, trained
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import curves, loop

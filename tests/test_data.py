@@ -8,7 +8,8 @@ import zlib
 import numpy as np
 import pytest
 
-from sdp_jax.train import corpus, data
+from sdp_jax.train.data import corpus
+from sdp_jax.train.data import tokens as data
 
 
 def _cfg(**overrides):

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from sdp_jax import state as state_lib
+from sdp_jax.step import state as state_lib
 from sdp_jax.train import checkpoint as ckpt_lib
-from sdp_jax.train import data as data_lib
+from sdp_jax.train.data import tokens as data_lib
 from sdp_jax.train import elastic, loop
 from sdp_jax.train import run as run_lib
 from sdp_jax.train.config import vision_config

@@ -1,4 +1,4 @@
-"""Workers emulated on one device (sdp_jax.placement.Emulated, issue 37): the per-worker program
+"""Workers emulated on one device (sdp_jax.sync.placement.Emulated, issue 37): the per-worker program
 under jax.vmap over 'data' gives what the same workers give on their own devices."""
 
 import os
@@ -11,7 +11,7 @@ import pytest
 
 from sdp_jax.options import StepOptions
 from sdp_jax import mesh as mesh_lib
-from sdp_jax import placement
+from sdp_jax.sync import placement
 from sdp_jax.models import llama
 from sdp_jax.models import vision as vm
 from sdp_jax.models.llama import LlamaConfig

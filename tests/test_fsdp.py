@@ -8,8 +8,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax.options import StepOptions
-from sdp_jax import comm, costs
-from sdp_jax import spec as spec_lib
+from sdp_jax.costs import comm
+from sdp_jax.costs import program as costs
+from sdp_jax.spec import sdp_spec as spec_lib
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.train import families

@@ -1,4 +1,4 @@
-"""Gradient accumulation (sdp_jax.accumulation, config.grad_accum): K microbatches per optimizer
+"""Gradient accumulation (sdp_jax.step.accumulation, config.grad_accum): K microbatches per optimizer
 step take the step of the K-times batch, for every variant, with FSDP, activation
 checkpointing, a pipeline and emulated workers; the compiled activation peak falls."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from sdp_jax.options import StepOptions
-from sdp_jax import costs
+from sdp_jax.costs import program as costs
 from sdp_jax import mesh as mesh_lib
-from sdp_jax import spec as spec_lib
+from sdp_jax.spec import sdp_spec as spec_lib
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.train import families, run as run_lib
@@ -90,7 +90,7 @@ def test_accumulated_step_equals_the_step_on_the_whole_batch(variant, kw):
 def test_accumulation_with_a_pipeline():
     """A 1F1B pipeline of 2 stages, 2 pipeline microbatches in each of 2 accumulation
     microbatches."""
-    from sdp_jax import pipeline as pl
+    from sdp_jax.pipeline import schedules as pl
     pipe = pl.PipelineConfig(stages=2, microbatches=2, schedule="1f1b")
     cfg = dataclasses.replace(CFG, n_layers=8)   # 4 blocks per stage, 2 held by each worker
     _assert_equal_runs(_step("b-sdp", 1, pipe=pipe, cfg=cfg),

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from sdp_jax import masks
+from sdp_jax.spec import masks
 
 
 @pytest.mark.parametrize("scheme", ["cyclic", "random"])

@@ -20,7 +20,8 @@ import time
 import numpy as np
 import pytest
 
-from sdp_jax.train import launch, peers
+from sdp_jax.train.launch import launcher as launch
+from sdp_jax.train.launch import peers
 
 # One pytest-xdist worker runs these in turn (the module's reference run is shared, and two
 # multi-process launches at once would each get half the CPU).
@@ -651,7 +652,7 @@ def test_a_signal_before_the_watch_ends_every_process_in_one_line(tmp_path, case
 
 HOLDER = """
 import os, signal, sys, time
-from sdp_jax.train import peers
+from sdp_jax.train.launch import peers
 def leave(signum):
     os.write(2, f"left through the watch: {signum}\\n".encode())
     os._exit(128 + signum)

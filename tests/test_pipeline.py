@@ -13,9 +13,11 @@ from jax.sharding import PartitionSpec as P
 from test_train_cli import tiny  # the tiny config with dotted overrides
 
 from sdp_jax.options import StepOptions
-from sdp_jax import costs, stiefel, sync
+from sdp_jax.costs import program as costs
+from sdp_jax.pipeline import stiefel
+from sdp_jax.sync import collectives as sync
 from sdp_jax import mesh as mesh_lib
-from sdp_jax import pipeline as pl
+from sdp_jax.pipeline import schedules as pl
 from sdp_jax.models import llama
 from sdp_jax.models.llama import Llama, LlamaConfig, next_token_loss
 from sdp_jax.study import mapl as study

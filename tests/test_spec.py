@@ -8,9 +8,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import layout as layout_lib
-from sdp_jax import masks, sync
-from sdp_jax import spec as sdp
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.spec import masks
+from sdp_jax.sync import collectives as sync
+from sdp_jax.spec import sdp_spec as sdp
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 

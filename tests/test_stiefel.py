@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from sdp_jax import stiefel as st
+from sdp_jax.pipeline import stiefel as st
 
 
 def _svd_polar(x):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from sdp_jax import masks
+from sdp_jax.spec import masks
 from sdp_jax.study import __main__ as study
 from sdp_jax.study import sdp as study_sdp
 from sdp_jax.train import loop

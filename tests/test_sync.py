@@ -7,9 +7,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import spec as spec_lib
-from sdp_jax import layout as layout_lib
-from sdp_jax import sync
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.sync import collectives as sync
 
 W = 4
 

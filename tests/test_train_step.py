@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax.options import StepOptions
-from sdp_jax import costs
+from sdp_jax.costs import program as costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig, next_token_loss
 from sdp_jax.train import families
@@ -326,7 +326,7 @@ def test_averaging_bytes_move_inside_the_backward_loop(mesh):
     B-SDP's first all_to_all leg (half of its block bytes), Nb-SDP's leg to the owners' shards
     (the all-gather of the new parameters follows the update); the reference psum runs
     after."""
-    from sdp_jax import comm
+    from sdp_jax.costs import comm
     batch = jax.ShapeDtypeStruct((2 * W, 17), jnp.int32)
     share = {}
     for variant, coverage, method in (("ddp", 1.0, "auto"), ("n-sdp", 0.5, "auto"),

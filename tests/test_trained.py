@@ -69,7 +69,7 @@ def test_evaluate_is_the_documented_recipe(run):
     import jax
     from flax import nnx
 
-    from sdp_jax.train import data as data_lib
+    from sdp_jax.train.data import tokens as data_lib
     from sdp_jax.train.families import LanguageModel
     wd, _ = run
     with open(os.path.join(ROOT, "docs", "data.md")) as f:

@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax.options import StepOptions
-from sdp_jax import costs
-from sdp_jax import spec as sdp
+from sdp_jax.costs import program as costs
+from sdp_jax.spec import sdp_spec as sdp
 from sdp_jax.models import vision as vm
 from sdp_jax.train import families
 from sdp_jax.train import migrations

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from sdp_jax.train import vision_data as vd
+from sdp_jax.train.data import vision as vd
 from sdp_jax.train.config import vision_config
 from sdp_jax.train.run import resolve
 

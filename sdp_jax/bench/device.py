@@ -50,9 +50,9 @@ import jax
 import numpy as np
 from absl import flags
 
-from sdp_jax import costs
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.bench import device_tables, measure
+from sdp_jax.costs import program as costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.train import cli, loop

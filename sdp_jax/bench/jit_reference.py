@@ -5,7 +5,7 @@ MaxText's DDP setting): one ``jax.jit`` of the whole train step, the global batc
 the mesh axis ``data`` (``P('data')``), parameters and optimizer state replicated, and XLA's
 SPMD partitioner inserting the gradient all-reduce. The model, its loss
 (:meth:`sdp_jax.train.families.LanguageModel.loss`), the optimizer
-(:func:`sdp_jax.train.optimizer.make_optimizer`), the clipped update (:func:`sdp_jax.update.clipped_update`), mixed precision and
+(:func:`sdp_jax.train.optimizer.make_optimizer`), the clipped update (:func:`sdp_jax.step.update.clipped_update`), mixed precision and
 activation checkpointing are the SDP step's, so in float32 the only difference from
 :class:`sdp_jax.step.SDPStep`'s DDP is the formulation: ``jax.jit`` with shardings against
 ``jax.shard_map`` with explicit collectives (``tests/test_bench.py`` checks that both take the
@@ -23,12 +23,12 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import runner, update
-from sdp_jax import state as state_lib
-from sdp_jax import step as step_lib
 from sdp_jax.mesh import DATA
 from sdp_jax.models.llama import BLOCK_KEY, LlamaConfig
 from sdp_jax.options import StepOptions
+from sdp_jax.step import runner, update
+from sdp_jax.step import sdp_step as step_lib
+from sdp_jax.step import state as state_lib
 from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib
 

@@ -21,7 +21,7 @@ devices when no accelerator is present) and compiled:
 * memory: ``compiled.memory_analysis()``: argument, output, alias and temporary bytes per device;
   peak = argument + temp + output - alias (the state is donated, so its output aliases its input);
 * communication: every collective of the compiled per-device program with its loop trip counts
-  (:mod:`sdp_jax.comm`), in bus bytes (nccl-tests convention: all-reduce ``2 (n-1)/n`` of its
+  (:mod:`sdp_jax.costs.comm`), in bus bytes (nccl-tests convention: all-reduce ``2 (n-1)/n`` of its
   buffer, all-gather / reduce-scatter / all-to-all ``(n-1)/n`` of the full buffer);
 * FLOPs: ``compiled.cost_analysis()`` of a second compile with the block scan unrolled;
 * ``--measure_time``: a few real steps on random tokens, median wall time per step, all variants
@@ -56,14 +56,15 @@ import sys
 import time
 from typing import NoReturn
 
-from sdp_jax import comm, costs
 from sdp_jax import mesh as mesh_lib
-from sdp_jax import spec as spec_lib
 from sdp_jax.bench import jit_reference as reference
+from sdp_jax.costs import comm
+from sdp_jax.costs import program as costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.options import StepOptions
-from sdp_jax.spec import BLOCK
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.spec.sdp_spec import BLOCK
 from sdp_jax.train import cli, families, fit
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import run as run_lib
@@ -189,7 +190,7 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
 def _count_flops(unrolled, batch_shape) -> float:
     """FLOPs per device of one step (XLA's count on the program ``unrolled()`` builds). Where
     a worker's unheld blocks skip their weight gradients (``bb-sdp`` with activation
-    checkpointing, :func:`sdp_jax.runner.held_weight_grads`), XLA counts each block's
+    checkpointing, :func:`sdp_jax.step.runner.held_weight_grads`), XLA counts each block's
     conditional as its costliest branch; the step is then counted twice, every block taking
     the held branch (``F_h``) and every block the other (``F_u``), and a worker holding ``k``
     of ``L`` blocks does ``F_u + (k / L) (F_h - F_u)`` (the blocks are alike and each branch's

@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sdp_jax import fields
-from sdp_jax import pipeline as pl
 from sdp_jax.fields import setting
-from sdp_jax import spec as spec_lib
+from sdp_jax.pipeline import schedules as pl
+from sdp_jax.spec import sdp_spec as spec_lib
 
 BLOCK_KEY = "blocks"
 ATTENTION = ("dot_product", "cudnn", "chunked")   # LlamaConfig.attention

@@ -40,9 +40,9 @@ import signal
 import sys
 from typing import NoReturn
 
-from sdp_jax import costs
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.bench import measure as bench
+from sdp_jax.costs import program as costs
 from sdp_jax.train import cli, families, loop
 from sdp_jax.train import run as run_lib
 

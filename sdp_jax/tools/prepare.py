@@ -10,7 +10,7 @@ tokenizer on it if asked.
 
 The documents, the train/validation split and the tokenizer are the run's own: the data section
 of ``--config`` (default ``configs/llama_small.py``) with any ``--config.data.FIELD=VALUE``
-override (:mod:`sdp_jax.train.data`, :mod:`sdp_jax.train.corpus`), so a run on the shards
+override (:mod:`sdp_jax.train.data`, :mod:`sdp_jax.train.data.corpus`), so a run on the shards
 reads the tokens a run on the documents would tokenize at every start. ``--train_tokenizer``
 first trains a byte-level BPE of ``--vocab_size`` tokens on the training split and uses it.
 
@@ -35,8 +35,9 @@ import numpy as np
 import tqdm
 from absl import flags
 
-from sdp_jax.train import cli, corpus, loop
-from sdp_jax.train import data as data_lib
+from sdp_jax.train import cli, loop
+from sdp_jax.train.data import corpus
+from sdp_jax.train.data import tokens as data_lib
 
 PROG = "python -m sdp_jax.tools.prepare"
 SHARD_PATTERN = "{split}_{index:06d}.bin"
@@ -167,7 +168,7 @@ def _with_tokenizer(fv, c: data_lib.Corpus) -> data_lib.Corpus:
     (``--train_tokenizer``) or the config's, written (copied) to ``OUT/tokenizer.json``.
 
     Raises:
-      ValueError: the tokenizer's training refused (:func:`sdp_jax.train.corpus.train_bpe`)."""
+      ValueError: the tokenizer's training refused (:func:`sdp_jax.train.data.corpus.train_bpe`)."""
     out = os.path.join(fv.out, "tokenizer.json")
     if fv.train_tokenizer:
         print(f"training a byte-level BPE of {fv.vocab_size:,} tokens on {len(c.train)} train "

@@ -36,12 +36,12 @@ from flax import nnx
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.models import hf_llama
 from sdp_jax.models.llama import LlamaConfig, init_cache
-from sdp_jax.spec import flatten, unflatten
+from sdp_jax.spec.sdp_spec import flatten, unflatten
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import cli, elastic, families, loop, migrations
-from sdp_jax.train import data as data_lib
 from sdp_jax.train import run as run_lib
 from sdp_jax.train import task as task_lib
+from sdp_jax.train.data import tokens as data_lib
 from sdp_jax.train.families import LanguageModel
 
 EXPORT_FILE = "model.safetensors"

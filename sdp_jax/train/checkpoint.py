@@ -60,7 +60,7 @@ def _chain(err: BaseException):
 def _file_fault(err: BaseException) -> bool:
     """Whether ``err`` (or an error it was raised from) says that a file could not be read:
     missing, a folder, not readable, undecodable JSON or text (:data:`_FILE_ERRORS`; not a
-    ``TimeoutError`` or ``ConnectionError``, also ``OSError``\ s), or TensorStore's words for
+    ``TimeoutError`` or ``ConnectionError``, also ``OSError`` errors), or TensorStore's words for
     a truncated or missing file (:data:`_FILE_FAULT`)."""
     return any(isinstance(e, _FILE_ERRORS) or _FILE_FAULT.search(str(e)) for e in _chain(err))
 

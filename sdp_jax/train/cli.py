@@ -25,7 +25,7 @@ from typing import NoReturn
 from absl import flags
 from ml_collections import config_flags
 
-from sdp_jax.train import peers
+from sdp_jax.train.launch import peers
 
 # The repository's configs/ folder (the commands' default config files live there).
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -75,7 +75,7 @@ def exit_on_signal(signum: int, what: str = "stopped (checkpoints already writte
 
     A handler runs when the main thread is back in Python: during a long native call (a
     compilation, ``jax.distributed.initialize``) the exit waits for it to return. With several
-    processes the others are told first (:func:`sdp_jax.train.peers.leaving`): they end with
+    processes the others are told first (:func:`sdp_jax.train.launch.peers.leaving`): they end with
     one line and the same status (process 0 waits up to 5 s for them to end first). Then the
     cleanup of :func:`at_signal_exit`, if any, runs (its errors are ignored)."""
     line = ("\n" if after_bar else "") + (f"interrupted by {signal.Signals(signum).name}: "

@@ -14,17 +14,19 @@ Every field can be overridden on the command line: ``--config.sdp.coverage=0.5``
 from __future__ import annotations
 
 import dataclasses
+
 import ml_collections
 
 from sdp_jax import fields
 from sdp_jax.fields import setting
-from sdp_jax.masks import SCHEMES
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.models.vision import VisionConfig
 from sdp_jax.options import StepOptions
-from sdp_jax.pipeline import PipelineConfig
-from sdp_jax.spec import VARIANTS
-from sdp_jax.train import data, vision_data
+from sdp_jax.pipeline.schedules import PipelineConfig
+from sdp_jax.spec.masks import SCHEMES
+from sdp_jax.spec.sdp_spec import VARIANTS
+from sdp_jax.train.data import tokens as data
+from sdp_jax.train.data import vision as vision_data
 from sdp_jax.train.optimizer import OptimConfig
 
 
@@ -295,7 +297,7 @@ def vision_config(name: str, dataset: str) -> ml_collections.ConfigDict:
     """An image-classification run (``configs/resnet18_*.py``, ``wrn18_*``, ``swin_t_*``).
 
     Sections: ``model`` (:class:`sdp_jax.models.vision.VisionConfig` fields; ``num_classes=0``
-    takes the dataset's), ``data`` (:class:`sdp_jax.train.vision_data.VisionDataConfig`),
+    takes the dataset's), ``data`` (:class:`sdp_jax.train.data.vision.VisionDataConfig`),
     and the ``sdp``, ``optim`` and run-control fields of every run (:func:`_run_fields`, with
     vision defaults: AdamW 2e-3 with warm-up and cosine decay), with ``eval_limit`` (test images per evaluation; 0 =
     the whole test split) instead of ``eval_batches``, ``eval_bn_batches`` (see

@@ -12,8 +12,8 @@ anew under the masks of the new setting:
 2. the parameters and every parameter-shaped entry of the optimizer state (the moments) are
    joined into full arrays, each component from its first holder (bit for bit), or as the
    mean of its holders' copies under periodic parameter averaging
-   (:meth:`sdp_jax.state.StateLayout.full_params`); counts and other entries are kept;
-3. the new run lays them out under its own masks (:meth:`sdp_jax.state.StateLayout.store`,
+   (:meth:`sdp_jax.step.SDPStep.full_params`); counts and other entries are kept;
+3. the new run lays them out under its own masks (:meth:`sdp_jax.step.SDPStep.store`,
    on the host's CPU backend; each device then receives only its own share), at the
    checkpoint's step.
 
@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdp_jax import mesh as mesh_lib
-from sdp_jax import state as state_lib
-from sdp_jax.train import data as data_lib
+from sdp_jax.step import state as state_lib
 from sdp_jax.train import run as run_lib
+from sdp_jax.train.data import tokens as data_lib
 
 # The config fields an elastic resume may change (dotted; "x." a whole section; "masks." the
 # recorded mask recipes, which follow from the others).

@@ -33,8 +33,8 @@ from typing import Callable
 
 import jax
 
-from sdp_jax import costs
-from sdp_jax import masks as masks_lib
+from sdp_jax.costs import program as costs
+from sdp_jax.spec import masks as masks_lib
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import run as run_lib
 

@@ -44,16 +44,15 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from sdp_jax import costs
-from sdp_jax import step as step_lib
-from sdp_jax.costs import fmt_bytes, memory_stats
+from sdp_jax.costs import program as costs
+from sdp_jax.costs.program import fmt_bytes, memory_stats
+from sdp_jax.step import sdp_step as step_lib
 from sdp_jax.train import checkpoint as ckpt_lib
-from sdp_jax.train import cli, curves, migrations
-from sdp_jax.train import data as data_lib
-from sdp_jax.train import elastic, fit
+from sdp_jax.train import cli, curves, elastic, fit, migrations, profiling
 from sdp_jax.train import optimizer as optim_lib
-from sdp_jax.train import peers, profiling
 from sdp_jax.train import run as run_lib
+from sdp_jax.train.data import tokens as data_lib
+from sdp_jax.train.launch import peers
 from sdp_jax.train.run import make_mesh  # (the run's mesh; also loop.make_mesh)
 from sdp_jax.train.task import Family
 

@@ -5,7 +5,7 @@ in turn when a checkpoint does not restore as it is (docs/checkpoints.md).
 * the regime's own (:meth:`sdp_jax.step.SDPStep.earlier_layouts`): backward masking
   (``bb-sdp``, ``nb-sdp``) stored its optimizer state compact (each worker's held components
   ``C``, always-kept leaves ``R``) before the sharded update (ZeRO-2, layout ``S``):
-  :meth:`sdp_jax.sources.BackwardHeld.compact_optimizer`.
+  :meth:`sdp_jax.step.sources.BackwardHeld.compact_optimizer`.
 * :func:`pipeline_kept`: pipelined runs stored ``{kept: {embed, final_norm, lm_head}, blocks,
   boundary}`` before the pipeline became the loss of the one step.
 
@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
-
-from sdp_jax import pipeline as pl
-from sdp_jax import spec as spec_lib
-from sdp_jax.step import SDPStep
+from sdp_jax.pipeline import schedules as pl
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.sdp_step import SDPStep
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 _KEPT = ("embed", "final_norm", "lm_head")

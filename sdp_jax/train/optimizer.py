@@ -12,10 +12,11 @@ import dataclasses
 import jax
 import optax
 
-from sdp_jax import fields, stiefel
+from sdp_jax import fields
 from sdp_jax.fields import setting
-from sdp_jax import pipeline as pl
 from sdp_jax.options import StepOptions
+from sdp_jax.pipeline import schedules as pl
+from sdp_jax.pipeline import stiefel
 
 SCHEDULES = ("cosine", "wsd")
 STEP_FIELDS = fields.setting_defaults(StepOptions)   # the config fields the step's options own
@@ -119,7 +120,7 @@ def make_optimizer(optim: OptimConfig, total_steps: int,
 def pipeline_optimizer(pipe: pl.PipelineConfig, optim, total_steps: int) -> optax.GradientTransformation:
     """The optimizer of a pipelined run: AdamW (or SGD) from ``optim``
     (:class:`OptimConfig`) for every weight but the boundary projectors, no
-    weight decay on norm scales and boundary parameters; :func:`sdp_jax.stiefel.stiefel_sgd`
+    weight decay on norm scales and boundary parameters; :func:`sdp_jax.pipeline.stiefel.stiefel_sgd`
     (warm-up and cosine decay to ``pipe.proj_lr * optim.min_lr_ratio``) for ``stiefel_A``;
     no update for ``frozen*`` leaves. Leaves are routed by name (:func:`sdp_jax.pipeline.projector_key`)."""
     def names(path):

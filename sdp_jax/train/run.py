@@ -13,12 +13,13 @@ from typing import Any
 import jax
 import ml_collections
 
-from sdp_jax import alignment, fields
+from sdp_jax import fields
 from sdp_jax import mesh as mesh_lib
-from sdp_jax import pipeline as pl
-from sdp_jax import placement
-from sdp_jax.options import DTYPE_ALIASES, StepOptions
 from sdp_jax.models.vision import MODELS
+from sdp_jax.options import DTYPE_ALIASES, StepOptions
+from sdp_jax.pipeline import schedules as pl
+from sdp_jax.step import alignment
+from sdp_jax.sync import placement
 from sdp_jax.train import config as config_lib
 from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib
@@ -262,7 +263,7 @@ def resolve_workers(config, device_count: int, stages: int = 1,
 
 def _emulated(config, stages: int, processes: int) -> bool:
     """``config.emulate_workers`` (a bool, :class:`sdp_jax.options.StepOptions`), with emulation's
-    refusals (:func:`sdp_jax.placement.check_emulation`)."""
+    refusals (:func:`sdp_jax.sync.placement.check_emulation`)."""
     emulate = config.emulate_workers
     if emulate:
         placement.check_emulation(stages, processes,

@@ -38,13 +38,26 @@ import jax
 import ml_collections
 import numpy as np
 
-from sdp_jax import costs
 from sdp_jax import fields as fields_lib
-from sdp_jax import spec as spec_lib
-from sdp_jax import step as step_lib
+from sdp_jax.costs import program as costs
 from sdp_jax.options import REMAT, ModelHooks, StepOptions
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step import sdp_step as step_lib
 from sdp_jax.train import config as config_lib
 from sdp_jax.train import optimizer as optim_lib
+
+
+def total_steps(options: StepOptions) -> int:
+    """``options.total_steps``, which a family's step needs for its learning-rate schedule.
+
+    Raises:
+      ValueError: None."""
+    if not isinstance(options, StepOptions) or options.total_steps is None:
+        raise ValueError(f"options={options!r}: a family's step needs StepOptions with "
+                         "total_steps (the run's optimizer steps, for the learning-rate "
+                         "schedule), e.g. StepOptions(total_steps=1000).")
+    return options.total_steps
+
 
 def compiled_flops(compiled, devices: int, counted: bool) -> dict:
     """``{"model_flops_per_step": XLA's FLOP count of the compiled train step times the

@@ -25,7 +25,7 @@ vocabulary: one byte for byte-level text); stage ``s + 1`` rebuilds
 * ``none``: the d-wide residual stream crosses as is (no anchors, no token ids);
 * ``fixed``: ``A_s`` a frozen random orthogonal matrix (the Subspace Networks baseline);
 * ``unconstrained``: ``A_s`` trained by AdamW like every other weight (it leaves the manifold);
-* ``mapl``: ``A_s`` on the Stiefel manifold, trained by :func:`sdp_jax.stiefel.stiefel_sgd`.
+* ``mapl``: ``A_s`` on the Stiefel manifold, trained by :func:`sdp_jax.pipeline.stiefel.stiefel_sgd`.
 
 The compressed methods share the anchors, so they differ only in how ``A`` is obtained. Our
 choices where the paper is silent: one projector and one anchor table per boundary, ``A`` and
@@ -54,9 +54,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sdp_jax import comm, fields, sync
+from sdp_jax import fields
+from sdp_jax.costs import comm
 from sdp_jax.fields import setting
 from sdp_jax.mesh import DATA, STAGE
+from sdp_jax.sync import collectives as sync
 
 METHODS = ("none", "fixed", "unconstrained", "mapl")
 SCHEDULES = ("gpipe", "1f1b")
@@ -718,7 +720,7 @@ def boundary_bytes(compiled, *, tokens_per_worker: int, stages: int,
                    codebook_bytes: int = 0) -> dict:
     """Bytes crossing the stage boundaries per step, from the compiled program's
     ``collective-permute`` instructions (the only collective over ``stage`` that carries
-    activations; their loop trip counts included; :mod:`sdp_jax.comm`).
+    activations; their loop trip counts included; :mod:`sdp_jax.costs.comm`).
 
     Args:
       compiled: the compiled train step (:meth:`sdp_jax.step.SDPStep.compiled_train_step`).

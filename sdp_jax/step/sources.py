@@ -18,7 +18,7 @@ inside the backward pass), :meth:`~Source.reduce` (what it averages after it) an
 :meth:`~Source.local`; :meth:`~Source.grads` returns ``(loss, aux, gradient, parameters, new
 model state)``, the gradient and parameters flat in the optimizer's layout (compact, or ``S`` with the mean over holders already taken under FSDP and backward
 masking). Pipeline stages are not a source of their own: the state layout drops the stage axis
-(:meth:`sdp_jax.state.StateLayout.unstage`) and every source runs per stage.
+(:meth:`sdp_jax.step.state.Staging.unstage`) and every source runs per stage.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from sdp_jax import layout as layout_lib
-from sdp_jax import regime as regime_lib
-from sdp_jax import spec as spec_lib
-from sdp_jax import sync
 from sdp_jax.mesh import DATA
-from sdp_jax.runner import GATHERED, ModelCall, held_weight_grads
-from sdp_jax.regime import Kind
-from sdp_jax.state import StateLayout, map_moments, shardings
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step import regime as regime_lib
+from sdp_jax.step.regime import Kind
+from sdp_jax.step.runner import GATHERED, ModelCall, held_weight_grads
+from sdp_jax.step.state import StateLayout, map_moments, shardings
+from sdp_jax.sync import collectives as sync
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
@@ -44,7 +44,7 @@ def in_loop_tables(state: StateLayout, call: ModelCall) -> dict:
     (:func:`sdp_jax.sync.mean_in_backward`: {local path: None for a plain mean, or the leaf's
     holder tables}); the others are averaged after the backward pass.
 
-    In the loop when the regime allows it (:attr:`sdp_jax.regime.Regime.averages_in_loop`:
+    In the loop when the regime allows it (:attr:`sdp_jax.step.regime.Regime.averages_in_loop`:
     the block runner, gradient averaging by ``alltoall``, no FSDP, periodic averaging,
     pipeline or gradient accumulation). Leaves
     stored per worker (``C``) held by every worker (DDP's blocks) get a plain mean, N-SDP's
@@ -84,8 +84,8 @@ def in_loop_tables(state: StateLayout, call: ModelCall) -> dict:
 
 class Source:
     """The interface of a parameter source (one per regime, below). Gradient accumulation
-    (:mod:`sdp_jax.accumulation`) sums :meth:`worker_grads` over microbatches and calls
-    :meth:`reduce` once; the full model's evaluation (:mod:`sdp_jax.evaluation`) asks the
+    (:mod:`sdp_jax.step.accumulation`) sums :meth:`worker_grads` over microbatches and calls
+    :meth:`reduce` once; the full model's evaluation (:mod:`sdp_jax.step.evaluation`) asks the
     source for the full model (:meth:`full_model`) or, where the source gathers blocks as they
     run (:attr:`gathers_blocks`), for its loss of the full model."""
 
@@ -103,7 +103,7 @@ class Source:
 
     def skips_unheld(self) -> bool:
         """Whether a worker's unheld blocks skip their weight gradients
-        (:func:`sdp_jax.runner.held_weight_grads`); only :class:`BackwardHeld` can."""
+        (:func:`sdp_jax.step.runner.held_weight_grads`); only :class:`BackwardHeld` can."""
         return False
 
     def earlier_layouts(self, optimizer, placement, opt_specs) -> tuple:
@@ -146,7 +146,7 @@ class Compact(Source):
         blocks), in the orders of :func:`sdp_jax.sync.cotangent_orders`, which are recorded in
         the dict ``orders`` if given (for :func:`sdp_jax.sync.sinks_to_mean`). With
         ``average=False`` the gradients stay the worker's own, and ``local`` may be any stack
-        of blocks, e.g. the full model's (:mod:`sdp_jax.alignment`).
+        of blocks, e.g. the full model's (:mod:`sdp_jax.step.alignment`).
 
         Raises:
           ValueError: a block traced twice with different gradient orders (its rows would
@@ -220,7 +220,7 @@ class BackwardHeld(Source):
 
     def skips_unheld(self) -> bool:
         """Whether a worker's unheld blocks skip their weight gradients
-        (:func:`sdp_jax.runner.held_weight_grads`): whole blocks (``bb-sdp``) with the block
+        (:func:`sdp_jax.step.runner.held_weight_grads`): whole blocks (``bb-sdp``) with the block
         runner and full activation checkpointing (which recomputes each block in the backward
         pass anyway)."""
         lay, call = self.state.layout, self.call
@@ -270,7 +270,7 @@ class BackwardHeld(Source):
 
     def _held_apply(self, mine: dict, frozen: dict, count_branch):
         """``apply(g, _, h)`` of the block runner where held blocks alone compute weight
-        gradients (:func:`sdp_jax.runner.held_weight_grads`)."""
+        gradients (:func:`sdp_jax.step.runner.held_weight_grads`)."""
         lay, call = self.state.layout, self.call
         bt = self.state.spec.kinds[spec_lib.BLOCK]
         my = sync.worker_index(DATA)
@@ -531,7 +531,7 @@ class FsdpWhole(Source):
 
 
 def source_of(state: StateLayout, call: ModelCall, tables: dict) -> Source:
-    """The parameter source the regime chose (:attr:`sdp_jax.regime.Regime.source`; see the
+    """The parameter source the regime chose (:attr:`sdp_jax.step.regime.Regime.source`; see the
     module docstring), built on the state layout ``state``, the model call ``call`` and the
     in-loop holder tables ``tables`` (:func:`in_loop_tables`)."""
     regime = state.regime

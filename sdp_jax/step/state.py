@@ -1,8 +1,8 @@
 """The train state's layout: how each leaf of the parameters, the optimizer state and the model
-state is stored on the mesh (its kind, as the regime decides, :class:`sdp_jax.regime.Regime`),
+state is stored on the mesh (its kind, as the regime decides, :class:`sdp_jax.step.regime.Regime`),
 its shapes and partition specs, the pipeline's stage axis and the FSDP shards' rows view. The
 conversions between the full model and this layout (init, store, ``full_params``) are
-:class:`sdp_jax.host.HostForms`.
+:class:`sdp_jax.step.host.HostForms`.
 
 Layout kinds (:class:`Kind`), per stored leaf (mesh axis ``data``, ``W`` workers):
 
@@ -31,11 +31,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import layout as layout_lib
-from sdp_jax import spec as spec_lib
-from sdp_jax import sync
 from sdp_jax.mesh import DATA, STAGE
-from sdp_jax.regime import Kind, Regime
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.regime import Kind, Regime
+from sdp_jax.sync import collectives as sync
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
@@ -149,7 +149,7 @@ class StateLayout:
       spec: the run's spec; optimizer: the optax transformation (for the optimizer state's
         structure); mesh: the run's mesh (``data``, optionally ``stage``).
       prefix: the stacked block subtree's path when the block runner is used, else None.
-      regime: the step's :class:`sdp_jax.regime.Regime` (each leaf's kind: FSDP puts every
+      regime: the step's :class:`sdp_jax.step.regime.Regime` (each leaf's kind: FSDP puts every
         parameter in ``S``, periodic parameter averaging always-kept ones in ``Rw``).
       state_spec: the spec of the model state (``stats``), or None.
       stacked_slots: the loss takes list-form slots stacked as stored.
@@ -207,7 +207,7 @@ class StateLayout:
 
     # ------------------------------------------------------------------ shapes and specs
     def _row_tables(self) -> dict:
-        """The rows view of every leaf in ``S`` (:class:`sdp_jax.layout.HolderTables`; None
+        """The rows view of every leaf in ``S`` (:class:`sdp_jax.spec.layout.HolderTables`; None
         for a leaf outside the block subtree, stored flat)."""
         lay, spec = self.layout, self.spec
         if self.prefix is None:   # no block runner: every leaf stored flat

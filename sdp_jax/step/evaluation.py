@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import layout as layout_lib
-from sdp_jax import spec as spec_lib
-from sdp_jax import sync
 from sdp_jax.mesh import DATA
-from sdp_jax.placement import Placement
-from sdp_jax.runner import ModelCall
-from sdp_jax.sources import Source
-from sdp_jax.regime import Kind
-from sdp_jax.state import StateLayout
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.regime import Kind
+from sdp_jax.step.runner import ModelCall
+from sdp_jax.step.sources import Source
+from sdp_jax.step.state import StateLayout
+from sdp_jax.sync import collectives as sync
+from sdp_jax.sync.placement import Placement
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
@@ -30,7 +30,7 @@ class Evaluation:
       state: the state layout (its regime: under parameter averaging the holders' average is
         evaluated); call: the model call; source: the run's parameter source (its FSDP
         gathers are reused here); placement: where the workers run
-        (:class:`sdp_jax.placement.Placement`).
+        (:class:`sdp_jax.sync.placement.Placement`).
     """
 
     def __init__(self, state: StateLayout, call: ModelCall, source: Source,

@@ -15,7 +15,7 @@ forwards SIGINT, SIGTERM and SIGHUP (a closed terminal) to every process: on the
 process stops with the others after the same step and saves a checkpoint; a second aborts. When a
 process ends (with an error, or early), the others get ``--grace`` seconds to finish and are then
 terminated; a process still running :data:`HUNG_AFTER` s after every process that ended did so
-with status 75 (its peers took it as hung, :mod:`sdp_jax.train.peers`) is killed (SIGKILL) and
+with status 75 (its peers took it as hung, :mod:`sdp_jax.train.launch.peers`) is killed (SIGKILL) and
 lost. The exit status is the first non-zero status of a process (0 when all succeed). Only the
 launcher's own child processes are ever signalled.
 
@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Sequence
 
-from sdp_jax.train import peers
+from sdp_jax.train.launch import peers
 
 PROG = "python -m sdp_jax.train.launch"
 # Seconds after the last process ended with status 75 (a peer lost) before the ones still
@@ -132,7 +132,7 @@ def _attempt(command: list, processes: int, port: int, grace: float, timeout: fl
              env: dict | None, cwd: str | None, signalled: list) -> tuple[int, list]:
     """One start of ``processes`` processes (:func:`run`): ``(status, the ids of the processes
     lost: killed by SIGKILL, which the launcher sends while a run is going only to a hung
-    process (:func:`_wait`), or ended with :data:`sdp_jax.train.peers.TAKEN_AS_HUNG` (its
+    process (:func:`_wait`), or ended with :data:`sdp_jax.train.launch.peers.TAKEN_AS_HUNG` (its
     peers took it as stuck); a crash of the program itself, e.g. SIGSEGV or SIGABRT, is not a
     lost process)``."""
     port = port or free_port()
@@ -197,7 +197,7 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
     ``timeout``. After a process ends, the others get ``grace`` seconds, then are stopped
     (their ids go to ``stopped``); a process ended by SIGINT / SIGTERM itself (before it could
     handle it) has that signal passed on to the others; and once every process that ended did
-    so with :data:`sdp_jax.train.peers.DEAD_PEER` (or was killed) and :data:`HUNG_AFTER` s went
+    so with :data:`sdp_jax.train.launch.peers.DEAD_PEER` (or was killed) and :data:`HUNG_AFTER` s went
     by, the ones still running are hung: killed with SIGKILL, and lost (not in ``stopped``);
     once a process was killed (SIGKILL) and :data:`UNTOLD_AFTER` s went by with none ending
     with DEAD_PEER, the ones still running were never told (it died before their watch
@@ -246,8 +246,8 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
 
 def _lost_peer(ended: list) -> bool:
     """Whether the processes that ended (``ended``: their return codes) did so as after a
-    lost peer: one with :data:`sdp_jax.train.peers.DEAD_PEER`, every one with it, with
-    :data:`sdp_jax.train.peers.TAKEN_AS_HUNG` or killed."""
+    lost peer: one with :data:`sdp_jax.train.launch.peers.DEAD_PEER`, every one with it, with
+    :data:`sdp_jax.train.launch.peers.TAKEN_AS_HUNG` or killed."""
     return peers.DEAD_PEER in ended and all(
         code in (peers.DEAD_PEER, peers.TAKEN_AS_HUNG, -signal.SIGKILL) for code in ended)
 
@@ -282,7 +282,7 @@ def _end_lost(children: list, codes: list, ends: dict, now: float, lost_peer: bo
 def _pass_on(children: list, signum: int) -> None:
     """Send ``signum`` twice, 0.5 s apart, to the children still running: a process ended by
     it before it could handle it never joins the others' watch, so they would hold the first
-    one (:func:`sdp_jax.train.peers.hold_signals`) in vain; the second ends them at once."""
+    one (:func:`sdp_jax.train.launch.peers.hold_signals`) in vain; the second ends them at once."""
     for _ in range(2):
         for c in children:
             if c.poll() is None:
@@ -374,7 +374,7 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None,
                hang_timeout: float = 300, hang_step_multiple: float = 10) -> bool:
     """Call ``jax.distributed.initialize`` when ``mode`` is ``true``, or ``auto`` and the
     environment is that of several processes (:func:`multi_process_env`), and start the
-    processes' watch (:func:`sdp_jax.train.peers.start`: a process that ends before the run does,
+    processes' watch (:func:`sdp_jax.train.launch.peers.start`: a process that ends before the run does,
     or goes silent past the bound it declared, ``hang_timeout`` seconds while it starts,
     compiles, evaluates or saves and ``hang_step_multiple`` times its slowest recent step once
     steps run, ends the others within seconds, with one line).
@@ -390,15 +390,15 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None,
     preemption service (which installs its own SIGTERM handler over the project's and would
     swallow a scheduler's SIGTERM) is turned off (``jax_enable_preemption_service``), and the
     Python handlers are installed again after the call, whatever it installed. A signal held
-    since the process started (:func:`sdp_jax.train.peers.hold_signals`, ``train.py``) ends it
-    once the watch has started, through the watch (:func:`sdp_jax.train.peers.release_signals`).
+    since the process started (:func:`sdp_jax.train.launch.peers.hold_signals`, ``train.py``) ends it
+    once the watch has started, through the watch (:func:`sdp_jax.train.launch.peers.release_signals`).
 
     Returns:
       whether JAX was initialized for several processes.
     Raises:
       ValueError: a bad launch environment (:func:`coordinator_args`), ``mode=true`` with no
         cluster environment, ``timeout < 1`` or a bad hang bound
-        (:func:`sdp_jax.train.peers.check_hang`).
+        (:func:`sdp_jax.train.launch.peers.check_hang`).
     """
     env = os.environ if env is None else env
     if mode not in ("auto", "true", "false"):
@@ -416,7 +416,7 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None,
 
 def _join(kwargs: dict, timeout: int, hang_timeout: float, hang_step_multiple: float) -> None:
     """:func:`initialize`'s work: ``jax.distributed.initialize`` (:func:`_initialize`) with
-    SIGINT and SIGTERM blocked, then the watch (:func:`sdp_jax.train.peers.start`)."""
+    SIGINT and SIGTERM blocked, then the watch (:func:`sdp_jax.train.launch.peers.start`)."""
     from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
     main = threading.current_thread() is threading.main_thread()
     held = (signal.SIGINT, signal.SIGTERM)
@@ -444,7 +444,7 @@ def _initialize(kwargs: dict, timeout: int, heartbeat: int = 100) -> None:
     """``jax.distributed.initialize(**kwargs)`` with JAX's preemption service off and its
     heartbeat timeout ``heartbeat`` seconds, under the ``timeout`` watchdog of
     :func:`initialize`; a process other than 0 reaches the coordinator through
-    :func:`sdp_jax.train.peers.relay`.
+    :func:`sdp_jax.train.launch.peers.relay`.
 
     Raises:
       ValueError: JAX found no cluster environment (``kwargs`` empty)."""
@@ -529,6 +529,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         own_flags.error(f"cannot start {command[0]!r}: {e}")
     return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,7 @@ import numpy as np
 
 from sdp_jax import fields
 from sdp_jax.fields import setting
-from sdp_jax.train.data import Origin, Stream, iterate, layout_free_batches, process_rows
+from sdp_jax.train.data.tokens import Origin, Stream, iterate, layout_free_batches, process_rows
 
 DATASETS = ("digits", "cifar10", "cifar100")
 CLASSES = {"digits": 10, "cifar10": 10, "cifar100": 100}

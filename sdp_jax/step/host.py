@@ -1,5 +1,5 @@
 """The host-side conversions of a train state: the full model (host or traced arrays, nested
-dicts) to the stored layout of :class:`sdp_jax.state.StateLayout` and back (init, store,
+dicts) to the stored layout of :class:`sdp_jax.step.state.StateLayout` and back (init, store,
 ``full_params``, the model state's), and a stored parameter tree in the optimizer's layout.
 
 :class:`HostForms` reads the layout (kinds, shapes, partition specs, pipeline staging, shards)
@@ -18,10 +18,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import layout as layout_lib
-from sdp_jax import spec as spec_lib
-from sdp_jax.regime import Kind
-from sdp_jax.state import StateLayout
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.regime import Kind
+from sdp_jax.step.state import StateLayout
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
@@ -30,7 +30,7 @@ class HostForms:
     """The conversions between the full model and one run's stored state layout.
 
     Args:
-      st: the run's :class:`sdp_jax.state.StateLayout`.
+      st: the run's :class:`sdp_jax.step.state.StateLayout`.
     """
 
     def __init__(self, st: StateLayout):

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sdp_jax import layout as layout_lib
-from sdp_jax import spec as spec_lib
-from sdp_jax import sync
 from sdp_jax.mesh import DATA
-from sdp_jax.regime import Kind, Update
-from sdp_jax.state import StateLayout
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.regime import Kind, Update
+from sdp_jax.step.state import StateLayout
+from sdp_jax.sync import collectives as sync
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
@@ -128,7 +128,7 @@ def averaged_stats(state: StateLayout, new: dict, method: str) -> dict:
 
 
 def update_of(state: StateLayout, in_loop: dict) -> Averaged:
-    """The update piece the regime chose (:attr:`sdp_jax.regime.Regime.update`; see the module
+    """The update piece the regime chose (:attr:`sdp_jax.step.regime.Regime.update`; see the module
     docstring), averaging with the regime's method except the leaves ``in_loop`` (averaged
     inside the backward loop)."""
     regime = state.regime

@@ -13,7 +13,7 @@ Two layouts exist:
   bool mask says which entries it holds (:func:`masked_average`). Always correct; the reference.
 * *compact* layout: every device stores only its ``k`` held components, ``[1, k, ...]`` locally
   (a global ``[W, k, ...]`` array sharded ``P('data')``), with static tables from
-  :mod:`sdp_jax.masks` mapping slots to global components (:func:`average`).
+  :mod:`sdp_jax.spec.masks` mapping slots to global components (:func:`average`).
 
 Holder-only averaging (:func:`holder_mean`) and the FSDP gathers (:func:`fsdp_gather`) use a third,
 *shard* layout and ``all_to_all`` so that a worker moves only the bytes of what it holds; see the
@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sdp_jax import layout as layout_lib
-from sdp_jax import masks as _masks
-from sdp_jax import spec as spec_lib
 from sdp_jax.mesh import DATA
-from sdp_jax.placement import emulating
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.spec import masks as _masks
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.sync.placement import emulating
 
 AXIS = DATA   # the workers' mesh axis (sdp_jax.mesh)
 
@@ -50,7 +50,7 @@ def to_varying(tree: Any, axis: str | tuple = AXIS) -> Any:
     casting the parameter to varying first gives each worker its own local gradient, which the
     explicit averaging below then combines exactly once (docs/design.md invariant 1).
 
-    Emulated workers (``jax.vmap`` over ``data``, :func:`sdp_jax.placement.emulating`) have no
+    Emulated workers (``jax.vmap`` over ``data``, :func:`sdp_jax.sync.placement.emulating`) have no
     such types: ``tree`` is returned as it is (there the gradient of an unmapped value is each
     worker's own already)."""
     if emulating():
@@ -888,7 +888,7 @@ def _check_compact(flat: dict, lay) -> bool:
     odd = sorted(set(flat) ^ set(lay.leaves), key=str)[:2]
     raise ValueError(f"the tree is not in the spec's compact layout (e.g. {odd}); pass "
                      "compact=False for full-size values, or a worker's local tree "
-                     "(sdp_jax.layout.Layout.prune).")
+                     "(sdp_jax.spec.layout.Layout.prune).")
 
 
 def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
@@ -902,9 +902,9 @@ def average(tree: Any, spec, *, compact: bool = True, method: str = "alltoall",
 
     Args:
       tree: ``compact=True``: a worker's local tree in the compact layout of
-        :class:`sdp_jax.layout.Layout` (what a forward-masking worker trains: ``k`` blocks,
+        :class:`sdp_jax.spec.layout.Layout` (what a forward-masking worker trains: ``k`` blocks,
         narrowed neuron leaves), with list-form blocks as ``k`` blocks or stacked as stored
-        (``{path}/slots/...`` ``[k, ...]``, :meth:`~sdp_jax.layout.Layout.to_stored`);
+        (``{path}/slots/...`` ``[k, ...]``, :meth:`~sdp_jax.spec.layout.Layout.to_stored`);
         ``compact=False``: full-size values (nested dict like the
         parameters; entries the worker does not hold are ignored).
       spec: the :class:`sdp_jax.spec.SDPSpec`.
@@ -984,7 +984,7 @@ def varying_axes(x) -> frozenset | None:
     """The mesh axes over which ``x`` (inside ``jax.shard_map``) may differ between devices,
     or None when this JAX does not say (``aval.vma``; ``aval.manual_axis_type.varying`` in
     jax 0.10) or nothing types it (emulated workers under ``jax.vmap``,
-    :func:`sdp_jax.placement.emulating`: any value may differ)."""
+    :func:`sdp_jax.sync.placement.emulating`: any value may differ)."""
     if emulating():
         return None
     aval = jax.typeof(x)
@@ -1004,7 +1004,7 @@ def _compact_groups(flat: dict, lay) -> tuple[dict, dict, dict, dict]:
     """Split a worker's compact local leaves for the holder collectives: ``(plain, rows,
     tables, slots)``: leaves averaged by a plain mean (always-kept, or held by every worker),
     leaves in the shape :func:`holder_shards` takes (list-form block slots stacked per relative
-    path under their stored path, :meth:`sdp_jax.layout.Layout.slots_path`), their tables,
+    path under their stored path, :meth:`sdp_jax.spec.layout.Layout.slots_path`), their tables,
     and {stored slots path: {slot: local path}}."""
     plain, rows, tabs, slots = {}, {}, {}, {}
     for lp, x in flat.items():

@@ -4,7 +4,7 @@ batches served through grain.
 Sources (``data_cfg.source``):
 
 ``stdlib`` (default, needs no download), ``text``, ``jsonl``, ``parquet``, ``tfds``
-    Documents (:mod:`sdp_jax.train.corpus`: the standard library's ``*.py`` files; text files,
+    Documents (:mod:`sdp_jax.train.data.corpus`: the standard library's ``*.py`` files; text files,
     JSON Lines or Parquet files named by ``train_files``; a TensorFlow Datasets text dataset)
     turned into tokens by ``data.tokenizer``: bytes (vocab 256, the default) or a Hugging Face
     ``tokenizer.json``, documents joined by the tokenizer's end-of-text token. A split is
@@ -27,7 +27,7 @@ Train/validation split (the same on every host, no randomness):
 
 * ``stdlib``, ``text``, ``jsonl`` and ``parquet`` without ``val_files``: by file, with
   ``zlib.crc32(relative POSIX path) % 10_000 < val_fraction * 10_000`` -> val
-  (see :func:`sdp_jax.train.corpus.split_by_file`). A glob that matches exactly one file is
+  (see :func:`sdp_jax.train.data.corpus.split_by_file`). A glob that matches exactly one file is
   split by tokens instead: the last ``ceil(val_fraction * n_tokens)`` tokens are val.
 * ``llmc``: ``val_files`` if given; otherwise the last (sorted) train shard is
   held out when there are at least two, else ``ValueError``.
@@ -61,7 +61,7 @@ import tqdm
 
 from sdp_jax import fields
 from sdp_jax.fields import setting
-from sdp_jax.train import corpus
+from sdp_jax.train.data import corpus
 
 SOURCES = corpus.DOCUMENT_SOURCES[:4] + ("llmc",) + corpus.DOCUMENT_SOURCES[4:]
 
@@ -181,8 +181,8 @@ def _cache_key(cfg: Any) -> _Key:
 
 
 def tokenizer_of(data_cfg: Any):
-    """The tokenizer of a data config (:func:`sdp_jax.train.corpus.load_tokenizer`): a
-    :class:`~sdp_jax.train.corpus.ByteTokenizer` unless ``data.tokenizer`` names a Hugging Face
+    """The tokenizer of a data config (:func:`sdp_jax.train.data.corpus.load_tokenizer`): a
+    :class:`~sdp_jax.train.data.corpus.ByteTokenizer` unless ``data.tokenizer`` names a Hugging Face
     one; ``None`` for llm.c shards without ``data.tokenizer`` (their text cannot be decoded).
 
     Raises:
@@ -388,7 +388,7 @@ def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
 
 def token_parts(pieces: list, c: Corpus, bar=None) -> Iterator[np.ndarray]:
     """The tokens of ``pieces`` (of the corpus ``c``), a 1-D array per piece, in order
-    (:func:`sdp_jax.train.corpus.token_stream`), each counted on the ``tqdm`` progress bar
+    (:func:`sdp_jax.train.data.corpus.token_stream`), each counted on the ``tqdm`` progress bar
     ``bar`` (pieces, and the tokens so far on that bar, over every call that shares it).
     Raises what reading a piece raises."""
     for part in corpus.token_stream(corpus.Documents(pieces, c.field), c.tokenizer):

@@ -12,7 +12,7 @@ When ``W * C`` is not a whole number (the paper's 1B setting: 8 workers, 11 of 1
 by ``floor(W*C)`` or ``ceil(W*C)`` workers. Averaging stays an exact mean over the holders of each
 component (the count is per component), so only the balance of the representation differs.
 
-This module is importable on its own: ``from sdp_jax import masks`` needs numpy alone.
+It is numpy alone (host-side, no tracing): ``from sdp_jax.spec import masks``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Read from ``jax.jit(...).lower(...).compile()``: ``memory_analysis()`` for bytes and
 ``cost_analysis()`` for FLOPs (docs/design.md, "Reading the compiled program"). The collective
-bytes of a program are :mod:`sdp_jax.comm`'s.
+bytes of a program are :mod:`sdp_jax.costs.comm`'s.
 """
 
 from __future__ import annotations

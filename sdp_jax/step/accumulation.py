@@ -1,11 +1,11 @@
 """Gradient accumulation: a worker's slice of the batch in ``K`` microbatches, one after another.
 
-:func:`accumulate` gives a parameter source (:class:`sdp_jax.sources.Source`) a ``grads`` of
+:func:`accumulate` gives a parameter source (:class:`sdp_jax.step.sources.Source`) a ``grads`` of
 the same signature (``(params, batch, stats, count_branch) -> (loss, aux, gradient,
 parameters, new model state)``) that cuts the batch's leading axis ``b`` into ``K``
-microbatches of ``b / K`` rows, sums the source's :meth:`~sdp_jax.sources.Source.worker_grads`
+microbatches of ``b / K`` rows, sums the source's :meth:`~sdp_jax.step.sources.Source.worker_grads`
 over them in one ``lax.scan`` and divides by ``K``, then applies the source's
-:meth:`~sdp_jax.sources.Source.reduce` once. Only one microbatch's activations are alive at a
+:meth:`~sdp_jax.step.sources.Source.reduce` once. Only one microbatch's activations are alive at a
 time, so the activation memory of a step falls towards ``1 / K`` of the whole slice's, while
 the averaging over holders, the clipping and the optimizer step see the mean gradient of the
 whole slice: for a loss that is a mean over equal-sized examples (the language models' tokens)
@@ -17,7 +17,7 @@ normalises with its own batch statistics, as in any framework's accumulation, so
 model's step is not the whole batch's.
 
 Costs: the step builds its sources without the block runner's averaging inside the backward
-loop when it accumulates (:func:`sdp_jax.sources.in_loop_tables`), so the averaging over
+loop when it accumulates (:func:`sdp_jax.step.sources.in_loop_tables`), so the averaging over
 holders (and backward masking's scatter to the owners' shards) runs once per step, after the
 last microbatch, with the bytes of a step without accumulation. What cannot leave the loss runs
 per microbatch: FSDP's gathers and reduce-scatters (the transpose of its gathers: ``K`` times
@@ -32,7 +32,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from sdp_jax import sync
+from sdp_jax.sync import collectives as sync
 
 
 def microbatches(batch, k: int):
@@ -61,7 +61,7 @@ def _cast_like(x, aval):
 
 
 def accumulate(source, k: int, unroll: bool = False) -> Callable:
-    """The ``grads`` of ``source`` (:class:`sdp_jax.sources.Source`) over ``k`` microbatches
+    """The ``grads`` of ``source`` (:class:`sdp_jax.step.sources.Source`) over ``k`` microbatches
     (see the module docstring); ``source.grads`` itself when ``k == 1``. ``unroll``: the
     microbatch loop unrolled (XLA counts a loop body's FLOPs once; the same results).
 

@@ -6,7 +6,7 @@ for a model that is not part of this package.
 * an :class:`sdp_jax.spec.SDPSpec` (the model's declared rules, variant, W, C, scheme, seed);
 * a loss function (float32 scalar: the mean loss of a worker's slice of the batch) for the
   worker's *local* parameters (nested dicts). Under forward masking (``ddp``, ``b-sdp``,
-  ``n-sdp``) they are compact: ``k`` blocks, narrowed neuron leaves (:mod:`sdp_jax.layout`), so
+  ``n-sdp``) they are compact: ``k`` blocks, narrowed neuron leaves (:mod:`sdp_jax.spec.layout`), so
   the worker's subnetwork alone runs (docs/design.md invariant 4); under backward masking
   (``bb-sdp``, ``nb-sdp``) they are the full model, and only the held components get gradients;
 * an ``optax.GradientTransformation`` without clipping (``grad_clip`` clips by the norm of the
@@ -21,27 +21,27 @@ Two forms of the loss:
   depth order, each as ``block_fn(block_params, h)`` on one block's parameters (no stack axis).
   The step decides where each block's parameters come from, wraps each block in
   ``jax.checkpoint`` for ``remat``, and averages the block gradients inside the backward loop
-  (:func:`sdp_jax.sources.in_loop_tables`). Call ``run`` once per step: each call's backward
+  (:func:`sdp_jax.step.sources.in_loop_tables`). Call ``run`` once per step: each call's backward
   pass issues its own averaging collectives (the mean stays right, the bytes multiply).
 
 The step is assembled from pieces, one job each, inside ``jax.shard_map`` over the mesh axis
 ``data`` (or, with ``emulate_workers``, under ``jax.vmap`` over ``data`` on one device: the
-placement, :mod:`sdp_jax.placement`), as the regime decided once from the spec and the options
-says (:class:`sdp_jax.regime.Regime`, :attr:`SDPStep.regime`):
+placement, :mod:`sdp_jax.sync.placement`), as the regime decided once from the spec and the options
+says (:class:`sdp_jax.step.regime.Regime`, :attr:`SDPStep.regime`):
 
-* :class:`sdp_jax.state.StateLayout`: how every leaf of the state is stored (the layout kinds
+* :class:`sdp_jax.step.state.StateLayout`: how every leaf of the state is stored (the layout kinds
   ``R``, ``C``, ``Rw``, ``S``), its shapes and partition specs, init and ``full_params``;
-* :class:`sdp_jax.runner.ModelCall`: the loss on a tree of leaves, and the block runner;
-* a parameter source per regime (:mod:`sdp_jax.sources`): the compact subnetwork (forward
+* :class:`sdp_jax.step.runner.ModelCall`: the loss on a tree of leaves, and the block runner;
+* a parameter source per regime (:mod:`sdp_jax.step.sources`): the compact subnetwork (forward
   masking), the full model with held gradients and the ZeRO-2 update (backward masking), or
   FSDP gathers; it gives the loss its parameters and takes back the gradient;
-* the update (:mod:`sdp_jax.update`): holder averaging (:func:`sdp_jax.sync.average`, mean
+* the update (:mod:`sdp_jax.step.update`): holder averaging (:func:`sdp_jax.sync.average`, mean
   over each component's holders, invariant 2), the global norm of :func:`sdp_jax.sync.
   global_norm`, the clipped optax update; or periodic parameter averaging (``average=
   "parameters"``: each worker steps on its own gradient and the parameters are averaged over
   their holders every ``sync_every`` steps);
-* :class:`sdp_jax.evaluation.Evaluation` (the full model's loss and gathers) and
-  :mod:`sdp_jax.alignment` (gradient alignment).
+* :class:`sdp_jax.step.evaluation.Evaluation` (the full model's loss and gathers) and
+  :mod:`sdp_jax.step.alignment` (gradient alignment).
 
 Mixed precision (``StepOptions(dtype="bfloat16")``): compute and FSDP gathers in bf16; the
 stored parameters, the optimizer state and gradient averaging keep their dtype (float32 in a
@@ -66,20 +66,21 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import alignment, sync
-from sdp_jax.accumulation import accumulate
-from sdp_jax import spec as spec_lib
-from sdp_jax import update as update_lib
-from sdp_jax.evaluation import Evaluation
-from sdp_jax.host import HostForms
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.mesh import DATA, STAGE
 from sdp_jax.options import ModelHooks, StepOptions
-from sdp_jax.placement import placement_of
-from sdp_jax.regime import Regime
-from sdp_jax.runner import ModelCall
-from sdp_jax.sources import in_loop_tables, source_of
-from sdp_jax.state import StateLayout, map_moments
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step import alignment
+from sdp_jax.step import update as update_lib
+from sdp_jax.step.accumulation import accumulate
+from sdp_jax.step.evaluation import Evaluation
+from sdp_jax.step.host import HostForms
+from sdp_jax.step.regime import Regime
+from sdp_jax.step.runner import ModelCall
+from sdp_jax.step.sources import in_loop_tables, source_of
+from sdp_jax.step.state import StateLayout, map_moments
+from sdp_jax.sync import collectives as sync
+from sdp_jax.sync.placement import placement_of
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -224,10 +225,10 @@ class SDPStep:
     * ``remat``: activation checkpointing of each block (Chen et al. 2016, "Training deep
       nets with sublinear memory cost"); needs ``block_fn``.
     * ``emulate_workers``: the ``W`` workers on one device, the same per-worker step under
-      ``jax.vmap`` over ``data`` (:class:`sdp_jax.placement.Emulated`; the same results, ``W``
+      ``jax.vmap`` over ``data`` (:class:`sdp_jax.sync.placement.Emulated`; the same results, ``W``
       times one worker's memory). Not with a pipeline or several processes.
     * ``grad_accum``: each worker's slice in ``grad_accum`` microbatches run one after
-      another, their mean gradient averaged and applied once (:mod:`sdp_jax.accumulation`);
+      another, their mean gradient averaged and applied once (:mod:`sdp_jax.step.accumulation`);
       the per-worker rows ``b`` must be a multiple of it.
 
     And the model's (:class:`sdp_jax.options.ModelHooks`): ``state_spec`` (model state such
@@ -371,19 +372,19 @@ class SDPStep:
     def per_worker(self, fn, in_specs, out_specs, check_vma: bool = True):
         """``fn`` written for one worker, run over the ``W`` workers as the step's own programs
         are (``jax.shard_map`` over ``data``, or ``jax.vmap`` when emulated; the arguments
-        as :meth:`sdp_jax.placement.Placement.map` takes them), e.g. a family's own
+        as :meth:`sdp_jax.sync.placement.Placement.map` takes them), e.g. a family's own
         evaluation."""
         return self.placement.map(fn, in_specs, out_specs, check_vma)
 
     def describe_placement(self) -> str:
         """One line on where the workers run when they are emulated on one device
-        (:meth:`sdp_jax.placement.Emulated.describe`); ``""`` on ``W`` devices."""
+        (:meth:`sdp_jax.sync.placement.Emulated.describe`); ``""`` on ``W`` devices."""
         return self.placement.describe() if self.placement.emulated else ""
 
     # ------------------------------------------------------------------ the step
     def skips_unheld(self) -> bool:
         """Whether a worker's unheld blocks skip their weight gradients
-        (:func:`sdp_jax.runner.held_weight_grads`): backward masking of whole blocks
+        (:func:`sdp_jax.step.runner.held_weight_grads`): backward masking of whole blocks
         (``bb-sdp``) with the block runner, full activation checkpointing (which recomputes
         each block in the backward pass anyway) and no FSDP (whose gathers mask the gradients
         of unheld blocks instead)."""
@@ -394,7 +395,7 @@ class SDPStep:
         ``(current abstract state -> old abstract state, restored old state -> current
         state)``, tried in turn when a checkpoint does not restore as it is
         (:mod:`sdp_jax.train.migrations`): backward masking's compact optimizer state
-        (:meth:`sdp_jax.sources.BackwardHeld.compact_optimizer`); none for the others."""
+        (:meth:`sdp_jax.step.sources.BackwardHeld.compact_optimizer`); none for the others."""
         return self.source.earlier_layouts(self.optimizer, self.placement, self.opt_specs)
 
     def _local_step(self, state, batch, sync_now: bool, count_branch: bool | None):
@@ -543,7 +544,7 @@ class SDPStep:
         ``count_branch`` (for counting FLOPs only; wrong gradients): when a worker's unheld
         blocks skip their weight gradients (:meth:`skips_unheld`), every block takes the
         held (True) or the unheld (False) branch of
-        :func:`sdp_jax.runner.held_weight_grads` (XLA's cost analysis counts a conditional
+        :func:`sdp_jax.step.runner.held_weight_grads` (XLA's cost analysis counts a conditional
         as its costliest branch; :func:`sdp_jax.bench.measure.measure` compiles both)."""
         batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                             sharding=self.batch_sharding()),

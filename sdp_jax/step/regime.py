@@ -5,15 +5,15 @@ parameter averaging, the block runner, and what each piece of the step does unde
 instead of working the combination out again:
 
 * the layout kind of each stored leaf (:meth:`Regime.kind`, for
-  :class:`sdp_jax.state.StateLayout`);
+  :class:`sdp_jax.step.state.StateLayout`);
 * whether the optimizer works on shards (:attr:`Regime.sharded_update`, ZeRO-2 / ZeRO-3);
 * whether block gradients may be averaged inside the backward loop
-  (:attr:`Regime.averages_in_loop`, :func:`sdp_jax.sources.in_loop_tables`);
+  (:attr:`Regime.averages_in_loop`, :func:`sdp_jax.step.sources.in_loop_tables`);
 * the parameter source (:attr:`Regime.source`: where a worker's parameters come from and where
-  its gradients go, :func:`sdp_jax.sources.source_of`), the update
-  (:attr:`Regime.update`, :func:`sdp_jax.update.update_of`), and through the source the
-  evaluation's gather (:class:`sdp_jax.evaluation.Evaluation` asks it) and the checkpoint
-  layouts earlier releases wrote (:meth:`sdp_jax.sources.Source.earlier_layouts`, which
+  its gradients go, :func:`sdp_jax.step.sources.source_of`), the update
+  (:attr:`Regime.update`, :func:`sdp_jax.step.update.update_of`), and through the source the
+  evaluation's gather (:class:`sdp_jax.step.evaluation.Evaluation` asks it) and the checkpoint
+  layouts earlier releases wrote (:meth:`sdp_jax.step.sources.Source.earlier_layouts`, which
   :mod:`sdp_jax.train.migrations` tries).
 
 The four regimes (Singh et al., arXiv 2507.09029, Sec. 3: forward masking runs the subnetwork,
@@ -38,7 +38,7 @@ from sdp_jax.options import StepOptions
 
 
 class Kind(enum.StrEnum):
-    """How one stored leaf lies on the mesh (:mod:`sdp_jax.state` gives the shapes)."""
+    """How one stored leaf lies on the mesh (:mod:`sdp_jax.step.state` gives the shapes)."""
 
     REPLICATED = "R"
     COMPACT = "C"
@@ -47,7 +47,7 @@ class Kind(enum.StrEnum):
 
 
 class Source(enum.StrEnum):
-    """The parameter source of a regime (:mod:`sdp_jax.sources`)."""
+    """The parameter source of a regime (:mod:`sdp_jax.step.sources`)."""
 
     COMPACT = "compact"            # forward masking: the worker's compact subnetwork
     BACKWARD_HELD = "backward"     # backward masking: the full model, held gradients
@@ -56,7 +56,7 @@ class Source(enum.StrEnum):
 
 
 class Update(enum.StrEnum):
-    """The update of a regime (:mod:`sdp_jax.update`)."""
+    """The update of a regime (:mod:`sdp_jax.step.update`)."""
 
     AVERAGED = "averaged"          # holder-averaged gradients, every step
     PERIODIC = "periodic"          # local steps, parameters averaged every H steps

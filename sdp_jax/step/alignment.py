@@ -8,12 +8,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sdp_jax import spec as spec_lib
-from sdp_jax import sync
-from sdp_jax.evaluation import Evaluation
 from sdp_jax.mesh import DATA
 from sdp_jax.options import StepOptions
-from sdp_jax.sources import Compact
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.evaluation import Evaluation
+from sdp_jax.step.sources import Compact
+from sdp_jax.sync import collectives as sync
 
 _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 

@@ -18,10 +18,10 @@ A model, built-in or a user's own, declares which of its parameters SDP may swit
 
 Every leaf no active rule matches is *always-kept*: held by every worker, averaged over all.
 The rules and their resolution against a parameter tree (no masks) live in
-:mod:`sdp_jax.spec_rules`; every name there is importable from here too.
+:mod:`sdp_jax.spec.rules`; every name there is importable from here too.
 
 :func:`build` turns (parameters, rules, variant, W, C, scheme, seed) into an :class:`SDPSpec`:
-the mask matrices of every component kind (:mod:`sdp_jax.masks`, uniform representation,
+the mask matrices of every component kind (:mod:`sdp_jax.spec.masks`, uniform representation,
 Singh et al., arXiv 2507.09029, Sec. 3), the per-leaf :class:`Rule`, the static mask pytree
 (same structure as the parameters; a leaf is a bool array ``[W, ...]`` broadcastable to the
 parameter, or None), the multiplicities and the compact (pruned) shapes. It accepts what Flax
@@ -51,10 +51,23 @@ from typing import Any
 import jax
 import numpy as np
 
-from sdp_jax import masks as masks_lib
-from sdp_jax.spec_rules import (BLOCK, Blocks, Neurons, Rule, Stack, flat_shapes, flatten,
-                                match_neurons, neuron_layers, path_keys, path_str, pure_tree,
-                                resolve_stack, unflatten)
+from sdp_jax.spec import masks as masks_lib
+from sdp_jax.spec.rules import (
+    BLOCK,
+    Blocks,
+    Neurons,
+    Rule,
+    Stack,
+    flat_shapes,
+    flatten,
+    match_neurons,
+    neuron_layers,
+    path_keys,
+    path_str,
+    pure_tree,
+    resolve_stack,
+    unflatten,
+)
 
 VARIANTS = ("ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp")
 BLOCK_VARIANTS = ("ddp", "b-sdp", "bb-sdp")
@@ -533,7 +546,7 @@ def build(params: Any, rules, variant: str, workers: int, coverage: float = 1.0,
       workers: ``W`` (>= 1).
       coverage: ``C`` in (0, 1] (ignored for ``ddp``); ``C * G`` and ``W * C`` must be whole
         for every kind (``allow_nonuniform`` relaxes the second).
-      scheme, seed, allow_nonuniform: the mask recipe (:class:`sdp_jax.masks.MaskRecipe`).
+      scheme, seed, allow_nonuniform: the mask recipe (:class:`sdp_jax.spec.masks.MaskRecipe`).
       names: optional wording for errors and logs, {kind: what its components are called},
         e.g. ``{"mlp": "MLP hidden neurons per block"}``.
       matrices: hand-made mask matrices instead of the recipe's, {kind: bool [W, G]} (neuron

@@ -18,7 +18,7 @@ of two ways, behind one method, :meth:`Placement.map`:
   device then holds every worker's share of the state (``W`` times a worker's leaves stored
   per worker; a leaf stored replicated, ``P()``, once) and ``W`` workers' activations
   (:meth:`Emulated.describe`); a ``lax.cond`` whose predicate differs between workers (the
-  held / unheld branch of :func:`sdp_jax.runner.held_weight_grads`) runs both branches.
+  held / unheld branch of :func:`sdp_jax.step.runner.held_weight_grads`) runs both branches.
   While a worker's function is traced under the ``vmap``, :func:`emulating` is True: the
   typed casts of ``shard_map`` (:func:`sdp_jax.sync.to_varying`) are then left out.
 

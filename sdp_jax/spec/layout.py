@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax import spec as spec_lib
+from sdp_jax.spec import sdp_spec as spec_lib
 
 KEPT, STACK, SLOT, NEURON = "kept", "stack", "slot", "neuron"
 

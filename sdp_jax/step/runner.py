@@ -2,7 +2,7 @@
 applies a worker's blocks one by one (a scan over the blocks, each under activation
 checkpointing, each block's parameters fetched by the caller's ``get``).
 
-The parameter sources (:mod:`sdp_jax.sources`) decide where each block's parameters come from
+The parameter sources (:mod:`sdp_jax.step.sources`) decide where each block's parameters come from
 (the compact stack, the frozen full model, an FSDP gather); :class:`ModelCall` runs the model
 on them, in the compute dtype.
 """
@@ -14,8 +14,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from sdp_jax import spec as spec_lib
 from sdp_jax.options import ModelHooks, StepOptions
+from sdp_jax.spec import sdp_spec as spec_lib
+
 GATHERED = "fsdp_gathered"  # checkpoint_name of FSDP-gathered parameters (never saved)
 # Outputs that only move or re-type data: not saved for the backward pass under FSDP without
 # activation checkpointing, so that no copy of a gathered parameter (the all_gather's output,

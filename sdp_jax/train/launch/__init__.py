@@ -1,0 +1,28 @@
+"""Several processes: the launcher (``python -m sdp_jax.train.launch``), ``jax.distributed`` set-up,
+and the processes' watch of one another.
+
+The public face of the wing; ``sdp_jax.train.launch.initialize`` as before. Its members, from the
+top:
+
+* :mod:`sdp_jax.train.launch.launcher`: starts a command as several JAX processes on this machine,
+  forwards signals, restarts the survivors with ``--elastic``, and ``initialize``;
+* :mod:`sdp_jax.train.launch.peers`: heartbeats, agreed stops and the signals a process holds
+  while it saves.
+"""
+
+from sdp_jax.train.launch.launcher import (
+                                           HUNG_AFTER,
+                                           PROG,
+                                           UNTOLD_AFTER,
+                                           coordinator_args,
+                                           free_port,
+                                           initialize,
+                                           main,
+                                           multi_process_env,
+                                           parser,
+                                           process_env,
+                                           run,
+)
+
+__all__ = ["PROG", "HUNG_AFTER", "UNTOLD_AFTER", "free_port", "process_env", "run",
+           "multi_process_env", "coordinator_args", "initialize", "parser", "main"]
