@@ -20,8 +20,9 @@ import traceback
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # run from a checkout without installing
 
-from sdp_jax.train.launch import launcher as launch  # noqa: E402  (light: the standard library only)
-from sdp_jax.train.launch import peers
+# light: the standard library only
+from sdp_jax.train.launch import launcher as launch  # noqa: E402
+from sdp_jax.train.launch import peers  # noqa: E402
 
 
 def _leave(signum: int) -> None:
@@ -31,7 +32,8 @@ def _leave(signum: int) -> None:
 
 
 # Several processes: a signal that comes before their watch has started is held until it has,
-# then this process leaves through it and the others end too (sdp_jax.train.launch.peers.hold_signals).
+# then this process leaves through it and the others end too
+# (sdp_jax.train.launch.peers.hold_signals).
 if __name__ == "__main__" and launch.multi_process_env():   # (not when imported: tests)
     peers.hold_signals(_leave)
 

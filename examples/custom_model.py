@@ -10,8 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from sdp_jax.spec import sdp_spec as sdp  # noqa: E402
-from sdp_jax.step import sdp_step
+from sdp_jax import spec as sdp, step as sdp_step  # noqa: E402
 from sdp_jax.options import StepOptions  # noqa: E402
 
 

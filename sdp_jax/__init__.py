@@ -41,16 +41,16 @@ Modules that moved into a wing keep their old import path (``import sdp_jax.plac
 old path gives the same module object with a ``FutureWarning`` that names the new path.
 """
 
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
+import importlib as _importlib
+import importlib.abc as _abc
+import importlib.util as _util
+import sys as _sys
+import warnings as _warnings
 
 __version__ = "0.1.0"
 
-# Old path -> new path of every module that moved into a wing (docs/design.md, "How SDP is laid
-# out"). The wings' faces (sdp_jax.spec, .sync, .step, .pipeline, .costs, .train.data,
+# Old path -> new path of every module that moved into a wing (docs/design.md, "The package's
+# layers"). The wings' faces (sdp_jax.spec, .sync, .step, .pipeline, .costs, .train.data,
 # .train.launch, .train.families) keep their names and need no entry.
 MOVED = {
     "sdp_jax.masks": "sdp_jax.spec.masks",
@@ -76,19 +76,19 @@ MOVED = {
 _OWN_SPECS = {}   # old path -> the moved module's own spec
 
 
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _MovedModules(_abc.MetaPathFinder, _abc.Loader):
     """Serves an old path of :data:`MOVED` as the module at its new path (the same object, so
     ``isinstance`` checks and module state are shared), warning once per import."""
 
     def find_spec(self, name, path=None, target=None):
         if name not in MOVED:
             return None
-        return importlib.util.spec_from_loader(name, self)
+        return _util.spec_from_loader(name, self)
 
     def create_module(self, spec):
-        warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; import it from there (the old "
-                      "path is served for now)", FutureWarning, stacklevel=2)
-        module = importlib.import_module(MOVED[spec.name])
+        _warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; import it from there (the old "
+                       "path is served for now)", FutureWarning, stacklevel=2)
+        module = _importlib.import_module(MOVED[spec.name])
         _OWN_SPECS[spec.name] = module.__spec__
         return module
 
@@ -96,6 +96,11 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         # importlib has set the old path's spec on the module; give it back its own.
         module.__spec__ = _OWN_SPECS[module.__spec__.name]
 
+    def get_code(self, name):
+        """``python -m`` of an old path: refused, naming the new one."""
+        raise ImportError(f"{name} moved to {MOVED[name]}: run python -m {MOVED[name]}")
 
-if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
+
+# One finder, also when the package is reloaded (a reload defines the class anew).
+_sys.meta_path[:] = [f for f in _sys.meta_path if type(f).__name__ != "_MovedModules"]
+_sys.meta_path.append(_MovedModules())

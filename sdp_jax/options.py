@@ -15,14 +15,8 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from sdp_jax.fields import (
-    check_settings,
-    config_path,
-    read_settings,
-    setting,
-    setting_name,
-    settings,
-)
+from sdp_jax.fields import (check_settings, config_path, read_settings, setting, setting_name,
+                            settings)
 
 # Activation checkpointing modes of the block runner (sdp_jax.step.runner.remat_block).
 REMAT = ("none", "full", "dots")

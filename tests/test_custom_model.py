@@ -11,11 +11,11 @@ import optax
 import pytest
 from flax import nnx
 
-from sdp_jax.costs import program as costs
-from sdp_jax.spec import layout as layout_lib
-from sdp_jax.spec import sdp_spec as sdp
+from sdp_jax import costs
+from sdp_jax import spec as sdp
 from sdp_jax.options import ModelHooks, StepOptions
-from sdp_jax.step.sdp_step import SDPStep
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.step import SDPStep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W, DEPTH = 4, 4

@@ -1,5 +1,5 @@
-"""Workers emulated on one device (sdp_jax.sync.placement.Emulated, issue 37): the per-worker program
-under jax.vmap over 'data' gives what the same workers give on their own devices."""
+"""Workers emulated on one device (sdp_jax.sync.placement.Emulated, issue 37): the per-worker
+program under jax.vmap over 'data' gives what the same workers give on their own devices."""
 
 import os
 import sys
@@ -9,14 +9,13 @@ import numpy as np
 import optax
 import pytest
 
-from sdp_jax.options import StepOptions
 from sdp_jax import mesh as mesh_lib
-from sdp_jax.sync import placement
 from sdp_jax.models import llama
 from sdp_jax.models import vision as vm
 from sdp_jax.models.llama import LlamaConfig
-from sdp_jax.train import families
-from sdp_jax.train import loop
+from sdp_jax.options import StepOptions
+from sdp_jax.sync import placement
+from sdp_jax.train import families, loop
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train.run import resolve
 

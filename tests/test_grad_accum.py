@@ -1,5 +1,5 @@
-"""Gradient accumulation (sdp_jax.step.accumulation, config.grad_accum): K microbatches per optimizer
-step take the step of the K-times batch, for every variant, with FSDP, activation
+"""Gradient accumulation (sdp_jax.step.accumulation, config.grad_accum): K microbatches per
+optimizer step take the step of the K-times batch, for every variant, with FSDP, activation
 checkpointing, a pipeline and emulated workers; the compiled activation peak falls."""
 
 import dataclasses
@@ -9,15 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdp_jax.options import StepOptions
-from sdp_jax.costs import program as costs
 from sdp_jax import mesh as mesh_lib
-from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.costs import program as costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
-from sdp_jax.train import families, run as run_lib
+from sdp_jax.options import StepOptions
+from sdp_jax.spec import sdp_spec as spec_lib
 from sdp_jax.train import config as config_lib
+from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train import run as run_lib
 
 W, K, B = 4, 2, 4          # workers, microbatches, rows per worker (B / K per microbatch)
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
@@ -140,6 +141,7 @@ def test_a_run_resumes_under_another_grad_accum(tmp_path):
     with 2 microbatches per step and ends where the run without accumulation ends; the
     summary records the setting."""
     import json
+
     from sdp_jax.train import loop
 
     def tiny(**kw):

@@ -145,7 +145,8 @@ FACES = {"sdp_jax.spec": ["sdp_jax.spec.sdp_spec", "sdp_jax.spec.rules"],
          "sdp_jax.train.data": ["sdp_jax.train.data.tokens"],
          "sdp_jax.train.launch": ["sdp_jax.train.launch.launcher"],
          "sdp_jax.train.families": ["sdp_jax.train.families.language_model",
-                                    "sdp_jax.train.families.vision"]}
+                                    "sdp_jax.train.families.vision",
+                                    "sdp_jax.train.families.registry"]}
 
 
 def _public_names(module: str) -> list[str]:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from sdp_jax import fields
-from sdp_jax.spec import sdp_spec as spec_lib
 from sdp_jax.options import ModelHooks, StepOptions
+from sdp_jax.spec import sdp_spec as spec_lib
 from sdp_jax.train import config as config_lib
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train import run as run_lib

@@ -1,5 +1,5 @@
-"""The regime decided once (sdp_jax.step.regime.Regime): from the variant and the options, the layout
-kinds, the parameter source, the update and the in-loop averaging of every combination; and a
+"""The regime decided once (sdp_jax.step.regime.Regime): from the variant and the options, the
+layout kinds, the parameter source, the update and the in-loop averaging of every combination; and a
 step built for each combination uses exactly those pieces (and its source's earlier checkpoint
 layouts)."""
 
@@ -8,11 +8,10 @@ import types
 import jax
 import pytest
 
-from sdp_jax.step import sources
-from sdp_jax.step import update
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.options import StepOptions
+from sdp_jax.step import sources, update
 from sdp_jax.step.regime import Kind, Regime, Source, Update
 from sdp_jax.train import families
 from sdp_jax.train import optimizer as optim_lib

@@ -8,12 +8,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax.spec import layout as layout_lib
-from sdp_jax.spec import masks
-from sdp_jax.sync import collectives as sync
-from sdp_jax.spec import sdp_spec as sdp
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.spec import layout as layout_lib
+from sdp_jax.spec import masks
+from sdp_jax.spec import sdp_spec as sdp
+from sdp_jax.sync import collectives as sync
 
 
 class Block(nnx.Module):

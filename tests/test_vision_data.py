@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from sdp_jax.train.data import vision as vd
 from sdp_jax.train.config import vision_config
+from sdp_jax.train.data import vision as vd
 from sdp_jax.train.run import resolve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

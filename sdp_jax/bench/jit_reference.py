@@ -5,13 +5,14 @@ MaxText's DDP setting): one ``jax.jit`` of the whole train step, the global batc
 the mesh axis ``data`` (``P('data')``), parameters and optimizer state replicated, and XLA's
 SPMD partitioner inserting the gradient all-reduce. The model, its loss
 (:meth:`sdp_jax.train.families.LanguageModel.loss`), the optimizer
-(:func:`sdp_jax.train.optimizer.make_optimizer`), the clipped update (:func:`sdp_jax.step.update.clipped_update`), mixed precision and
-activation checkpointing are the SDP step's, so in float32 the only difference from
-:class:`sdp_jax.step.SDPStep`'s DDP is the formulation: ``jax.jit`` with shardings against
-``jax.shard_map`` with explicit collectives (``tests/test_bench.py`` checks that both take the
-same steps). In bfloat16 one more difference is jit's own: the partitioner all-reduces each
-weight gradient where the bf16 matmul produces it, in bf16, where the SDP step averages in
-float32 (XLA:CPU widens bf16 collectives to float32, so CPU byte counts do not show it).
+(:func:`sdp_jax.train.optimizer.make_optimizer`), the clipped update
+(:func:`sdp_jax.step.update.clipped_update`), mixed precision and activation checkpointing are the
+SDP step's, so in float32 the only difference from :class:`sdp_jax.step.SDPStep`'s DDP is the
+formulation: ``jax.jit`` with shardings against ``jax.shard_map`` with explicit collectives
+(``tests/test_bench.py`` checks that both take the same steps). In bfloat16 one more difference is
+jit's own: the partitioner all-reduces each weight gradient where the bf16 matmul produces it, in
+bf16, where the SDP step averages in float32 (XLA:CPU widens bf16 collectives to float32, so CPU
+byte counts do not show it).
 ``python -m sdp_jax.bench --reference`` compiles and times it beside the variants.
 """
 

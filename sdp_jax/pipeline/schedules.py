@@ -25,7 +25,8 @@ vocabulary: one byte for byte-level text); stage ``s + 1`` rebuilds
 * ``none``: the d-wide residual stream crosses as is (no anchors, no token ids);
 * ``fixed``: ``A_s`` a frozen random orthogonal matrix (the Subspace Networks baseline);
 * ``unconstrained``: ``A_s`` trained by AdamW like every other weight (it leaves the manifold);
-* ``mapl``: ``A_s`` on the Stiefel manifold, trained by :func:`sdp_jax.pipeline.stiefel.stiefel_sgd`.
+* ``mapl``: ``A_s`` on the Stiefel manifold, trained by
+  :func:`sdp_jax.pipeline.stiefel.stiefel_sgd`.
 
 The compressed methods share the anchors, so they differ only in how ``A`` is obtained. Our
 choices where the paper is silent: one projector and one anchor table per boundary, ``A`` and

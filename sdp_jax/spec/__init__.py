@@ -2,7 +2,8 @@
 Sec. 3).
 
 The public face of the wing; ``from sdp_jax import spec`` then ``spec.Blocks``, ``spec.build``,
-``spec.SDPSpec`` as before. Its members, from the top:
+``spec.SDPSpec`` as before. Its members, from the top (the last two independent of each
+other):
 
 * :mod:`sdp_jax.spec.layout`: the full, compact (pruned) and shard forms of the parameters and the
   holder tables the collectives read;
@@ -13,30 +14,10 @@ The public face of the wing; ``from sdp_jax import spec`` then ``spec.Blocks``, 
 * :mod:`sdp_jax.spec.masks`: host-side mask matrices ``[W, n]`` (numpy only).
 """
 
-from sdp_jax.spec.sdp_spec import (
-                                   BACKWARD_VARIANTS,
-                                   BLOCK,
-                                   BLOCK_VARIANTS,
-                                   VARIANTS,
-                                   Blocks,
-                                   KindTables,
-                                   Neurons,
-                                   Rule,
-                                   SDPSpec,
-                                   Stack,
-                                   build,
-                                   flat_shapes,
-                                   flatten,
-                                   layer_masks,
-                                   match_neurons,
-                                   neuron_layers,
-                                   path_keys,
-                                   path_str,
-                                   pure_tree,
-                                   resolve_stack,
-                                   stage_balance,
-                                   unflatten,
-)
+from sdp_jax.spec.sdp_spec import (BACKWARD_VARIANTS, BLOCK, BLOCK_VARIANTS, VARIANTS, Blocks,
+                                   KindTables, Neurons, Rule, SDPSpec, Stack, build, flat_shapes,
+                                   flatten, layer_masks, match_neurons, neuron_layers, path_keys,
+                                   path_str, pure_tree, resolve_stack, stage_balance, unflatten)
 
 __all__ = ["BLOCK", "Blocks", "Neurons", "Rule", "Stack", "flat_shapes", "flatten", "match_neurons",
            "neuron_layers", "path_keys", "path_str", "pure_tree", "resolve_stack", "unflatten",

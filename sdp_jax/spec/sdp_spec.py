@@ -52,22 +52,9 @@ import jax
 import numpy as np
 
 from sdp_jax.spec import masks as masks_lib
-from sdp_jax.spec.rules import (
-    BLOCK,
-    Blocks,
-    Neurons,
-    Rule,
-    Stack,
-    flat_shapes,
-    flatten,
-    match_neurons,
-    neuron_layers,
-    path_keys,
-    path_str,
-    pure_tree,
-    resolve_stack,
-    unflatten,
-)
+from sdp_jax.spec.rules import (BLOCK, Blocks, Neurons, Rule, Stack, flat_shapes, flatten,
+                                match_neurons, neuron_layers, path_keys, path_str, pure_tree,
+                                resolve_stack, unflatten)
 
 VARIANTS = ("ddp", "b-sdp", "n-sdp", "bb-sdp", "nb-sdp")
 BLOCK_VARIANTS = ("ddp", "b-sdp", "bb-sdp")

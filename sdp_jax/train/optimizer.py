@@ -118,11 +118,11 @@ def make_optimizer(optim: OptimConfig, total_steps: int,
 
 
 def pipeline_optimizer(pipe: pl.PipelineConfig, optim, total_steps: int) -> optax.GradientTransformation:
-    """The optimizer of a pipelined run: AdamW (or SGD) from ``optim``
-    (:class:`OptimConfig`) for every weight but the boundary projectors, no
-    weight decay on norm scales and boundary parameters; :func:`sdp_jax.pipeline.stiefel.stiefel_sgd`
-    (warm-up and cosine decay to ``pipe.proj_lr * optim.min_lr_ratio``) for ``stiefel_A``;
-    no update for ``frozen*`` leaves. Leaves are routed by name (:func:`sdp_jax.pipeline.projector_key`)."""
+    """The optimizer of a pipelined run: AdamW (or SGD) from ``optim`` (:class:`OptimConfig`) for
+    every weight but the boundary projectors, no weight decay on norm scales and boundary
+    parameters; :func:`sdp_jax.pipeline.stiefel.stiefel_sgd` (warm-up and cosine decay to
+    ``pipe.proj_lr * optim.min_lr_ratio``) for ``stiefel_A``; no update for ``frozen*`` leaves.
+    Leaves are routed by name (:func:`sdp_jax.pipeline.projector_key`)."""
     def names(path):
         return [str(getattr(k, "key", k)) for k in path]
 

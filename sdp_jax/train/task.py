@@ -47,7 +47,7 @@ from sdp_jax.train import config as config_lib
 from sdp_jax.train import optimizer as optim_lib
 
 
-def total_steps(options: StepOptions) -> int:
+def schedule_steps(options: StepOptions) -> int:
     """``options.total_steps``, which a family's step needs for its learning-rate schedule.
 
     Raises:

@@ -36,7 +36,7 @@ from sdp_jax.train import migrations
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train.data import corpus
 from sdp_jax.train.data import tokens as data_lib
-from sdp_jax.train.task import Family, mean_loss, total_steps
+from sdp_jax.train.task import Family, mean_loss, schedule_steps
 
 LOSS_CHUNKS = 8  # sequence pieces of the head and loss under activation checkpointing
 
@@ -114,18 +114,19 @@ def language_model_step(cfg: LlamaConfig, spec: spec_lib.SDPSpec, optim, mesh,
     ``options.grad_clip``), ``init_state(seed)`` from the model's initializer.
 
     With ``pipe`` (:class:`sdp_jax.pipeline.PipelineConfig`, ``stages > 1``) the loss is the
-    pipeline schedule (``pipe.schedule``: GPipe or 1F1B) over the mesh axis ``stage``
-    (``mesh`` from :func:`sdp_jax.mesh.make_mesh`; ``spec`` the spec of one stage with the
-    boundary parameters, :func:`sdp_jax.models.llama.make_plan` with ``pipe``); the parameters gain
-    ``boundary`` (:func:`sdp_jax.pipeline.init_boundary`), the optimizer routes the projectors
-    (:func:`sdp_jax.train.optimizer.pipeline_optimizer`), and the metrics gain ``ortho_err`` (max |A^T A - I|
-    over the boundaries) when compressed and ``rvq_loss`` with RVQ (also in ``train_loss``).
+    pipeline schedule (``pipe.schedule``: GPipe or 1F1B) over the mesh axis ``stage`` (``mesh`` from
+    :func:`sdp_jax.mesh.make_mesh`; ``spec`` the spec of one stage with the boundary parameters,
+    :func:`sdp_jax.models.llama.make_plan` with ``pipe``); the parameters gain ``boundary``
+    (:func:`sdp_jax.pipeline.init_boundary`), the optimizer routes the projectors
+    (:func:`sdp_jax.train.optimizer.pipeline_optimizer`), and the metrics gain ``ortho_err`` (max
+    |A^T A - I| over the boundaries) when compressed and ``rvq_loss`` with RVQ (also in
+    ``train_loss``).
 
     Raises:
       ValueError: ``options`` without ``total_steps``; a mesh or spec that does not match
         ``pipe``; and everything :class:`SDPStep` refuses.
     """
-    task, total = LanguageModel(cfg), total_steps(options)
+    task, total = LanguageModel(cfg), schedule_steps(options)
     stages = 1 if pipe is None else pipe.stages
     got = 1 if mesh is None else int(dict(mesh.shape).get("stage", 1))
     if got != stages or spec.n_blocks != cfg.n_layers // stages:

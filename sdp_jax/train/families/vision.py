@@ -34,11 +34,8 @@ from sdp_jax.train import config as config_lib
 from sdp_jax.train import migrations
 from sdp_jax.train import optimizer as optim_lib
 from sdp_jax.train.data import vision as vision_data
-from sdp_jax.train.task import Family, compiled_flops, total_steps
+from sdp_jax.train.task import Family, compiled_flops, schedule_steps
 
-# ----------------------------------------------------------------------------------------------
-# Vision models
-# ----------------------------------------------------------------------------------------------
 VISION_REMAT = ("none", "full")   # activation checkpointing modes of the vision models
 
 def vision_rules(cfg: vm.VisionConfig, *, blocks: bool = True, stats: bool = False) -> list:
@@ -209,7 +206,7 @@ def vision_step(cfg: vm.VisionConfig, spec: spec_lib.SDPSpec, optim, mesh,
       ValueError: ``remat`` not ``none`` / ``full``; ``options`` without ``total_steps``; and
         everything :class:`SDPStep` refuses.
     """
-    total = total_steps(options)
+    total = schedule_steps(options)
     options.check_for(spec, VISION_REMAT)
     task = VisionModel(cfg, spec, options.compute_dtype or jnp.float32,
                        options.remat == "full", options.unroll)

@@ -6,23 +6,14 @@ top:
 
 * :mod:`sdp_jax.train.launch.launcher`: starts a command as several JAX processes on this machine,
   forwards signals, restarts the survivors with ``--elastic``, and ``initialize``;
-* :mod:`sdp_jax.train.launch.peers`: heartbeats, agreed stops and the signals a process holds
-  while it saves.
+* :mod:`sdp_jax.train.launch.peers`: the processes' watch of one another (a peer that ended,
+  was lost or hung ends the others with one line), and the signals a process holds until its
+  watch has started.
 """
 
-from sdp_jax.train.launch.launcher import (
-                                           HUNG_AFTER,
-                                           PROG,
-                                           UNTOLD_AFTER,
-                                           coordinator_args,
-                                           free_port,
-                                           initialize,
-                                           main,
-                                           multi_process_env,
-                                           parser,
-                                           process_env,
-                                           run,
-)
+from sdp_jax.train.launch.launcher import (HUNG_AFTER, PROG, UNTOLD_AFTER, coordinator_args,
+                                           free_port, initialize, main, multi_process_env, parser,
+                                           process_env, run)
 
 __all__ = ["PROG", "HUNG_AFTER", "UNTOLD_AFTER", "free_port", "process_env", "run",
            "multi_process_env", "coordinator_args", "initialize", "parser", "main"]

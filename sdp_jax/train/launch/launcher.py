@@ -11,11 +11,11 @@ the layout the tests run (docs/design.md invariants 8 and 9); on a cluster a sch
 a TPU pod slice) starts the processes instead (README.md, *Multi-host*).
 
 The processes run in their own session, so a terminal's Ctrl-C reaches only the launcher, which
-forwards SIGINT, SIGTERM and SIGHUP (a closed terminal) to every process: on the first, each
-process stops with the others after the same step and saves a checkpoint; a second aborts. When a
-process ends (with an error, or early), the others get ``--grace`` seconds to finish and are then
-terminated; a process still running :data:`HUNG_AFTER` s after every process that ended did so
-with status 75 (its peers took it as hung, :mod:`sdp_jax.train.launch.peers`) is killed (SIGKILL) and
+forwards SIGINT, SIGTERM and SIGHUP (a closed terminal) to every process: on the first, each process
+stops with the others after the same step and saves a checkpoint; a second aborts. When a process
+ends (with an error, or early), the others get ``--grace`` seconds to finish and are then
+terminated; a process still running :data:`HUNG_AFTER` s after every process that ended did so with
+status 75 (its peers took it as hung, :mod:`sdp_jax.train.launch.peers`) is killed (SIGKILL) and
 lost. The exit status is the first non-zero status of a process (0 when all succeed). Only the
 launcher's own child processes are ever signalled.
 
@@ -196,8 +196,8 @@ def _wait(children: list, grace: float, timeout: float, signalled: list,
     """Wait for ``children`` (:func:`_attempt`): the first non-zero status, 124 after
     ``timeout``. After a process ends, the others get ``grace`` seconds, then are stopped
     (their ids go to ``stopped``); a process ended by SIGINT / SIGTERM itself (before it could
-    handle it) has that signal passed on to the others; and once every process that ended did
-    so with :data:`sdp_jax.train.launch.peers.DEAD_PEER` (or was killed) and :data:`HUNG_AFTER` s went
+    handle it) has that signal passed on to the others; and once every process that ended did so
+    with :data:`sdp_jax.train.launch.peers.DEAD_PEER` (or was killed) and :data:`HUNG_AFTER` s went
     by, the ones still running are hung: killed with SIGKILL, and lost (not in ``stopped``);
     once a process was killed (SIGKILL) and :data:`UNTOLD_AFTER` s went by with none ending
     with DEAD_PEER, the ones still running were never told (it died before their watch
@@ -373,9 +373,9 @@ def _missing_peers(kwargs: dict, where: str) -> str:
 def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None,
                hang_timeout: float = 300, hang_step_multiple: float = 10) -> bool:
     """Call ``jax.distributed.initialize`` when ``mode`` is ``true``, or ``auto`` and the
-    environment is that of several processes (:func:`multi_process_env`), and start the
-    processes' watch (:func:`sdp_jax.train.launch.peers.start`: a process that ends before the run does,
-    or goes silent past the bound it declared, ``hang_timeout`` seconds while it starts,
+    environment is that of several processes (:func:`multi_process_env`), and start the processes'
+    watch (:func:`sdp_jax.train.launch.peers.start`: a process that ends before the run does, or
+    goes silent past the bound it declared, ``hang_timeout`` seconds while it starts,
     compiles, evaluates or saves and ``hang_step_multiple`` times its slowest recent step once
     steps run, ends the others within seconds, with one line).
 
@@ -388,10 +388,10 @@ def initialize(mode: str = "auto", timeout: int = 300, env: dict | None = None,
     The process's signal handlers hold throughout: SIGINT and SIGTERM are blocked from before
     the call until the watch has started (one arriving meanwhile is handled then), JAX's
     preemption service (which installs its own SIGTERM handler over the project's and would
-    swallow a scheduler's SIGTERM) is turned off (``jax_enable_preemption_service``), and the
-    Python handlers are installed again after the call, whatever it installed. A signal held
-    since the process started (:func:`sdp_jax.train.launch.peers.hold_signals`, ``train.py``) ends it
-    once the watch has started, through the watch (:func:`sdp_jax.train.launch.peers.release_signals`).
+    swallow a scheduler's SIGTERM) is turned off (``jax_enable_preemption_service``), and the Python
+    handlers are installed again after the call, whatever it installed. A signal held since the
+    process started (:func:`sdp_jax.train.launch.peers.hold_signals`, ``train.py``) ends it once the
+    watch has started, through the watch (:func:`sdp_jax.train.launch.peers.release_signals`).
 
     Returns:
       whether JAX was initialized for several processes.
@@ -528,4 +528,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:   # the command cannot be started
         own_flags.error(f"cannot start {command[0]!r}: {e}")
     return 2
-
