@@ -37,7 +37,7 @@ config's remat and FSDP), the train step compiled at every realizable coverage, 
 (:func:`sdp_jax.train.fit.scan`, the measurement ``--config.sdp.coverage=auto`` picks by), as a
 table of peaks per device, and the largest ``C`` that fits each budget (GiB per device)::
 
-    python -m sdp_jax.bench --fit --budget_gib=40,24 --config configs/llama_1b.py \
+    python -m sdp_jax.bench --fit --budget_gib=40,24 --config configs/llama_1b.py \\
         --variants b-sdp,n-sdp --fit_remat none,full --fit_fsdp false,true
 
 ``--paper`` reproduces the memory and communication comparison of Singh et al. (arXiv
