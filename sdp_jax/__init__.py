@@ -42,8 +42,7 @@ old path gives the same module object with a ``FutureWarning`` that names the ne
 """
 
 import importlib as _importlib
-import importlib.abc as _abc
-import importlib.util as _util
+import importlib.machinery as _machinery
 import sys as _sys
 import warnings as _warnings
 
@@ -76,14 +75,16 @@ MOVED = {
 _OWN_SPECS = {}   # old path -> the moved module's own spec
 
 
-class _MovedModules(_abc.MetaPathFinder, _abc.Loader):
+class _MovedModules:
     """Serves an old path of :data:`MOVED` as the module at its new path (the same object, so
-    ``isinstance`` checks and module state are shared), warning once per import."""
+    ``isinstance`` checks and module state are shared), warning once per import: a meta path
+    finder and its loader (importlib's protocol; no ABC, whose import is not free: ``train.py``
+    imports this package first thing, before it holds signals)."""
 
     def find_spec(self, name, path=None, target=None):
         if name not in MOVED:
             return None
-        return _util.spec_from_loader(name, self)
+        return _machinery.ModuleSpec(name, self)
 
     def create_module(self, spec):
         _warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; import it from there (the old "

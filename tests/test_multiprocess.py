@@ -539,6 +539,19 @@ def _launcher_pids(err_path, deadline):
     raise AssertionError(err_path.read_text())
 
 
+def _holds_sigterm(pid: int) -> bool:
+    """Whether process ``pid``'s main thread blocks SIGTERM (``SigBlk`` in /proc): it has
+    reached :func:`sdp_jax.train.launch.peers.hold_signals`, the first thing ``train.py`` does,
+    so a signal from now on is the held kind. On 2 busy cores a process may take longer than
+    the test's 0.5 s to get there; before it, SIGTERM kills any Python program outright."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            blocked = next(ln for ln in f if ln.startswith("SigBlk:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(blocked, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def _note_ends(procs: dict, ended: dict) -> None:
     """``ended[key]``: when each of ``procs`` (by key) was first seen ended."""
     for key, p in procs.items():
@@ -586,7 +599,8 @@ def test_a_signal_before_the_watch_ends_every_process_in_one_line(tmp_path, case
     bound (peers.HOLD), and nothing is written. SIGTERM to process 0 at 0.5 s and to process 1
     at 1.5 s (two runs at once); then to process 1 right after initialization (process 0 logs
     its data) and, under the launcher, to process 1 at 0.5 s (two runs at once: more would
-    start too slowly on 2 cores for the hold's bound)."""
+    start too slowly on 2 cores for the hold's bound). A timed signal waits, if need be, until
+    its process holds signals (:func:`_holds_sigterm`), long before its watch starts."""
     runs = {k: tmp_path / k for k in [*cases, "launcher"]}
     err_path = tmp_path / "launcher.err"
     launcher, pids = None, []
@@ -609,12 +623,13 @@ def test_a_signal_before_the_watch_ends_every_process_in_one_line(tmp_path, case
         while time.monotonic() < deadline and len(ended) < len(procs):
             now = time.monotonic()
             for k, (victim, at) in cases.items():
-                due = (now - t0 >= at if at is not None else
-                       "data " in _text(runs[k], 0, "out"))
+                due = (now - t0 >= at and _holds_sigterm(pairs[k][victim].pid)
+                       if at is not None else "data " in _text(runs[k], 0, "out"))
                 if k not in sent and due:
                     pairs[k][victim].send_signal(signal.SIGTERM)
                     sent[k] = time.monotonic()
-            if launcher is not None and "launcher" not in sent and now - t_launch >= 0.5:
+            if (launcher is not None and "launcher" not in sent and now - t_launch >= 0.5
+                    and _holds_sigterm(pids[1])):
                 os.kill(pids[1], signal.SIGTERM)   # the launcher's own child, by pid
                 sent["launcher"] = time.monotonic()
             _note_ends(procs, ended)
