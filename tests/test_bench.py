@@ -54,6 +54,8 @@ def test_bench_rows_and_ratios(tmp_path, capsys):
         assert by[v]["comm_bytes_per_device"] < 0.8 * ddp["comm_bytes_per_device"]
         assert by[v]["comm_by_op"]["all-to-all"] > 0
     assert set(ddp["comm_by_op"]) == {"all-reduce"}
+    for r in rows:   # one device per worker: every byte crosses the data axis
+        assert r["comm_by_axis"] == {"data": pytest.approx(r["comm_bytes_per_device"])}, r
     assert "| b-sdp | 0.5 | 4 | 2/4 blocks |" in table and "comm / DDP" in table
 
 

@@ -17,7 +17,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax.costs.comm import COLLECTIVE_OPS, collective_ops, comm_bytes_per_device, shape_bytes
+from sdp_jax.costs.comm import (COLLECTIVE_OPS, _iota_group, collective_ops, comm_bytes_per_device,
+                                group_axes, shape_bytes)
 from sdp_jax.sync.collectives import to_varying
 
 N = 8
@@ -229,6 +230,49 @@ def test_mesh_2x4_groups():
     o = only(collective_ops(hlo(lambda v: lax.psum(v, "a"), x, mesh2, spec)), "all-reduce")
     assert (o["group_size"], o["bus_bytes"]) == (2, pytest.approx(1024.0))
 
+
+
+def test_bytes_by_the_mesh_axes_each_collective_spans():
+    """On a ``data x fsdp x tensor`` mesh of 2 x 2 x 2 (issue 49, item 5): each collective's bytes
+    go to the axes its groups span, and the axes' bytes add up to the total. Local f32[4]
+    (16 B): a psum over 2 devices sends 2 (1/2) 16 = 16 B, over 4 devices 2 (3/4) 16 = 24 B, an
+    all-gather over 2 devices (2 - 1) 16 = 16 B."""
+    mesh3 = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+    spec = P(("data", "fsdp", "tensor"))
+
+    def fn(v):
+        both = lax.psum(v, ("fsdp", "tensor")) + lax.psum(v, "data") + lax.psum(v, "fsdp")
+        return both, lax.all_gather(v, "tensor", tiled=True)
+
+    text = hlo(fn, jnp.ones((8 * 4,)), mesh3, spec, (spec, spec))
+    traffic = comm_bytes_per_device(text, N, dict(mesh3.shape))
+    assert traffic["by_axis"] == {"data": 16.0, "fsdp": 16.0, "tensor": 16.0,
+                                  "fsdp+tensor": 24.0}
+    assert sum(traffic["by_axis"].values()) == traffic["total"]
+    assert "by_axis" not in comm_bytes_per_device(text, N)
+    with pytest.raises(ValueError, match=r"mesh_axes=\{'data': 2\} has 2 devices, num_devices=8"):
+        comm_bytes_per_device(text, N, {"data": 2})
+
+
+def test_group_axes_reads_device_ids_in_mesh_order():
+    axes = {"data": 2, "fsdp": 2, "tensor": 2}
+    assert group_axes([0, 4], axes) == ("data",)
+    assert group_axes([0, 2], axes) == ("fsdp",)
+    assert group_axes([4, 5, 6, 7], axes) == ("fsdp", "tensor")
+    assert group_axes(list(range(8)), axes) == ("data", "fsdp", "tensor")
+    assert group_axes([3], axes) == ()
+    assert group_axes(None, axes) is None and group_axes([0, 8], axes) is None
+
+
+@pytest.mark.parametrize("text, dims, perm", [
+    ("[4,2]<=[8]", (8,), (0,)), ("[2,4]<=[2,4]T(1,0)", (2, 4), (1, 0)),
+    ("[2,4]<=[4,2]T(1,0)", (4, 2), (1, 0)), ("[4,2]<=[2,2,2]T(0,2,1)", (2, 2, 2), (0, 2, 1))])
+def test_iota_replica_groups_first_group(text, dims, perm):
+    """The iota form's first group is numpy's arange(prod(dims)).reshape(dims).transpose(perm)
+    cut into rows of the group size."""
+    n = int(text[1:text.index("]")].split(",")[1])
+    want = np.arange(int(np.prod(dims))).reshape(dims).transpose(perm).reshape(-1, n)[0]
+    assert _iota_group(text) == want.tolist()
 
 def test_gspmd_mesh_axes_replica_groups():
     # Automatic partitioning (no shard_map): XLA prints replica groups in the mesh-axes form,

@@ -137,7 +137,9 @@ def measure(config, variant: str, workers: int, coverage: float, mesh, *, fsdp: 
       ``coverage``, ``workers``, ``held_per_worker``, ``argument_bytes``, ``output_bytes``,
       ``alias_bytes``, ``temp_bytes``, ``peak_bytes_per_device`` (bytes),
       ``comm_bytes_per_device`` (bus bytes per step, loop trip counts included),
-      ``comm_by_op`` (bytes per collective kind), ``comm_in_backward_loop`` (the part of
+      ``comm_by_op`` (bytes per collective kind), ``comm_by_axis`` (the same bytes by the mesh
+      axes each collective spans, e.g. ``{"data": ...}``: the bytes on each kind of link,
+      :func:`sdp_jax.costs.comm.comm_bytes_per_device`), ``comm_in_backward_loop`` (the part of
       ``comm_bytes_per_device`` issued inside the backward pass's block loop, which can overlap
       with its compute; the rest runs after it), ``flops_per_device`` (FLOPs per step, XLA's
       count on the unrolled program; None with ``flops=False``), ``model_flops_per_device``
@@ -180,9 +182,10 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
     batch_shape = jax.ShapeDtypeStruct((workers * config.batch_per_worker, config.seq_len + 1),
                                        np.int32)
     compiled = builder.compiled_train_step(batch_shape)
-    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
+    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers, dict(builder.mesh.shape))
     return {**costs.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
+            "comm_by_axis": traffic["by_axis"],
             "comm_in_backward_loop": traffic["in_backward_loop"],
             "flops_per_device": _count_flops(unrolled, batch_shape) if flops else None}
 
@@ -274,7 +277,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
     if flops and remat == "full":   # checkpointed blocks run under scans: count them unrolled
         counted = run.family.step(run, mesh, unroll=True).compiled_train_step(
             run.family.batch_shapes(run))
-    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers)
+    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers, dict(mesh.shape))
     kinds = run.plan.summary()["kinds"]
     held = ", ".join(f"{v['per_worker']}/{v['components']} {k}" for k, v in kinds.items()
                      if variant != "ddp")
@@ -289,6 +292,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
             "workers": workers, "held_per_worker": held or "all", "uniform": uniform,
             **costs.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
+            "comm_by_axis": traffic["by_axis"],
             "comm_in_backward_loop": traffic["in_backward_loop"],
             "flops_per_device": costs.flops_per_device(counted) if flops else None,
             "model_flops_per_device": None,

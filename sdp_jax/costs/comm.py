@@ -46,6 +46,12 @@ Scope and limits:
   ``collective-permute-start``/``-done``, ``reduce-scatter-start``/``-done``, and the generic
   ``async-start``/``-update``/``-done`` around a collective) count once, on the start op.
 * ``send``/``recv`` and ``ragged-all-to-all`` are not counted.
+* By mesh axis (``comm_bytes_per_device(..., mesh_axes)``): a collective's bytes go to the
+  axes its first replica group spans, the device ids read as positions in the mesh's devices in
+  row-major order (how a jitted ``shard_map`` numbers them; every group of an op is taken to
+  span the same axes). The mesh-axes form GSPMD prints for automatic partitioning
+  (``replica_groups=mesh['axis_0'=4,...]``) names XLA's axes, not the mesh's, and counts as
+  ``unknown``.
 * Collectives the compiler inserted (e.g. by GSPMD for automatic sharding) are counted like any
   other: the text is what actually runs. Note that XLA:CPU (jax 0.10.2) promotes bf16
   collectives to f32 (convert, f32 collective, convert back), so on CPU a bf16 ``psum`` or
@@ -356,6 +362,73 @@ def _group_size(ins: _Instr, default: int) -> int:
     return default
 
 
+def _iota_group(rest: str) -> list[int] | None:
+    """The first group of an iota-form ``replica_groups=[G,N]<=[d0,d1,...]T(p0,p1,...)``: the ids
+    ``0 .. prod(d) - 1`` laid out as an array of shape ``d``, its axes permuted by ``T`` (none:
+    as they are), read in row-major order and cut into ``G`` groups of ``N``."""
+    m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if not m:
+        return None
+    n, dims = int(m.group(2)), [int(d) for d in m.group(3).split(",")]
+    perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else list(range(len(dims)))
+    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    shape = [dims[i] for i in perm]
+    first = []
+    for flat in range(n):   # the first N entries of the permuted array, row-major
+        index, rem = [], flat
+        for size in reversed(shape):
+            index.append(rem % size)
+            rem //= size
+        index.reverse()
+        first.append(sum(index[k] * strides[perm[k]] for k in range(len(perm))))
+    return first
+
+
+def _first_group(ins: _Instr) -> list[int] | None:
+    """The device (partition) ids of the first replica group of a collective, from the explicit
+    ``{{0,2},{1,3}}`` or the iota ``[2,2]<=[4]`` form; the devices of ``source_target_pairs`` for
+    a collective-permute; None for the mesh-axes form or no groups (every device)."""
+    pairs = _source_target_pairs(ins)
+    if pairs:
+        return sorted({d for pair in pairs for d in pair})
+    m = re.search(r"\breplica_groups=", ins.attrs)
+    if not m:
+        return None
+    rest = ins.attrs[m.end():]
+    if rest.startswith("["):
+        return _iota_group(rest)
+    if rest.startswith("{"):
+        first = re.search(r"\{([^{}]*)\}", rest[1:_match_close(rest, 0)])
+        ids = [int(d) for d in re.findall(r"\d+", first.group(1))] if first else []
+        return ids or None
+    return None
+
+
+def group_axes(group: list[int] | None, mesh_axes: dict[str, int]) -> tuple[str, ...] | None:
+    """The mesh axes a replica group spans: those along which its devices' coordinates differ.
+
+    Args:
+        group: device (partition) ids of one group, as the HLO numbers them: a device's id is
+            its position in the mesh's devices read in row-major order (``mesh.devices.flat``),
+            which is how a jitted ``shard_map`` over a ``jax.sharding.Mesh`` numbers them.
+        mesh_axes: axis name -> size, in the mesh's order (``dict(mesh.shape)``).
+
+    Returns:
+        The axis names in mesh order, ``()`` for a group of one device, or None when ``group``
+        is None or names an id outside the mesh."""
+    if group is None or any(not 0 <= d < math.prod(mesh_axes.values()) for d in group):
+        return None
+    sizes = list(mesh_axes.values())
+    coords = []
+    for d in group:
+        c = []
+        for size in reversed(sizes):
+            c.append(d % size)
+            d //= size
+        coords.append(c[::-1])
+    return tuple(name for i, name in enumerate(mesh_axes) if len({c[i] for c in coords}) > 1)
+
+
 def _source_target_pairs(ins: _Instr) -> list[tuple[int, int]]:
     m = re.search(r"\bsource_target_pairs=\{", ins.attrs)
     if not m:
@@ -638,6 +711,7 @@ def _collective_record(ins: _Instr, comp: _Comp, op: str, default_n: int) -> dic
         "opcode": ins.opcode,
         "exact": True,
         "in_backward_loop": bool(_BACKWARD_LOOP_RE.search(_op_name(ins.raw_attrs))),
+        "group": _first_group(ins),
     }
 
 
@@ -694,6 +768,8 @@ def collective_ops(hlo_text: str, num_devices: int | None = None) -> list[dict]:
           (its ``op_name`` metadata reads ``transpose(jvp(...))/.../while/body/``), e.g. a
           gradient averaged per block as the backward scan produces it, which the hardware can
           overlap with the rest of that loop; True even where XLA unrolled the loop.
+        * ``group``: the device ids of its first replica group (:func:`group_axes` maps them to
+          mesh axes), or None when the text does not list them.
 
     Raises:
         ValueError: no ENTRY computation in ``hlo_text``, or an element type of unknown width.
@@ -701,13 +777,17 @@ def collective_ops(hlo_text: str, num_devices: int | None = None) -> list[dict]:
     return _analyze(hlo_text, num_devices)[0]
 
 
-def comm_bytes_per_device(hlo_text: str, num_devices: int) -> dict:
-    """Total bus bytes one device sends per run of the compiled program.
+def comm_bytes_per_device(hlo_text: str, num_devices: int,
+                          mesh_axes: dict[str, int] | None = None) -> dict:
+    """Total bus bytes one device sends per run of the compiled program, and (with
+    ``mesh_axes``) the bytes on each kind of link.
 
     Args:
         hlo_text: optimized HLO module text (``compiled.as_text()``).
         num_devices: group size for collectives without ``replica_groups`` (usually the number of
             devices the program was compiled for).
+        mesh_axes: the mesh the program was compiled over, axis name -> size in the mesh's order
+            (``dict(mesh.shape)``); its product is ``num_devices``.
 
     Returns:
         ``{"total": float, "by_op": {op: float for every op in COLLECTIVE_OPS},
@@ -717,16 +797,25 @@ def comm_bytes_per_device(hlo_text: str, num_devices: int) -> dict:
         already multiplied by the execution counts), ``ops`` is the number of collective
         instructions, and ``unknown_trip_counts``
         the number of ``while`` loops reachable from ENTRY whose trip count was neither in
-        ``backend_config`` nor inferable (each counted as one iteration).
+        ``backend_config`` nor inferable (each counted as one iteration). With ``mesh_axes``
+        also ``"by_axis": {key: float}``: the same bytes by the mesh axes each collective's groups
+        span (:func:`group_axes`), ``key`` the axis names joined by ``+`` in mesh order
+        (``"data"``, ``"data+stage"``) or ``"unknown"`` where the text does not list the groups;
+        only keys with bytes; the values sum to ``total``.
 
     Raises:
-        ValueError: no ENTRY computation in ``hlo_text``, or an element type of unknown width.
+        ValueError: no ENTRY computation in ``hlo_text``, an element type of unknown width, or
+            ``mesh_axes`` whose product is not ``num_devices``.
     """
+    if mesh_axes is not None and math.prod(mesh_axes.values()) != num_devices:
+        raise ValueError(f"mesh_axes={mesh_axes} has {math.prod(mesh_axes.values())} devices, "
+                         f"num_devices={num_devices}: pass the mesh the program was compiled "
+                         "over, dict(mesh.shape)")
     ops, unknown, warnings = _analyze(hlo_text, num_devices)
     by_op = {op: 0.0 for op in COLLECTIVE_OPS}
     for rec in ops:
         by_op[rec["op"]] += rec["bus_bytes"]
-    return {
+    out = {
         "total": float(sum(by_op.values())),
         "by_op": by_op,
         "in_backward_loop": float(sum(r["bus_bytes"] for r in ops if r["in_backward_loop"])),
@@ -734,3 +823,17 @@ def comm_bytes_per_device(hlo_text: str, num_devices: int) -> dict:
         "unknown_trip_counts": unknown,
         "warnings": warnings,
     }
+    if mesh_axes is not None:
+        out["by_axis"] = _by_axis(ops, mesh_axes)
+    return out
+
+
+def _by_axis(ops: list[dict], mesh_axes: dict[str, int]) -> dict[str, float]:
+    """The bus bytes of ``ops`` (:func:`collective_ops` records) summed by spanned mesh axes."""
+    out: dict[str, float] = {}
+    for rec in ops:
+        axes = group_axes(rec["group"], mesh_axes)
+        key = "unknown" if axes is None else "+".join(axes)
+        if rec["bus_bytes"]:
+            out[key] = out.get(key, 0.0) + rec["bus_bytes"]
+    return out
