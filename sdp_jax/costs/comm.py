@@ -362,6 +362,15 @@ def _group_size(ins: _Instr, default: int) -> int:
     return default
 
 
+def _unravel(flat: int, shape: list[int]) -> list[int]:
+    """The row-major index into an array of ``shape`` of its ``flat``-th element."""
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return index[::-1]
+
+
 def _iota_group(rest: str) -> list[int] | None:
     """The first group of an iota-form ``replica_groups=[G,N]<=[d0,d1,...]T(p0,p1,...)``: the ids
     ``0 .. prod(d) - 1`` laid out as an array of shape ``d``, its axes permuted by ``T`` (none:
@@ -375,11 +384,7 @@ def _iota_group(rest: str) -> list[int] | None:
     shape = [dims[i] for i in perm]
     first = []
     for flat in range(n):   # the first N entries of the permuted array, row-major
-        index, rem = [], flat
-        for size in reversed(shape):
-            index.append(rem % size)
-            rem //= size
-        index.reverse()
+        index = _unravel(flat, shape)
         first.append(sum(index[k] * strides[perm[k]] for k in range(len(perm))))
     return first
 
@@ -418,14 +423,7 @@ def group_axes(group: list[int] | None, mesh_axes: dict[str, int]) -> tuple[str,
         is None or names an id outside the mesh."""
     if group is None or any(not 0 <= d < math.prod(mesh_axes.values()) for d in group):
         return None
-    sizes = list(mesh_axes.values())
-    coords = []
-    for d in group:
-        c = []
-        for size in reversed(sizes):
-            c.append(d % size)
-            d //= size
-        coords.append(c[::-1])
+    coords = [_unravel(d, list(mesh_axes.values())) for d in group]
     return tuple(name for i, name in enumerate(mesh_axes) if len({c[i] for c in coords}) > 1)
 
 
