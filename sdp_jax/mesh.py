@@ -1,8 +1,14 @@
 """The mesh: its axis names, simulated CPU devices, and the run's device mesh.
 
-One place for the names every collective uses (``data``: the W data-parallel workers;
-``stage``: the P pipeline stages) and for the one rule by which a CPU-only machine simulates
-several devices (docs/design.md, "One step in flight on a CPU").
+One place for the names every collective uses (``data``: the W data-parallel workers, SDP's
+axis; ``fsdp`` and ``tensor``: the devices inside one worker, ``F x T`` of them, over which a
+worker's arrays are sharded (HSDP) and its matrices split (tensor parallelism); ``stage``: the P
+pipeline stages) and for the one rule by which a CPU-only machine simulates several devices
+(docs/design.md, "One step in flight on a CPU").
+
+The names follow the JAX ecosystem's mesh axes (MaxText's ``data``, ``fsdp``, ``tensor``,
+``stage``). A worker's ``F x T`` devices are adjacent in the mesh's device order (one host's
+devices, or one slice's, on real hardware), so that ``data`` is the axis that crosses hosts.
 """
 
 from __future__ import annotations
@@ -15,6 +21,23 @@ from jax.sharding import AxisType, Mesh
 
 DATA = "data"     # the data-parallel workers (W): every holder mean is over this axis
 STAGE = "stage"   # the pipeline stages (P): sdp_jax.pipeline
+FSDP = "fsdp"     # inside a worker: its parameters and optimizer state sharded (HSDP), F devices
+TENSOR = "tensor"  # inside a worker: its matrices split (tensor parallelism), T devices
+INNER = (FSDP, TENSOR)   # the axes of a worker's own devices (auto: laid out by XLA)
+
+
+def inner_sizes(mesh) -> tuple[int, int]:
+    """``(F, T)``: the devices of one worker along ``fsdp`` and ``tensor`` (1 for an axis the
+    mesh lacks)."""
+    shape = dict(mesh.shape)
+    return int(shape.get(FSDP, 1)), int(shape.get(TENSOR, 1))
+
+
+def manual_axes(mesh) -> frozenset:
+    """The axes a per-worker function is written over (``data``, and ``stage`` when
+    pipelined): ``jax.shard_map``'s manual axes; the others (``fsdp``, ``tensor``) stay
+    automatic, laid out by the arrays' shardings."""
+    return frozenset(a for a in mesh.axis_names if a not in INNER)
 
 
 def simulate_cpu_devices(count) -> None:
@@ -54,38 +77,53 @@ def check_devices_per_process(devices=None) -> None:
                          "--config.num_cpu_devices on a CPU)")
 
 
-def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = False) -> Mesh:
-    """The run's mesh: ``('data',)`` of ``W`` devices, or ``('data', 'stage')`` of shape
-    ``(W, P)`` when pipelined (axis types Auto: the pipeline's averaging is written in the
-    global view and partitioned by XLA). ``emulated``: the mesh of workers emulated on one
-    device (:mod:`sdp_jax.sync.placement`): ``('data',)`` of one device, axis type Auto (the
-    per-worker ``jax.vmap`` axis is not a sharded one), whatever ``workers``.
+def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = False,
+              fsdp: int = 1, tensor: int = 1) -> Mesh:
+    """The run's mesh: ``('data',)`` of ``W`` devices; ``('data', 'stage')`` of shape
+    ``(W, P)`` when pipelined; ``('data', 'fsdp', 'tensor')`` of shape ``(W, F, T)`` when a
+    worker spans ``F x T > 1`` devices (axis types Auto: the pipeline's averaging and a
+    worker's inner layout are written in the global view and partitioned by XLA).
+    ``emulated``: the mesh of workers emulated on one device (:mod:`sdp_jax.sync.placement`):
+    ``('data',)`` of one device, axis type Auto (the per-worker ``jax.vmap`` axis is not a
+    sharded one), whatever ``workers``.
 
-    With several processes the devices are taken in process order, so that each process's
-    devices are adjacent on ``data`` and it loads one contiguous range of batch rows
-    (``jax.make_mesh`` may reorder them for a TPU's topology).
+    Devices are taken in process order (then by id), so that each process's devices are
+    adjacent on ``data`` and it loads one contiguous range of batch rows, and a worker's
+    ``F x T`` devices are adjacent: with ``F x T`` devices per process, a worker is one
+    process (one host); ``jax.make_mesh`` may reorder them for a TPU's topology.
 
     Raises:
-      ValueError: fewer devices than ``W * P`` (names the counts and the fix).
+      ValueError: fewer devices than ``W * P * F * T`` (names the counts and the fix); a
+        pipeline with ``F x T > 1`` (not built: one line).
     """
     devices = list(devices if devices is not None else jax.devices())
     if emulated:
         return jax.make_mesh((1,), (DATA,), axis_types=(AxisType.Auto,), devices=devices[:1])
-    need = workers * stages
+    inner = fsdp * tensor
+    if stages > 1 and inner > 1:
+        raise ValueError(f"a pipeline (pipeline.stages={stages}) with workers of several "
+                         f"devices (mesh.fsdp x mesh.tensor = {fsdp} x {tensor}) is not built; "
+                         "set --config.mesh.fsdp=1 --config.mesh.tensor=1, or "
+                         "--config.pipeline.stages=1.")
+    need = workers * stages * inner
     if need > len(devices):
-        what = (f"workers = {need}:" if stages == 1
-                else f"workers * pipeline.stages = {workers} * {stages} = {need}")
+        what = (f"workers * pipeline.stages = {workers} * {stages} = {need}:" if stages > 1
+                else f"workers * mesh.fsdp * mesh.tensor = {workers} * {fsdp} * {tensor} = "
+                     f"{need}:" if inner > 1 else f"workers = {need}:")
         raise ValueError(f"{what} devices needed, {len(devices)} "
                          f"{devices[0].platform if devices else ''} devices present; lower "
                          "--config.workers" + (" or --config.pipeline.stages" if stages > 1 else "")
+                         + (" or --config.mesh.fsdp / --config.mesh.tensor" if inner > 1 else "")
                          + " (on a CPU, raise --config.num_cpu_devices).")
     devices = devices[:need]
-    if stages > 1:
-        mesh = jax.make_mesh((workers, stages), (DATA, STAGE),
-                             axis_types=(AxisType.Auto,) * 2, devices=devices)
+    if stages > 1 or inner > 1:
+        shape, names = ((workers, stages), (DATA, STAGE)) if stages > 1 else \
+            ((workers, fsdp, tensor), (DATA, FSDP, TENSOR))
+        mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
+                             devices=devices)
     else:
         mesh = jax.make_mesh((workers,), (DATA,), devices=devices)
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 or inner > 1:
         ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
         mesh = Mesh(np.asarray(ordered, dtype=object).reshape(mesh.devices.shape),
                     mesh.axis_names, axis_types=mesh.axis_types)

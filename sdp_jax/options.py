@@ -178,6 +178,44 @@ class StepOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """The devices of one worker: ``F`` along the mesh axis ``fsdp`` and ``T`` along
+    ``tensor`` (section ``mesh``; ``W`` is ``config.workers``); the run's mesh is ``W x F x
+    T`` devices (:func:`sdp_jax.mesh.make_mesh`). A worker's parameters and optimizer state
+    are sharded over its ``F x T`` devices and its batch rows split over ``fsdp`` (HSDP:
+    FSDP inside a worker, data parallelism across, as torchtitan's ``dp_shard`` x
+    ``dp_replicate``); its attention heads and MLP neurons (the axes of the model's
+    ``Neurons`` rules) are split over ``tensor`` (Megatron-style column and row splits;
+    Shoeybi et al. 2019, Sec. 3). The averaging over holders stays over ``data``.
+
+    Raises:
+      ValueError: a size that is not a positive integer, naming ``config.mesh.FIELD``."""
+
+    SECTION = "mesh"
+
+    fsdp: int = setting(1, "F, devices per worker along the mesh axis fsdp: the worker's "
+                        "parameters, gradients and optimizer state sharded over them, its batch "
+                        "rows split (HSDP); 1 = none (config.fsdp shards over the workers)",
+                        low=1, control=True)
+    tensor: int = setting(1, "T, devices per worker along the mesh axis tensor: attention heads "
+                          "and MLP neurons split over them (tensor parallelism; LLaMA); 1 = none",
+                          low=1, control=True)
+
+    def __post_init__(self):
+        check_settings(self)
+
+    @classmethod
+    def from_config(cls, config) -> "MeshShape":
+        """The section ``mesh`` of a run config (the defaults when it has none)."""
+        return cls(**read_settings(cls, config)) if "mesh" in config else cls()
+
+    @property
+    def devices(self) -> int:
+        """``F x T``, the devices of one worker."""
+        return self.fsdp * self.tensor
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelHooks:
     """The model's functions a train step calls (see :class:`sdp_jax.step.SDPStep`).
 

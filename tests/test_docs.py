@@ -208,7 +208,8 @@ def _check_train(argv: list[str], processes: int = 1) -> None:
     fv = train.define_flags(flags.FlagValues(), argv)
     cli.parse(fv, argv, train.PROG, train.__doc__)
     config = fv.config
-    devices = max(config.num_cpu_devices * processes, config.get("workers", 0) or 0)
+    per_worker = config.mesh.fsdp * config.mesh.tensor   # (a cluster command's W x F x T)
+    devices = max(config.num_cpu_devices * processes, (config.get("workers", 0) or 0) * per_worker)
     # (coverage=auto: checked as --print_config checks it; the run compiles its candidates)
     (fit.check if fit.is_auto(config) else resolve)(config, devices)
 

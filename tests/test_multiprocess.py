@@ -124,6 +124,26 @@ def test_one_process_checkpoint_resumes_as_two(tmp_path):
 
 
 @pytest.mark.slow
+def test_workers_of_four_devices_on_two_processes_equal_one_process(tmp_path):
+    """Laid out like two nodes (issue 49): 2 processes x 4 devices, ``data`` across the
+    processes and ``fsdp x tensor = 2 x 2`` inside each, equal 1 process x 8 devices step by
+    step; the checkpoint then resumes in 1 process with workers of 4 ``fsdp`` devices (the
+    same W, another layout inside the workers)."""
+    inner = ["--config.workers=0", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+             "--config.batch_per_worker=4"]
+    ref = tmp_path / "ref"
+    train(ref, inner + ["--config.num_cpu_devices=8"], stop=6)
+    wd = tmp_path / "run"
+    out = train(wd, inner + ["--config.num_cpu_devices=4"], processes=2, stop=3)
+    assert "devices: 8 x cpu (2 process(es))" in out.stdout
+    assert "2 workers of 4 devices each (mesh data x fsdp x tensor = 2 x 2 x 2)" in out.stdout
+    out = train(wd, inner + ["--config.num_cpu_devices=8", "--config.mesh.fsdp=4",
+                             "--config.mesh.tensor=1"], stop=6)
+    assert "at step 3" in out.stdout and "(mesh data x fsdp x tensor = 2 x 4 x 1)" in out.stdout
+    same_trajectory(metrics(wd), metrics(ref))
+
+
+@pytest.mark.slow
 def test_pipeline_across_processes(tmp_path):
     """A 2-stage MAPL pipeline (W = 2 x 2 stages) over 2 processes, checkpointed and resumed,
     equals the 1-process run (it used to crash after compiling: 'Invalid host data')."""

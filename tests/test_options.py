@@ -107,7 +107,7 @@ def test_the_fields_a_resumed_run_may_change():
         "eval_every", "log_every", "checkpoint_every", "keep_checkpoints", "stop_at_step",
         "elastic", "peak_flops", "align_every", "profile_start", "profile_stop",
         "eval_batches", "init_from", "eval_limit", "eval_bn_batches", "model.attention",
-        "model.attention_chunk", "data.worker_count"}
+        "model.attention_chunk", "data.worker_count", "mesh.fsdp", "mesh.tensor"}
     d = run_lib.trajectory_config(config_lib.base_config())
     assert "grad_accum" not in d and "worker_count" not in d["data"] and "seq_len" in d
     assert "attention" not in d["model"] and d["sdp"]["average"] == "gradients"

@@ -62,7 +62,7 @@ from sdp_jax.costs import comm
 from sdp_jax.costs import program as costs
 from sdp_jax.models import llama
 from sdp_jax.models.llama import LlamaConfig
-from sdp_jax.options import StepOptions
+from sdp_jax.options import MeshShape, StepOptions
 from sdp_jax.spec import sdp_spec as spec_lib
 from sdp_jax.spec.sdp_spec import BLOCK
 from sdp_jax.train import cli, families, fit
@@ -91,11 +91,13 @@ def _plan(config, variant, workers, coverage):
     """(the variant's spec at ``coverage``, whether its masks are uniform)."""
 
     model, sdp = LlamaConfig.from_config(config.model), config.sdp
+    apart = bool(sdp.get("allow_disconnected", False))   # (as the run's config allows)
     try:
-        return llama.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed), True
+        return llama.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
+                               allow_disconnected=apart), True
     except ValueError:  # e.g. W*C = 5.5 at 1B: near-uniform masks, as in the paper
         return llama.make_plan(variant, model, workers, coverage, sdp.scheme, sdp.mask_seed,
-                            allow_nonuniform=True), False
+                               allow_nonuniform=True, allow_disconnected=apart), False
 
 
 def lm_step(config, variant, workers, coverage, mesh, *, fsdp, remat, dtype, unroll=False,
@@ -182,7 +184,8 @@ def _figures(config, builder, workers: int, flops: bool, unrolled) -> dict:
     batch_shape = jax.ShapeDtypeStruct((workers * config.batch_per_worker, config.seq_len + 1),
                                        np.int32)
     compiled = builder.compiled_train_step(batch_shape)
-    traffic = comm.comm_bytes_per_device(compiled.as_text(), workers, dict(builder.mesh.shape))
+    traffic = comm.comm_bytes_per_device(compiled.as_text(), builder.mesh.devices.size,
+                                         dict(builder.mesh.shape))
     return {**costs.memory_stats(compiled), "comm_bytes_per_device": traffic["total"],
             "comm_by_op": {k: v for k, v in traffic["by_op"].items() if v},
             "comm_by_axis": traffic["by_axis"],
@@ -420,6 +423,19 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def axis_lines(rows: list[dict]) -> list[str]:
+    """One line per row on a mesh with axes besides ``data`` (workers of several devices):
+    its collective bytes per device per step by the mesh axes each group spans
+    (``comm_by_axis``, :func:`sdp_jax.costs.comm.comm_bytes_per_device`), in MiB."""
+    out = []
+    for r in rows:
+        axes = r.get("comm_by_axis") or {}
+        if set(axes) - {"data"}:
+            shown = ", ".join(f"{a} {v / 2**20:.2f}" for a, v in axes.items())
+            out.append(f"comm by mesh axis, {r['setting']}: {shown} MiB per device per step")
+    return out
+
+
 def paired_ratio(times: list[float], base: list[float]) -> float:
     """Median over rounds of ``times[i] / base[i]``: step ``i`` of two variants timed in the
     same round of :func:`time_steps`, so that load which changes between rounds cancels in each
@@ -614,9 +630,16 @@ def _write_rows(path: str | None, rows: list[dict]) -> None:
         print(f"wrote {path}")
 
 
-def _mesh(workers: int):
-    mesh_lib.simulate_cpu_devices(workers)
-    return mesh_lib.make_mesh(workers)
+def _inner(config) -> str:
+    """``"(2 fsdp x 2 tensor) "``: a worker's devices when it spans several (else ``""``)."""
+    shape = MeshShape.from_config(config)
+    return "" if shape.devices == 1 else f"({shape.fsdp} fsdp x {shape.tensor} tensor) "
+
+
+def _mesh(workers: int, shape: MeshShape = MeshShape()):
+    """The bench's mesh: ``W`` workers of ``F x T`` devices (``config.mesh``)."""
+    mesh_lib.simulate_cpu_devices(workers * shape.devices)
+    return mesh_lib.make_mesh(workers, fsdp=shape.fsdp, tensor=shape.tensor)
 
 
 PROG = "python -m sdp_jax.bench"
@@ -788,16 +811,18 @@ def _validate(config, variants: list[str], check_only: bool, settings: list | No
         config.workers = workers
         if "seq_len" in config:   # the bench may measure longer sequences than the model's
             config.model.max_seq_len = max(config.model.get("max_seq_len", 0), config.seq_len)
-    if not check_only:   # (a check leaves the caller's JAX devices as they are)
-        mesh_lib.simulate_cpu_devices(workers)   # before the validation initializes a backend
     try:
+        shape = MeshShape.from_config(config)
+        devices = max(workers, 1) * shape.devices
+        if not check_only:   # (a check leaves the caller's JAX devices as they are)
+            mesh_lib.simulate_cpu_devices(devices)   # before the validation starts a backend
         run_lib.canonical_dtype(config)
         for v in variants:   # one validation place for every field, before any compile
             if settings is None:
-                _resolve(config, v, max(workers, 1))
+                _resolve(config, v, devices)
             for remat, fsdp in settings or ():
-                run_lib.resolve(_fit_config(config, v, remat, fsdp), max(workers, 1))
-        return workers, None if check_only else _mesh(workers)
+                run_lib.resolve(_fit_config(config, v, remat, fsdp), devices)
+        return workers, None if check_only else _mesh(workers, shape)
     except ValueError as e:
         _err(str(e))
 
@@ -815,13 +840,16 @@ def _main_lm(fv, config, config_path, variants, workers, mesh) -> list[dict]:
 
     model = LlamaConfig.from_config(config.model)
     print(f"{config_path}: {model.n_layers} blocks, batch {config.batch_per_worker} x "
-          f"{config.seq_len} tokens per worker, {workers} x {jax.devices()[0].platform}, "
+          f"{config.seq_len} tokens per worker, {workers} x {_inner(config)}"
+          f"{jax.devices()[0].platform}, "
           f"{config.dtype}" + (", FSDP" if config.fsdp else "") + f", remat {config.remat}, "
           f"averaging {config.sdp.method}, attention {model.attention}"
           + step_options(config, remat="none", fsdp=False, dtype="float32").describe(
               workers, config.batch_per_worker), flush=True)
     rows = _lm_rows(fv, config, variants, workers, mesh)
     print(format_table(rows))
+    for line in axis_lines(rows):
+        print(line)
     for line in reference_lines(rows):
         print(line)
     for r in rows:

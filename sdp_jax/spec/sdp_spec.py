@@ -124,6 +124,9 @@ class SDPSpec:
       backward: the variant masks gradients only (full forward pass); regime: its name.
       kinds: {kind: :class:`KindTables`} of the active rules.
       leaf_rules: {path: :class:`Rule`} of every masked leaf (paths are tuples of keys).
+      component_axes: {path: (axis, expand)} of every leaf a :class:`Neurons` rule matches,
+        whatever the variant: the axes tensor parallelism splits (``axis`` of the full leaf,
+        ``expand`` indices per component; :class:`sdp_jax.step.inner.InnerLayout`).
       shapes: {path: full shape} of every parameter leaf; dtypes: {path: its dtype}.
       blocks_stacked, block_path, n_blocks: the only block stack's form (stacked or a list),
         subtree and ``L`` (None when the rules declare no blocks or several stacks).
@@ -144,6 +147,7 @@ class SDPSpec:
         self.regime = "backward" if self.backward else "forward"
         self.kinds: dict[str, KindTables] = {}
         self.leaf_rules: dict[tuple, Rule] = {}
+        self.component_axes: dict[tuple, tuple[int, int]] = {}
         self._str_rules: dict[tuple, Rule] = {}   # the same, keyed by string keys
         self.stacks: dict[str, Stack] = {}
         self.stage_blocks: tuple = ()
@@ -289,6 +293,7 @@ class SDPSpec:
         """Match the :class:`Neurons` rules, draw each kind's masks (one per layer) and claim
         its leaves."""
         found, per_kind = match_neurons(self.shapes, rules, self.stacks)
+        self.component_axes = {p: (axis, rule.expand) for p, (rule, _, axis) in found.items()}
         for kind, layers in per_kind.items():
             keys, g = neuron_layers(kind, layers, found)
             ms, rec = self._masks(kind, g, len(keys), layer_masks)
@@ -618,6 +623,7 @@ def _add_rules(spec: SDPSpec, rules: list, stage_blocks, stage_balanced: bool | 
         if blocks:
             probe._add_blocks(blocks, False, (), stage_balanced)
         probe._add_neurons(neurons)
+        spec.component_axes = probe.component_axes
 
 
 def _check_masks(spec: SDPSpec, matrices: dict | None, allow_disconnected: bool) -> None:

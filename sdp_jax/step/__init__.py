@@ -11,7 +11,8 @@ members, from the top (each imports only those below it):
 * :mod:`sdp_jax.step.sources`: where the loss's parameters come from, one source per regime;
 * :mod:`sdp_jax.step.state`, :mod:`sdp_jax.step.runner`: the state's layout; the model call and
   the block runner;
-* :mod:`sdp_jax.step.regime`: the regime of a step, decided once from the spec and the options.
+* :mod:`sdp_jax.step.regime`, :mod:`sdp_jax.step.inner`: the regime of a step, decided once
+  from the spec and the options; the layout over a worker's own devices (``fsdp``, ``tensor``).
 """
 
 from sdp_jax.step.sdp_step import SDPStep, batch_sharding

@@ -66,7 +66,7 @@ class Evaluation:
             raise ValueError("gather() would hold the whole model on every device; with the "
                              "block runner under FSDP or with a pipeline use eval_step_fn, "
                              "which streams the blocks.")
-        full = self.source.full_model(params)
+        full = self.source.full_model(self.call.inner.whole(params))
         if stats is None or st.spec.backward:
             return full, (None if stats is None else _unflatten(_flatten(stats)))
         flat = {p: x[0] if st.stats_layout[p] == Kind.COMPACT else x
@@ -75,6 +75,8 @@ class Evaluation:
 
     def _local(self, params, batch):
         params = self.state.staging.unstage(params, self.state.param_specs)
+        # (a worker's stored leaves whole on its devices: the holders' gathers index them)
+        params, batch = self.call.inner.whole(params), self.call.inner.split_rows(batch)
         if self.source.gathers_blocks:
             out = self.source.loss(params, batch, train=False)
         elif self.call.block_fn is None:

@@ -75,6 +75,8 @@ class Regime:
       staged: the mesh has a pipeline axis ``stage``.
       reference: masked leaves averaged by the full-size masked psum.
       accumulating: gradient accumulation over several microbatches.
+      inner: ``(F, T)``, the devices of one worker along the mesh axes ``fsdp`` and
+        ``tensor``: its stored leaves laid out over them (:mod:`sdp_jax.step.inner`).
     """
 
     backward: bool
@@ -84,14 +86,17 @@ class Regime:
     staged: bool
     reference: bool
     accumulating: bool
+    inner: tuple[int, int] = (1, 1)
 
     @classmethod
-    def of(cls, spec, options: StepOptions, runner: bool, staged: bool) -> "Regime":
+    def of(cls, spec, options: StepOptions, runner: bool, staged: bool,
+           inner: tuple[int, int] = (1, 1)) -> "Regime":
         """The regime of a step of ``spec`` (its variant) with ``options``; ``runner``: the
-        model gives ``block_fn``; ``staged``: the mesh has an axis ``stage``."""
+        model gives ``block_fn``; ``staged``: the mesh has an axis ``stage``; ``inner``:
+        ``(F, T)`` (:func:`sdp_jax.mesh.inner_sizes` of the mesh)."""
         return cls(backward=bool(spec.backward), fsdp=options.fsdp, periodic=options.periodic,
                    runner=runner, staged=staged, reference=options.reference,
-                   accumulating=options.grad_accum > 1)
+                   accumulating=options.grad_accum > 1, inner=tuple(inner))
 
     @property
     def method(self) -> str:

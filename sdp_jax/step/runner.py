@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from sdp_jax.options import ModelHooks, StepOptions
 from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.inner import InnerLayout
 
 GATHERED = "fsdp_gathered"  # checkpoint_name of FSDP-gathered parameters (never saved)
 # Outputs that only move or re-type data: not saved for the backward pass under FSDP without
@@ -185,10 +186,14 @@ class ModelCall:
       options: :class:`sdp_jax.options.StepOptions`: the compute dtype, and the block
         runner's activation checkpointing, scan unrolling, and whether gathered parameters
         are never saved (``fsdp``, :func:`remat_block`).
+      inner: the layout over a worker's own devices, a :class:`sdp_jax.step.inner.InnerLayout`
+        (each leaf gathered over ``fsdp`` when the model uses it); None: one device.
     """
 
-    def __init__(self, spec: spec_lib.SDPSpec, model: ModelHooks, options: StepOptions):
+    def __init__(self, spec: spec_lib.SDPSpec, model: ModelHooks, options: StepOptions,
+                 inner=None):
         block_fn = model.block_fn
+        self.inner = InnerLayout(spec) if inner is None else inner
         self.spec, self.loss_fn, self.block_fn = spec, _merge_hint(model.loss_fn, spec), block_fn
         self.dtype, self.remat = options.compute_dtype, options.remat
         self.unroll, self.fsdp = options.unroll, options.fsdp
@@ -203,15 +208,23 @@ class ModelCall:
     def cast(self, x):
         return cast_floating(x, self.dtype)
 
+    def _use(self, p, x, per_block: bool = False):
+        """Leaf ``p`` as the model uses it (:meth:`sdp_jax.step.inner.InnerLayout.in_use`)."""
+        return self.inner.in_use(p, x, per_block)
+
+    def _kept(self, flat: dict) -> dict:
+        """The leaves ``flat`` ({path: array}) as the loss takes them: nested, in the compute
+        dtype, gathered over a worker's own devices."""
+        return spec_lib.unflatten({p: self._use(p, self.cast(x)) for p, x in flat.items()})
+
     def loss(self, flat: dict, batch, *stats):
         """``loss_fn`` on the leaves ``flat`` ({path: array}, cast to the compute dtype) without
         the block runner; ``stats``: the model state (flat), if the loss takes one."""
-        return self.loss_fn(spec_lib.unflatten({p: self.cast(x) for p, x in flat.items()}),
-                            batch, *map(spec_lib.unflatten, stats))
+        return self.loss_fn(self._kept(flat), batch, *map(spec_lib.unflatten, stats))
 
     def block(self, leaves: dict, h):
         """``block_fn`` on one block's leaves ``{full path: value}`` (flat)."""
-        return self.block_fn(spec_lib.unflatten({p[len(self.prefix):]: x
+        return self.block_fn(spec_lib.unflatten({p[len(self.prefix):]: self._use(p, x, True)
                                                  for p, x in leaves.items()}), h)
 
     def call(self, kept: dict, n: int, get, batch, train=True, xs=None, prepare=None,
@@ -238,8 +251,7 @@ class ModelCall:
             return run(x), None
         runner = scan_runner(body, (jnp.arange(n), xs), train=train, remat=self.remat,
                              unroll=self.unroll, fsdp=self.fsdp)
-        return self.loss_fn(spec_lib.unflatten({p: self.cast(x) for p, x in kept.items()}),
-                            batch, runner)
+        return self.loss_fn(self._kept(kept), batch, runner)
 
     def value_and_grad(self, fn, *args):
         """(loss, aux, gradient, new model state or None) of ``fn`` (a loss of the step, in

@@ -75,6 +75,7 @@ from sdp_jax.step import update as update_lib
 from sdp_jax.step.accumulation import accumulate
 from sdp_jax.step.evaluation import Evaluation
 from sdp_jax.step.host import HostForms
+from sdp_jax.step.inner import InnerLayout
 from sdp_jax.step.regime import Regime
 from sdp_jax.step.runner import ModelCall
 from sdp_jax.step.sources import in_loop_tables, source_of
@@ -85,8 +86,9 @@ from sdp_jax.sync.placement import placement_of
 
 def batch_sharding(mesh) -> NamedSharding:
     """The global batch's sharding on a run's mesh: rows split over ``data`` (replicated over
-    ``stage``). The loop also derives from it the rows each process loads
-    (:func:`sdp_jax.train.data.sharding_rows`)."""
+    a worker's own devices, ``fsdp`` and ``tensor``, which split them inside the step,
+    :meth:`sdp_jax.step.inner.InnerLayout.split_rows`; and over ``stage``). The loop also
+    derives from it the rows each process loads (:func:`sdp_jax.train.data.sharding_rows`)."""
     return NamedSharding(mesh, P(DATA))
 
 
@@ -128,6 +130,15 @@ def _check_mesh(spec: spec_lib.SDPSpec, mesh, emulate: bool):
     if DATA not in mesh.shape:
         raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}, none named "
                          f"'{DATA}'; build it as jax.make_mesh(({need},), ('{DATA}',)).")
+    if STAGE in mesh.axis_names and np.prod(mesh_lib.inner_sizes(mesh)) > 1:
+        raise ValueError(f"a mesh with a pipeline axis '{STAGE}' and workers of several devices "
+                         f"(axes {tuple(mesh.axis_names)}) is not built; drop '{STAGE}' or the "
+                         "axes 'fsdp' and 'tensor'.")
+    if W == 1 and np.prod(mesh_lib.inner_sizes(mesh)) > 1:
+        raise ValueError(f"one worker of several devices (W=1 on axes {tuple(mesh.axis_names)}) "
+                         "is not built (jax 0.10's partitioner refuses the averaging over a "
+                         f"'{DATA}' axis of one device beside 'fsdp' and 'tensor'); give W >= 2, "
+                         "or a mesh of the axis 'data' alone.")
     if mesh.shape[DATA] != W and not emulate:
         raise ValueError(f"mesh axis '{DATA}' has {mesh.shape[DATA]} devices but the "
                          f"spec has W={W} workers; give a mesh of {W} devices, or emulate "
@@ -266,12 +277,14 @@ class SDPStep:
         self.spec, self.model, self.optimizer, self.mesh = spec, model, optimizer, mesh
         self.options, self.schedule = options, schedule
         self.periodic = options.periodic
-        self.call = ModelCall(spec, model, options)
         self.regime = Regime.of(spec, options, runner=model.block_fn is not None,
-                                staged=STAGE in mesh.axis_names)
+                                staged=STAGE in mesh.axis_names,
+                                inner=mesh_lib.inner_sizes(mesh))
+        self.call = ModelCall(spec, model, options, InnerLayout(spec, *self.regime.inner))
         self.state_layout = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix,
                                         regime=self.regime, state_spec=model.state_spec,
                                         stacked_slots=model.stacked_slots)
+        self.state_layout.inner.check_uses_tensor(spec.shapes)
         self.host = HostForms(self.state_layout)
         self.in_loop_tables = in_loop_tables(self.state_layout, self.call)
         self.source = source_of(self.state_layout, self.call, self.in_loop_tables)
@@ -378,8 +391,10 @@ class SDPStep:
 
     def describe_placement(self) -> str:
         """One line on where the workers run when they are emulated on one device
-        (:meth:`sdp_jax.sync.placement.Emulated.describe`); ``""`` on ``W`` devices."""
-        return self.placement.describe() if self.placement.emulated else ""
+        (:meth:`sdp_jax.sync.placement.Emulated.describe`) or each spans several devices
+        (:meth:`sdp_jax.sync.placement.OnDevices.describe`); ``""`` on ``W`` devices."""
+        shown = self.placement.emulated or self.regime.inner != (1, 1)
+        return self.placement.describe() if shown else ""
 
     # ------------------------------------------------------------------ the step
     def skips_unheld(self) -> bool:
@@ -401,6 +416,7 @@ class SDPStep:
     def _local_step(self, state, batch, sync_now: bool, count_branch: bool | None):
         st = self.state_layout
         state = st.staging.unstage(state, self.state_specs)
+        batch = st.inner.split_rows(batch)
         loss, aux, grads, local, new_stats = self.accumulated_grads(
             state["params"], batch, state.get("stats"), count_branch=count_branch)
         params, opt_state, gnorm = update_lib.apply(self.update, self.optimizer,
@@ -436,7 +452,11 @@ class SDPStep:
         if key not in self._train_steps:
             fn = self.placement.map(lambda s, b: self._local_step(s, b, sync_now, count_branch),
                                     (self.state_specs, P(DATA)), (self.state_specs, P()))
-            self._train_steps[key] = jax.jit(_explain_unreplicated(fn), donate_argnums=0)
+            # (the stored layout kept over a worker's own devices, which shard_map leaves to XLA)
+            out = ((self.shardings(), NamedSharding(self.mesh, P())) if self.regime.inner
+                   != (1, 1) else None)
+            self._train_steps[key] = jax.jit(_explain_unreplicated(fn), donate_argnums=0,
+                                             out_shardings=out)
         return self._train_steps[key]
 
     @property
@@ -461,7 +481,7 @@ class SDPStep:
     def _averaged_grads(self, params, batch):
         st = self.state_layout
         params = st.staging.unstage(params, self.param_specs)
-        loss, _, g, _, _ = self.source.grads(params, batch)
+        loss, _, g, _, _ = self.source.grads(params, st.inner.split_rows(batch))
         g = self.update.averaged(g)
         return (jax.lax.pmean(loss, DATA),
                 st.staging.restage(st.lead(g, self.compact_layout), self.compact_specs))
@@ -534,6 +554,7 @@ class SDPStep:
                 raise ValueError(f"a batch leaf of shape {getattr(x, 'shape', ())} does not "
                                  f"split over W={W} workers; give every leaf a leading axis "
                                  f"that is a multiple of {W} (b examples per worker).")
+            self.state_layout.inner.check_batch(x.shape[0] // W)
         return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding()), batch)
 
     def compiled_train_step(self, batch: Any, count_branch: bool | None = None):

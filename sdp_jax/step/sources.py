@@ -237,7 +237,7 @@ class BackwardHeld(Source):
         :meth:`sdp_jax.step.SDPStep.compiled_train_step`."""
         lay, spec, call = self.state.layout, self.state.spec, self.call
         my = sync.worker_index(DATA)
-        frozen = jax.lax.stop_gradient(full)
+        frozen = call.inner.whole(jax.lax.stop_gradient(full))   # (pruned by indexing below)
         bt = spec.kinds.get(spec_lib.BLOCK)
         tables = self.tables
         xs = prepare = None
@@ -374,7 +374,7 @@ class BackwardHeld(Source):
         st, call, tables = self.state, self.call, self.tables
         state_local = st.state_local(stats)
         extra = () if state_local is None else (state_local,)
-        full = _flatten(params)
+        full = call.inner.whole(_flatten(params))   # (pruned by indexing below)
         my = sync.worker_index(DATA)
         if call.block_fn is None:   # the full gradient, masked to this worker's part
             loss, aux, g, new = call.value_and_grad(call.loss, sync.to_varying(full), batch,

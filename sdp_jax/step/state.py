@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from sdp_jax.mesh import DATA, STAGE
 from sdp_jax.spec import layout as layout_lib
 from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.inner import InnerLayout
 from sdp_jax.step.regime import Kind, Regime
 from sdp_jax.sync import collectives as sync
 
@@ -169,6 +170,7 @@ class StateLayout:
         self.staging = Staging(prefix, mesh)
         self.staged, self.stages = self.staging.staged, self.staging.stages
         self.layout = layout_lib.of(spec)
+        self.inner = InnerLayout(spec, *regime.inner)
         self.full_shapes = {p: ((self.stages * sh[0],) + tuple(sh[1:]) if self.staging.is_staged(p)
                                 else sh) for p, sh in spec.shapes.items()}
         # The optimizer works on shards (S) under FSDP and under backward masking, whose every
@@ -248,6 +250,8 @@ class StateLayout:
                     base = self.spec.shapes[p]
                 shape = ((W,) if c in WORKER_AXIS else ()) + tuple(base)
                 axes = [] if c == Kind.REPLICATED else [DATA]
+                if self.inner.active:   # a worker's own devices (sdp_jax.step.inner)
+                    axes += self.inner.axes(p, tuple(base), self._stacked(p))
             if self.staging.is_staged(p):   # [W, P, ...] for C / Rw, [P, ...] for R / S
                 i = 1 if c in WORKER_AXIS else 0
                 shape = shape[:i] + (self.stages,) + shape[i:]
@@ -256,6 +260,11 @@ class StateLayout:
             shapes[p] = jax.ShapeDtypeStruct(shape, lay.dtype(p),
                                              sharding=NamedSharding(self.mesh, specs[p]))
         return _unflatten(specs), _unflatten(shapes)
+
+    def _stacked(self, p) -> bool:
+        """Whether stored leaf ``p`` carries a block stack's axis first."""
+        bp = self.spec.block_path
+        return bool(self.spec.blocks_stacked) and bp is not None and p[:len(bp)] == bp
 
     def _state_struct(self):
         """Kinds, partition specs and shapes of the model state (``stats``): stored like
@@ -292,8 +301,9 @@ class StateLayout:
         shard under FSDP, padding included; with a pipeline, the device's stage's blocks)."""
         total = 0
         for s in jax.tree.leaves(self.param_shapes):
-            split = np.prod([self.mesh.shape[a] for a in s.sharding.spec if a is not None])
-            total += int(np.prod(s.shape)) // int(split)
+            names = [a for e in s.sharding.spec if e is not None
+                     for a in (e if isinstance(e, tuple) else (e,))]
+            total += int(np.prod(s.shape)) // int(np.prod([self.mesh.shape[a] for a in names]))
         return total
 
     # ------------------------------------------------------------------ shards (S)

@@ -39,7 +39,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax.mesh import DATA
+from sdp_jax.mesh import DATA, FSDP, TENSOR, manual_axes
 
 _is_spec = lambda x: isinstance(x, P)  # noqa: E731
 _EMULATING = contextvars.ContextVar("sdp_jax_emulating", default=False)
@@ -94,11 +94,45 @@ class Placement:
 
 
 class OnDevices(Placement):
-    """One device per worker along ``data``: ``jax.shard_map`` over the mesh."""
+    """The workers along ``data``, each on one device or on the ``F x T`` devices of the mesh
+    axes ``fsdp`` and ``tensor``: ``jax.shard_map`` manual over ``data`` (and ``stage``)
+    alone. A worker's own axes stay automatic: the specs given name them (a stored leaf's
+    layout over its worker's devices, :mod:`sdp_jax.step.inner`), ``shard_map`` is given the
+    specs without them, and the arrays' shardings carry them into the worker's function,
+    where XLA partitions its computation over them."""
+
+    def describe(self) -> str:
+        shape = dict(self.mesh.shape)
+        f, t = shape.get(FSDP, 1), shape.get(TENSOR, 1)
+        if f * t == 1:
+            return super().describe()
+        axes = " x ".join(self.mesh.axis_names)
+        sizes = " x ".join(str(n) for n in self.mesh.devices.shape)
+        return (f"{self.workers} workers of {f * t} devices each (mesh {axes} = {sizes}): a "
+                f"worker's parameters and optimizer state sharded over its devices, its batch "
+                f"rows over '{FSDP}', its heads and neurons over '{TENSOR}'; SDP averaging "
+                f"over '{DATA}'")
 
     def map(self, fn, in_specs, out_specs, check_vma=True):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=check_vma)
+        manual = manual_axes(self.mesh)
+        if manual == frozenset(self.mesh.axis_names):
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=check_vma)
+        keep = lambda t: jax.tree.map(lambda s: manual_spec(s, manual), t,  # noqa: E731
+                                      is_leaf=_is_spec)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=keep(in_specs),
+                             out_specs=keep(out_specs), check_vma=check_vma,
+                             axis_names=set(manual))
+
+
+def manual_spec(spec: P, manual) -> P:
+    """``spec`` with only the mesh axes in ``manual`` (the others: None), as
+    ``jax.shard_map`` over those axes takes it."""
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(a for a in names if a in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*(None if e is None else keep(e) for e in spec))
 
 
 class Emulated(Placement):

@@ -21,7 +21,7 @@ from sdp_jax import fields
 from sdp_jax.fields import setting
 from sdp_jax.models.llama import LlamaConfig
 from sdp_jax.models.vision import VisionConfig
-from sdp_jax.options import StepOptions
+from sdp_jax.options import MeshShape, StepOptions
 from sdp_jax.pipeline.schedules import PipelineConfig
 from sdp_jax.spec.masks import SCHEMES
 from sdp_jax.spec.sdp_spec import VARIANTS
@@ -167,10 +167,10 @@ class VisionRun:
 
 
 # The declarations every run config is built from, in the order of its fields.
-EVERY_RUN = (SdpConfig, StepOptions, OptimConfig, RunControl)
+EVERY_RUN = (SdpConfig, StepOptions, OptimConfig, RunControl, MeshShape)
 # Every declaration of a family's run config, in the order docs/configuration.md lists them.
-LANGUAGE_MODEL_DECLARED = (SdpConfig, StepOptions, RunControl, LanguageModelRun, OptimConfig,
-                           LlamaConfig, PipelineConfig, data.DataConfig)
+LANGUAGE_MODEL_DECLARED = (SdpConfig, StepOptions, RunControl, MeshShape, LanguageModelRun,
+                           OptimConfig, LlamaConfig, PipelineConfig, data.DataConfig)
 VISION_DECLARED = (VisionRun, VisionConfig, vision_data.VisionDataConfig)
 
 

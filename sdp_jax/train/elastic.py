@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdp_jax import mesh as mesh_lib
+from sdp_jax.options import MeshShape
 from sdp_jax.step import state as state_lib
 from sdp_jax.train import run as run_lib
 from sdp_jax.train.data import tokens as data_lib
@@ -113,9 +114,18 @@ def checkpoint_run(run: run_lib.RunSpec, saved: dict) -> run_lib.RunSpec:
         for name, value in recorded_setting(saved).items():
             _set(config, name, value)
         config.emulate_workers = True
+        _one_device_workers(config)
         config.grad_accum, config.align_every = 1, 0
         config.profile_start = config.profile_stop = 0
     return run_lib.resolve(config, 1, run.family, processes=1)
+
+
+def _one_device_workers(config) -> None:
+    """Workers of one device each (``mesh.fsdp = mesh.tensor = 1``) in an unlocked ``config``:
+    the stored arrays' global shapes are the same on any ``F x T`` (a worker's devices only
+    shard them), so a checkpoint's layout is read with its workers emulated on one device."""
+    if "mesh" in config:
+        config.mesh.fsdp = config.mesh.tensor = 1
 
 
 def as_written(config, saved: dict, given, device_count: int):
@@ -129,14 +139,15 @@ def as_written(config, saved: dict, given, device_count: int):
     ``config`` holds as ``given`` does (``given``: the run's config.json; a field the caller
     overrode stays the caller's, and the compatibility check names it) is taken from the
     checkpoint; ``workers`` only when the resolved ``W`` differs (``workers=0`` stays 0 when
-    it resolves to the checkpoint's ``W`` on ``device_count`` devices). A checkpoint's ``W``
-    larger than ``device_count`` is emulated on one device (``emulate_workers``: the same
-    results, to float rounding). A config that already is the checkpoint's is returned as
+    it resolves to the checkpoint's ``W`` on ``device_count`` devices). A checkpoint's ``W x F
+    x T`` larger than ``device_count`` is emulated on one device (``emulate_workers``, workers
+    of one device each: the same results, to float rounding). A config that already is the checkpoint's is returned as
     it is."""
     setting = recorded_setting(saved)
     stages = int(config.get("pipeline", {}).get("stages", 1))
     try:
-        same_w = run_lib.resolve_workers(config, device_count, stages, processes=1) \
+        same_w = run_lib.resolve_workers(config, device_count, stages, processes=1,
+                                         inner=MeshShape.from_config(config).devices) \
             == setting["workers"]
     except ValueError:   # (more workers than devices: not the checkpoint's W here either)
         same_w = False
@@ -151,8 +162,10 @@ def as_written(config, saved: dict, given, device_count: int):
     with config.unlocked(), config.ignore_type():
         for name, value in moved.items():
             _set(config, name, value)
-        if config.workers > device_count and stages == 1:
+        if config.workers * MeshShape.from_config(config).devices > device_count \
+                and stages == 1:
             config.emulate_workers = True
+            _one_device_workers(config)
     return config
 
 

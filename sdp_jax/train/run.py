@@ -16,7 +16,7 @@ import ml_collections
 from sdp_jax import fields
 from sdp_jax import mesh as mesh_lib
 from sdp_jax.models.vision import MODELS
-from sdp_jax.options import DTYPE_ALIASES, StepOptions
+from sdp_jax.options import DTYPE_ALIASES, MeshShape, StepOptions
 from sdp_jax.pipeline import schedules as pl
 from sdp_jax.step import alignment
 from sdp_jax.sync import placement
@@ -48,6 +48,7 @@ class RunSpec:
       pipe: :class:`sdp_jax.pipeline.PipelineConfig` (``stages=1``: no pipeline).
       options: the step's settings, :class:`sdp_jax.options.StepOptions` (with the run's
         ``total_steps``).
+      mesh_shape: the devices of one worker, :class:`sdp_jax.options.MeshShape` (``F x T``).
       config: the run's config, checked (the family's hooks read their own fields from it,
         e.g. ``seq_len`` or ``data``).
     """
@@ -62,13 +63,14 @@ class RunSpec:
     pipe: Any
     options: StepOptions
     config: Any
+    mesh_shape: MeshShape = MeshShape()
 
     @property
     def worker_devices(self) -> int:
-        """The devices the ``W`` workers run on: ``W``, or 1 when emulated
+        """The devices the ``W`` workers run on: ``W x F x T``, or 1 when emulated
         (``config.emulate_workers``); a compiled step's per-device FLOPs times this is the
         step's FLOPs."""
-        return 1 if self.options.emulate_workers else self.workers
+        return 1 if self.options.emulate_workers else self.workers * self.mesh_shape.devices
 
 
 def _check_schema(config, family) -> None:
@@ -145,12 +147,14 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
     model = family.model_config(config)
     optim = optim_lib.OptimConfig.from_config(config.optim)
     options = StepOptions.from_config(config)
+    shape = MeshShape.from_config(config)
     pipe = pl.PipelineConfig.from_config(config.get("pipeline", {}))
     _check_microbatches(config, pipe)
+    _check_mesh_shape(config, shape, pipe, family)
     if pipe.stages > 1:
         pipe.check(model, config.batch_per_worker // options.grad_accum, options.fsdp,
                    options.average)
-    workers = resolve_workers(config, device_count, pipe.stages, processes)
+    workers = resolve_workers(config, device_count, pipe.stages, processes, shape.devices)
     plan = family.plan(config, model, workers, pipe)
     options.check_for(plan, family.remat)
     if config.align_every:
@@ -165,7 +169,36 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
                          f"({total} steps); lower --config.optim.warmup_steps.")
     return RunSpec(family, model, optim, plan, workers, total,
                    workers * config.batch_per_worker, pipe,
-                   dataclasses.replace(options, total_steps=total), config)
+                   dataclasses.replace(options, total_steps=total), config, shape)
+
+
+def _check_mesh_shape(config, shape: MeshShape, pipe, family) -> None:
+    """A worker of ``F x T`` devices (:class:`sdp_jax.options.MeshShape`) against the rest of
+    the run: not with a pipeline or emulated workers; ``tensor`` only for a family that
+    splits over it; ``F`` dividing the rows of a worker's microbatch.
+
+    Raises:
+      ValueError: naming the fields and the fix."""
+    if shape.devices == 1:
+        return
+    sizes = f"mesh.fsdp x mesh.tensor = {shape.fsdp} x {shape.tensor}"
+    if pipe.stages > 1:
+        raise ValueError(f"a pipeline (pipeline.stages={pipe.stages}) with workers of several "
+                         f"devices ({sizes}) is not built; set --config.mesh.fsdp=1 "
+                         "--config.mesh.tensor=1, or --config.pipeline.stages=1.")
+    if config.emulate_workers:
+        raise ValueError(f"emulated workers run on one device, but {sizes} gives each worker "
+                         f"{shape.devices}; set --config.emulate_workers=False, or "
+                         "--config.mesh.fsdp=1 --config.mesh.tensor=1.")
+    if shape.tensor > 1 and not family.tensor_parallel:
+        raise ValueError(f"config.mesh.tensor={shape.tensor}: tensor parallelism is not built "
+                         f"for {family.kind} models; set --config.mesh.tensor=1 (mesh.fsdp "
+                         "shards them inside a worker).")
+    rows = config.batch_per_worker // config.grad_accum
+    if rows % shape.fsdp:
+        raise ValueError(f"config.mesh.fsdp={shape.fsdp} does not divide the {rows} rows of a "
+                         "worker's microbatch (batch_per_worker / grad_accum); each fsdp device "
+                         "runs an equal share: choose a batch_per_worker that it divides.")
 
 
 def _check_microbatches(config, pipe) -> None:
@@ -224,40 +257,48 @@ def _check_profile(first: int, last: int, total: int) -> None:
 
 
 def resolve_workers(config, device_count: int, stages: int = 1,
-                    processes: int | None = None) -> int:
+                    processes: int | None = None, inner: int = 1) -> int:
     """``W`` from ``config.workers`` (0 = every device, or devices / ``stages`` with a
-    pipeline of ``stages`` stages); with ``config.emulate_workers`` any ``W`` (on one device).
+    pipeline of ``stages`` stages, or devices / ``inner`` with workers of ``inner = F x T``
+    devices); with ``config.emulate_workers`` any ``W`` (on one device).
 
     Raises:
-      ValueError: not a positive integer, ``W * stages`` more than the devices, or not every
-        device with several processes, or processes holding unequal numbers of devices
-        (:func:`sdp_jax.mesh.check_devices_per_process`); emulation refused (a pipeline,
-        several processes, ``workers=0``)."""
+      ValueError: not a positive integer, ``W * stages * inner`` more than the devices, or
+        not every device with several processes, or processes holding unequal numbers of
+        devices (:func:`sdp_jax.mesh.check_devices_per_process`); emulation refused (a
+        pipeline, several processes, ``workers=0``); one worker of several devices."""
     processes = jax.process_count() if processes is None else processes
     if processes > 1:
         mesh_lib.check_devices_per_process()
-    zero = "0 = every device" + (" / pipeline.stages" if stages > 1 else "")
+    per, lower = (("pipeline.stages", "pipeline.stages") if stages > 1 else
+                  ("(mesh.fsdp x mesh.tensor)", "mesh.fsdp or --config.mesh.tensor") if inner > 1
+                  else ("", ""))
+    zero = "0 = every device" + (f" / {per}" if per else "")
     config_lib.RunControl(**fields.read_settings(config_lib.RunControl, config))
-    workers = config.workers or max(device_count // stages, 1)
+    workers = config.workers or max(device_count // (stages * inner), 1)
     if _emulated(config, stages, processes):
         return workers
-    need = workers * stages
+    need = workers * stages * inner
     if need > device_count:
         hint = (f", or simulate more CPU devices with --config.num_cpu_devices={need}"
                 if jax.devices()[0].platform == "cpu" else "")
-        what = (f"config.workers={workers}" if stages == 1 else
-                f"workers * pipeline.stages = {workers} * {stages}")
+        what = (f"config.workers={workers}" if not per else
+                f"workers * {per} = {workers} * {stages * inner}")
         raise ValueError(f"{what} needs {need} devices but only {device_count} devices are "
                          f"available; lower --config.workers ({zero})"
-                         + (" or --config.pipeline.stages" if stages > 1 else "") + f"{hint}.")
+                         + (f" or --config.{lower}" if per else "") + f"{hint}.")
     if processes > 1 and need != device_count:
-        if stages == 1:
+        if not per:
             raise ValueError(f"with several processes every device is a worker: set "
                              f"--config.workers=0 (got {need} of {device_count} devices).")
-        raise ValueError(f"with several processes every device is a worker: workers x "
-                         f"pipeline.stages must be the {device_count} devices (got {workers} x "
-                         f"{stages} = {need}); set --config.workers=0 and a pipeline.stages "
+        raise ValueError(f"with several processes every device belongs to a worker: workers x "
+                         f"{per} must be the {device_count} devices (got {workers} x "
+                         f"{stages * inner} = {need}); set --config.workers=0 and a {per} "
                          f"that divides {device_count}.")
+    if workers == 1 and inner > 1:
+        raise ValueError(f"one worker of several devices (W=1, {per} = {inner}) is not built; "
+                         "give --config.workers >= 2 (or more devices), or --config.mesh.fsdp=1 "
+                         "--config.mesh.tensor=1.")
     return workers
 
 
@@ -293,11 +334,13 @@ def total_steps(config, coverage: float, steps: int | None = None) -> int:
 
 
 def make_mesh(run: RunSpec):
-    """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices, or
-    ``('data', 'stage')`` of ``W x P`` when pipelined, devices in process order; one device
-    with ``config.emulate_workers``."""
+    """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices,
+    ``('data', 'stage')`` of ``W x P`` when pipelined, or ``('data', 'fsdp', 'tensor')`` of
+    ``W x F x T`` with workers of several devices, devices in process order; one device with
+    ``config.emulate_workers``."""
     return mesh_lib.make_mesh(run.workers, run.pipe.stages,
-                              emulated=run.options.emulate_workers)
+                              emulated=run.options.emulate_workers,
+                              fsdp=run.mesh_shape.fsdp, tensor=run.mesh_shape.tensor)
 
 
 def trajectory_config(config) -> dict[str, Any]:

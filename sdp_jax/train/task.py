@@ -105,6 +105,8 @@ class Family:
         the model section (then ``resolve`` names a missing or unknown one like any other
         field); False when :meth:`model_config` checks the model section itself (the vision
         models' fields differ per ``model.name``).
+      tensor_parallel: the family's models split over the mesh axis ``tensor`` (``mesh.tensor
+        > 1``; the axes of its ``Neurons`` rules, :mod:`sdp_jax.step.inner`).
     """
 
     kind: str = "model"
@@ -112,6 +114,7 @@ class Family:
     declared: tuple = ()
     remat: tuple = REMAT
     fixed_model_fields: bool = False
+    tensor_parallel: bool = True
 
     def _undefined(self, hook: str):
         return NotImplementedError(f"{type(self).__name__} does not define the hook {hook} "

@@ -325,6 +325,7 @@ class VisionFamily(Family):
     kind = "vision"
     declared = (config_lib.VisionRun, vision_data.VisionDataConfig)
     remat = VISION_REMAT
+    tensor_parallel = False   # (list-form slots of padded blocks: mesh.fsdp only)
     rate_key = "images_per_s"
 
     def template(self, config):

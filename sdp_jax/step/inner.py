@@ -1,0 +1,153 @@
+"""A worker's own devices: how its stored leaves and its batch lie over the mesh axes ``fsdp``
+and ``tensor`` (``F x T`` devices per worker, :func:`sdp_jax.mesh.make_mesh`).
+
+The per-worker function is written for one worker and is manual over ``data`` alone
+(:meth:`sdp_jax.sync.placement.Placement.map`); inside it a worker's arrays keep the shardings
+declared here over its own devices, and XLA's partitioner inserts the gathers,
+reduce-scatters and all-reduces over ``fsdp`` and ``tensor``. Two declared rules, per stored
+leaf of the kinds ``R``, ``C`` and ``Rw`` (:class:`sdp_jax.step.regime.Kind`; the rows of
+``S``, already split over ``data``, stay whole inside a worker):
+
+* **tensor**: a leaf that a :class:`sdp_jax.spec.Neurons` rule matches is split over
+  ``tensor`` on its component axis (``spec.component_axes``): LLaMA's q, k, v, gate and up by
+  output (column-parallel), o and down by input (row-parallel), the Megatron-LM split (Shoeybi
+  et al. 2019, Sec. 3). ``T`` must divide the leaf's component count (its held count under
+  N-SDP's forward masking), so that each device holds whole heads and key/value groups.
+* **fsdp**: every leaf is sharded over ``fsdp`` on its largest axis that ``F`` divides, other
+  than the tensor axis and the first axis of a leaf of several: a block stack's (the block
+  runner slices it one block at a time) or a lookup table's rows (an embedding's vocabulary,
+  which a gather indexes: XLA's partitioner of jax 0.10 fails on a gather from rows split
+  over ``fsdp`` beside a ``tensor`` axis). A leaf with no such axis stays whole on each
+  device (e.g. a norm of odd width).
+
+The batch's rows are split over ``data`` and, inside a worker, over ``fsdp``
+(:meth:`InnerLayout.split_rows`): each of a worker's ``fsdp`` devices runs
+``b / F`` of its rows (HSDP: FSDP inside a worker, data parallelism across; torchtitan's
+``dp_shard`` inside ``dp_replicate``), and over ``tensor`` every device sees the same rows.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from sdp_jax.mesh import FSDP, TENSOR
+
+
+class InnerLayout:
+    """The declared layout over ``fsdp`` and ``tensor`` of one run's stored leaves.
+
+    Args:
+      spec: the run's :class:`sdp_jax.spec.SDPSpec` (its ``component_axes``).
+      fsdp, tensor: ``F`` and ``T``, the worker's devices along ``fsdp`` and ``tensor``
+        (:attr:`sdp_jax.step.regime.Regime.inner`).
+
+    Attributes:
+      fsdp, tensor: ``F``, ``T``; active: ``F x T > 1``.
+    """
+
+    def __init__(self, spec, fsdp: int = 1, tensor: int = 1):
+        self.spec = spec
+        self.fsdp, self.tensor = int(fsdp), int(tensor)
+        self.active = self.fsdp * self.tensor > 1
+
+    def axes(self, p: tuple, shape: tuple, stacked: bool) -> list:
+        """The mesh axis (``fsdp``, ``tensor`` or None) of each axis of a worker's stored leaf
+        ``p`` of shape ``shape`` (no worker or stage axis; the full model's leaf under
+        backward masking, a worker's compact one under forward masking).
+
+        Args:
+          stacked: ``p`` lies in a block stack whose axis 0 is the stack's (kept whole).
+
+        Raises:
+          ValueError: ``T`` does not divide the leaf's component count (names both and the
+            fix)."""
+        out = [None] * len(shape)
+        if not self.active:
+            return out
+        split = self._tensor_axis(p, shape)
+        if split is not None:
+            out[split] = TENSOR
+        if self.fsdp > 1:
+            free = [a for a in range(len(shape)) if out[a] is None
+                    and not (a == 0 and (stacked or len(shape) > 1))
+                    and shape[a] % self.fsdp == 0]
+            if free:
+                out[max(free, key=lambda a: (shape[a], -a))] = FSDP
+        return out
+
+    def _tensor_axis(self, p: tuple, shape: tuple) -> int | None:
+        hit = self.spec.component_axes.get(p)
+        if self.tensor == 1 or hit is None:
+            return None
+        axis, expand = hit
+        count = shape[axis] // expand
+        if count % self.tensor:
+            name = "/".join(str(k) for k in p)
+            raise ValueError(
+                f"mesh.tensor={self.tensor} does not divide the {count} components (heads, key/"
+                f"value groups or neurons) of {name!r} along axis {axis} that a worker holds; "
+                f"choose a mesh.tensor that divides {count} (or a coverage whose held count "
+                "it divides).")
+        return axis
+
+    def spec_of(self, lead: list, p: tuple, shape: tuple, stacked: bool) -> P:
+        """The PartitionSpec of a stored leaf: the axes ``lead`` (worker and stage axes, e.g.
+        ``['data']``) followed by :meth:`axes` of the rest of its ``shape``."""
+        return P(*lead, *self.axes(p, tuple(shape[len(lead):]), stacked))
+
+    def check_uses_tensor(self, paths) -> None:
+        """Refuse ``T > 1`` when no leaf of ``paths`` splits over ``tensor``.
+
+        Raises:
+          ValueError: naming ``mesh.tensor`` and the fix."""
+        if self.tensor > 1 and not any(p in self.spec.component_axes for p in paths):
+            raise ValueError(f"mesh.tensor={self.tensor} splits the axes of the model's Neurons "
+                             "rules over tensor, but this model declares none; declare them "
+                             "(sdp_jax.spec.Neurons) or set --config.mesh.tensor=1.")
+
+    def in_use(self, p: tuple, x, per_block: bool = False):
+        """Inside the per-worker function: leaf ``p``'s value ``x`` as the model uses it,
+        gathered over ``fsdp`` (FSDP's all-gather before use; its transpose reduce-scatters
+        the gradient) and kept split over ``tensor`` on its component axis. ``per_block``:
+        ``x`` is one block of a stack (its stack axis dropped). Unchanged when ``F x T = 1``.
+        (Gathering here, rather than leaving it to XLA, also keeps jax 0.10's partitioner off
+        a gather from a table split over ``fsdp``, which it fails.)"""
+        if not self.active:
+            return x
+        axes = [None] * x.ndim
+        hit = self.spec.component_axes.get(p)
+        if self.tensor > 1 and hit is not None:
+            axes[hit[0] - int(per_block)] = TENSOR
+        return jax.lax.with_sharding_constraint(x, P(*axes))
+
+    def whole(self, tree):
+        """Inside the per-worker function: every leaf of ``tree`` whole on each of the
+        worker's devices (gathered over ``fsdp`` and ``tensor``), for code that indexes a
+        leaf along any axis (backward masking's pruning of the frozen full model: jax 0.10's
+        partitioner fails on a gather from an axis split over a worker's own devices).
+        Unchanged when ``F x T = 1``."""
+        if not self.active:
+            return tree
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
+
+    def split_rows(self, batch):
+        """Inside the per-worker function: a worker's batch (leading axis its ``b`` rows)
+        constrained to rows split over ``fsdp``, so that each of its ``F`` devices runs ``b /
+        F`` of them (the batch enters replicated over the worker's devices: with a ``tensor``
+        axis beside it, jax 0.10's partitioner fails a check on a batch that enters split over
+        ``(data, fsdp)``). Unchanged when ``F = 1``."""
+        if self.fsdp == 1:
+            return batch
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(FSDP)), batch)
+
+    def check_batch(self, rows_per_worker: int) -> None:
+        """Refuse a worker's batch rows that ``F`` does not divide.
+
+        Raises:
+          ValueError: naming both and the fix."""
+        if self.fsdp > 1 and rows_per_worker % self.fsdp:
+            raise ValueError(f"mesh.fsdp={self.fsdp} does not divide the {rows_per_worker} rows "
+                             "of a worker's batch (batch_per_worker / grad_accum); each fsdp "
+                             "device runs an equal share: choose a batch_per_worker that it "
+                             "divides.")

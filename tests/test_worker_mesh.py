@@ -1,0 +1,242 @@
+"""SDP as the third axis (issue 49): a worker that spans F x T devices of the mesh axes ``fsdp``
+and ``tensor``, the step manual over ``data`` alone.
+
+On 8 simulated devices, ``2 workers x 2 fsdp x 2 tensor`` (and ``2 x 4 x 1``, ``2 x 1 x 4``)
+equal the same run with one device per worker (``2 x 1 x 1``) after 3 steps, for every variant
+and with the step's options; the stored bytes per device fall as 1 / (F x T) for what is
+sharded; a run config's worker layout is checked before compute.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from sdp_jax import mesh as mesh_lib
+from sdp_jax.models import llama
+from sdp_jax.models.llama import LlamaConfig
+from sdp_jax.options import MeshShape, StepOptions
+from sdp_jax.spec import sdp_spec as spec_lib
+from sdp_jax.step.inner import InnerLayout
+from sdp_jax.sync.placement import manual_spec
+from sdp_jax.train import families
+from sdp_jax.train import optimizer as optim_lib
+from sdp_jax.train.run import resolve
+
+import test_custom_model as custom  # noqa: E402
+from test_train_cli import tiny  # noqa: E402
+
+W = 2
+# 8 query and key/value heads, 64 MLP neurons: every held count at C = 1/2 splits over T = 4.
+CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=64,
+                  max_seq_len=16)
+OPT = optim_lib.OptimConfig(name="adamw", lr=1e-2, warmup_steps=1, weight_decay=0.0)
+# SGD, whose update is linear in the gradient, where bf16 rounds (Adam turns rounding-level
+# differences of near-zero entries into full-size steps of either sign)
+SGD = optim_lib.OptimConfig(name="sgd", lr=0.5, warmup_steps=1, weight_decay=0.0)
+COVERAGE = {"ddp": 1.0, "b-sdp": 0.5, "n-sdp": 0.5, "bb-sdp": 0.5, "nb-sdp": 0.5}
+SHAPES = [(2, 2, 2), (2, 4, 1), (2, 1, 4)]
+
+
+def plan(variant, cfg=CFG):
+    return llama.make_plan(variant, cfg, W, COVERAGE[variant], "cyclic", 0,
+                           allow_disconnected=True)   # (W = 2 at C = 1/2: two groups)
+
+
+def builder(variant, shape=(W, 1, 1), cfg=CFG, optim=OPT, **options):
+    mesh = mesh_lib.make_mesh(shape[0], fsdp=shape[1], tensor=shape[2])
+    return families.language_model_step(cfg, plan(variant, cfg), optim, mesh,
+                                        StepOptions(total_steps=10, grad_clip=1.0, **options))
+
+
+def batches(n=3):
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, CFG.vocab_size, (4 * W, 13)).astype(np.int32) for _ in range(n)]
+
+
+def run(b):
+    state, losses = b.init_state(seed=0), []
+    for x in batches():
+        state, m = b.train_step_fn()(state, b.put_batch(x))
+        losses.append(float(m["train_loss"]))
+    return state, losses
+
+
+def max_difference(b1, s1, b2, s2) -> float:
+    f1, f2 = b1.full_params(s1["params"]), b2.full_params(s2["params"])
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(f1), jax.tree.leaves(f2), strict=True))
+
+
+def stored_bytes(state) -> int:
+    """Bytes the first device stores of a state."""
+    first = jax.devices()[0]
+    return sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards
+               if s.device == first)
+
+
+# ------------------------------------------------------------------ the mesh and the layout
+def test_the_mesh_keeps_a_workers_devices_together():
+    mesh = mesh_lib.make_mesh(2, fsdp=2, tensor=2)
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    assert sorted(ids[0].ravel()) == [0, 1, 2, 3] and sorted(ids[1].ravel()) == [4, 5, 6, 7]
+    assert mesh_lib.inner_sizes(mesh) == (2, 2)
+    assert mesh_lib.manual_axes(mesh) == {"data"}
+    plain = mesh_lib.make_mesh(4)
+    assert plain.axis_names == ("data",) and mesh_lib.inner_sizes(plain) == (1, 1)
+    with pytest.raises(ValueError, match=r"workers \* mesh.fsdp \* mesh.tensor = 4 \* 2 \* 2 = "
+                                         r"16: devices needed, 8"):
+        mesh_lib.make_mesh(4, fsdp=2, tensor=2)
+    with pytest.raises(ValueError, match="a pipeline .pipeline.stages=2. with workers of several"):
+        mesh_lib.make_mesh(2, stages=2, fsdp=2)
+
+
+def test_manual_specs_keep_only_the_manual_axes():
+    P = jax.sharding.PartitionSpec
+    assert manual_spec(P("data", "fsdp", None, "tensor"), {"data"}) == P("data", None, None, None)
+    assert manual_spec(P(("data", "fsdp")), {"data"}) == P("data")
+    assert manual_spec(P(None, ("fsdp", "tensor")), {"data"}) == P(None, None)
+
+
+def test_the_declared_layout_over_a_workers_devices():
+    spec = plan("n-sdp")
+    inner = InnerLayout(spec, fsdp=2, tensor=2)
+    # q by heads (column-parallel) and o by its input heads (row-parallel) over tensor; the
+    # block stack's axis whole; fsdp on the largest other axis
+    assert inner.axes(("blocks", "attn", "wq"), (4, 32, 8, 4), True) == [None, "fsdp", "tensor",
+                                                                         None]
+    assert inner.axes(("blocks", "attn", "wo"), (4, 8, 4, 32), True) == [None, "tensor", None,
+                                                                         "fsdp"]
+    assert inner.axes(("blocks", "mlp", "w_down"), (4, 64, 32), True) == [None, "tensor", "fsdp"]
+    # an embedding's rows (a gather's table) stay whole; a norm splits over fsdp alone
+    assert inner.axes(("embed",), (64, 32), False) == [None, "fsdp"]
+    assert inner.axes(("final_norm", "scale"), (32,), False) == ["fsdp"]
+    assert inner.axes(("final_norm", "scale"), (31,), False) == [None]
+    # the held heads of N-SDP: T must divide them (CFG at C = 1/2 holds 4 key/value groups)
+    with pytest.raises(ValueError, match=r"mesh.tensor=8 does not divide the 4 components .* of "
+                                         r"'blocks/attn/wk' along axis 2"):
+        InnerLayout(spec, tensor=8).axes(("blocks", "attn", "wk"), (4, 32, 4, 4), True)
+    assert InnerLayout(spec).axes(("embed",), (64, 32), False) == [None, None]
+
+
+def test_a_held_count_that_tensor_does_not_divide_is_refused_when_built():
+    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=48,
+                      max_seq_len=16)   # one key/value group held per worker at C = 1/2
+    with pytest.raises(ValueError, match="mesh.tensor=2 does not divide the 1 components"):
+        builder("n-sdp", (2, 1, 2), cfg=cfg)
+
+
+def test_a_model_without_neurons_rules_refuses_tensor():
+    spec = spec_lib.build(custom.Net(), custom.RULES[:1], "b-sdp", 4, 0.5)
+    with pytest.raises(ValueError, match="mesh.tensor=2 splits the axes of the model's Neurons "
+                                         "rules over tensor, but this model declares none"):
+        InnerLayout(spec, tensor=2).check_uses_tensor(spec.shapes)
+
+
+def test_stored_bytes_fall_with_the_workers_devices():
+    """Each device of a worker of F x T stores 1/(F x T) of every leaf split over both axes
+    (a Neurons leaf), 1/F of the others that fsdp divides."""
+    one, inner = builder("b-sdp"), builder("b-sdp", (2, 2, 2))
+    s1, s2 = one.init_state(seed=0), inner.init_state(seed=0)
+    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
+        per1 = a.addressable_shards[0].data.size
+        split = np.prod([dict(inner.mesh.shape)[n] for n in b.sharding.spec
+                         if n in ("fsdp", "tensor")])
+        assert b.addressable_shards[0].data.size * split == per1
+    wq = s2["params"]["blocks"]["attn"]["wq"]
+    assert wq.addressable_shards[0].data.size * 4 == s1["params"]["blocks"]["attn"]["wq"] \
+        .addressable_shards[0].data.size
+    assert stored_bytes(s2) < 0.3 * stored_bytes(s1)
+    assert "2 workers of 4 devices each" in inner.describe_placement()
+    assert one.describe_placement() == ""
+
+
+def test_mesh_sizes_are_declared_settings():
+    assert MeshShape.from_config(tiny()) == MeshShape()
+    assert MeshShape(fsdp=2, tensor=4).devices == 8
+    with pytest.raises(ValueError, match="config.mesh.fsdp=0"):
+        MeshShape(fsdp=0)
+
+
+def test_run_config_refusals_before_compute():
+    n = jax.device_count()
+    run = resolve(tiny(workers=0, **{"mesh.fsdp": 2, "mesh.tensor": 2}), n)
+    assert run.workers == 2 and run.worker_devices == 8 and run.mesh_shape.devices == 4
+    with pytest.raises(ValueError, match=r"workers \* \(mesh.fsdp x mesh.tensor\) = 4 \* 4 needs "
+                                         "16 devices"):
+        resolve(tiny(workers=4, **{"mesh.fsdp": 2, "mesh.tensor": 2}), n)
+    with pytest.raises(ValueError, match="a pipeline .pipeline.stages=2. with workers of several "
+                                         "devices .mesh.fsdp x mesh.tensor = 2 x 1."):
+        resolve(tiny(workers=2, **{"mesh.fsdp": 2, "pipeline.stages": 2,
+                                   "pipeline.microbatches": 2}), n)
+    with pytest.raises(ValueError, match="emulated workers run on one device, but mesh.fsdp x "
+                                         "mesh.tensor = 1 x 2"):
+        resolve(tiny(emulate_workers=True, workers=2, **{"mesh.tensor": 2}), n)
+    with pytest.raises(ValueError, match=r"one worker of several devices \(W=1, \(mesh.fsdp x "
+                                         r"mesh.tensor\) = 4\) is not built"):
+        resolve(tiny(workers=1, **{"mesh.fsdp": 2, "mesh.tensor": 2}), n)
+    with pytest.raises(ValueError, match="config.mesh.fsdp=4 does not divide the 2 rows"):
+        resolve(tiny(workers=2, **{"mesh.fsdp": 4}), n)
+    with pytest.raises(ValueError, match="config.mesh.tensor=2: tensor parallelism is not built "
+                                         "for vision models"):
+        from sdp_jax.train.config import vision_config
+        c = vision_config("resnet18", "digits")
+        c.mesh.tensor = 2
+        resolve(c, n)
+
+
+# ------------------------------------------------------------------ equal to one device each
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", spec_lib.VARIANTS)
+def test_every_variant_on_workers_of_several_devices_equals_one_device_each(variant):
+    """3 AdamW steps with clipping: losses, parameters and the full model's evaluation equal
+    within float32 noise, for 2 x 2 x 2, 2 x 4 x 1 and 2 x 1 x 4."""
+    ref = builder(variant)
+    s1, l1 = run(ref)
+    e1 = float(ref.eval_step_fn()(s1["params"], ref.put_batch(batches(1)[0])))
+    for shape in SHAPES:
+        b = builder(variant, shape)
+        s2, l2 = run(b)
+        np.testing.assert_allclose(l2, l1, rtol=1e-5, err_msg=str(shape))
+        assert max_difference(ref, s1, b, s2) < 1e-5, shape
+        e2 = float(b.eval_step_fn()(s2["params"], b.put_batch(batches(1)[0])))
+        np.testing.assert_allclose(e2, e1, rtol=1e-5, err_msg=str(shape))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, options", [
+    ("b-sdp", {"fsdp": True}), ("nb-sdp", {"fsdp": True}),
+    ("n-sdp", {"average": "parameters", "sync_every": 2}),
+    ("bb-sdp", {"remat": "full"}), ("n-sdp", {"remat": "dots"}),
+    ("b-sdp", {"dtype": "bfloat16"}),
+    ("nb-sdp", {"grad_accum": 2}), ("b-sdp", {"method": "reference"}),
+])
+def test_the_steps_options_compose_with_workers_of_several_devices(variant, options):
+    bf16 = options.get("dtype") == "bfloat16"
+    optim = SGD if bf16 else OPT
+    ref, b = builder(variant, optim=optim, **options), builder(variant, (2, 2, 2), optim=optim,
+                                                               **options)
+    (s1, l1), (s2, l2) = run(ref), run(b)
+    np.testing.assert_allclose(l2, l1, rtol=1e-3 if bf16 else 1e-5)
+    assert max_difference(ref, s1, b, s2) < (1e-3 if bf16 else 1e-5)   # (bf16: 8-bit mantissa)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ddp", "n-sdp"])
+def test_a_users_model_on_workers_of_several_devices(variant):
+    """The user's model of tests/test_custom_model.py (list-form blocks) with 4 workers of 2
+    devices, over fsdp and over tensor, equals 4 workers of one device."""
+    x = custom.data()
+    ref, _ = custom.make(variant, 0.5, optimizer=optax.adam(1e-2))
+    s1 = ref.init(custom.Net())
+    for _ in range(3):
+        s1, _ = ref.train_step_fn()(s1, ref.put_batch(x))
+    for f, t in [(2, 1), (1, 2)]:
+        b, _ = custom.make(variant, 0.5, optimizer=optax.adam(1e-2),
+                           mesh=mesh_lib.make_mesh(4, fsdp=f, tensor=t))
+        s2 = b.init(custom.Net())
+        for _ in range(3):
+            s2, _ = b.train_step_fn()(s2, b.put_batch(x))
+        assert max_difference(ref, s1, b, s2) < 1e-5, (f, t)
