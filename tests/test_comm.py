@@ -242,11 +242,14 @@ def test_bytes_by_the_mesh_axes_each_collective_spans():
 
     def fn(v):
         both = lax.psum(v, ("fsdp", "tensor")) + lax.psum(v, "data") + lax.psum(v, "fsdp")
-        return both, lax.all_gather(v, "tensor", tiled=True)
+        # pairs inside each worker (devices 0..3, 4..7): fsdp alone, though the pairs of the
+        # two workers together hold devices of both
+        swapped = lax.ppermute(v, "fsdp", [(0, 1), (1, 0)])
+        return both + swapped, lax.all_gather(v, "tensor", tiled=True)
 
     text = hlo(fn, jnp.ones((8 * 4,)), mesh3, spec, (spec, spec))
     traffic = comm_bytes_per_device(text, N, dict(mesh3.shape))
-    assert traffic["by_axis"] == {"data": 16.0, "fsdp": 16.0, "tensor": 16.0,
+    assert traffic["by_axis"] == {"data": 16.0, "fsdp": 32.0, "tensor": 16.0,
                                   "fsdp+tensor": 24.0}
     assert sum(traffic["by_axis"].values()) == traffic["total"]
     assert "by_axis" not in comm_bytes_per_device(text, N)

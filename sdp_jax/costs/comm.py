@@ -710,6 +710,7 @@ def _collective_record(ins: _Instr, comp: _Comp, op: str, default_n: int) -> dic
         "exact": True,
         "in_backward_loop": bool(_BACKWARD_LOOP_RE.search(_op_name(ins.raw_attrs))),
         "group": _first_group(ins),
+        "pairs": pairs or None,
     }
 
 
@@ -767,7 +768,10 @@ def collective_ops(hlo_text: str, num_devices: int | None = None) -> list[dict]:
           gradient averaged per block as the backward scan produces it, which the hardware can
           overlap with the rest of that loop; True even where XLA unrolled the loop.
         * ``group``: the device ids of its first replica group (:func:`group_axes` maps them to
-          mesh axes), or None when the text does not list them.
+          mesh axes), or None when the text does not list them; a collective-permute's:
+          every device of its pairs.
+        * ``pairs``: a collective-permute's ``(source, target)`` device pairs (None for the
+          other kinds); the axes it spans are those of its pairs, each pair apart.
 
     Raises:
         ValueError: no ENTRY computation in ``hlo_text``, or an element type of unknown width.
@@ -826,11 +830,24 @@ def comm_bytes_per_device(hlo_text: str, num_devices: int,
     return out
 
 
+def _spanned(rec: dict, mesh_axes: dict[str, int]) -> tuple[str, ...] | None:
+    """The mesh axes a :func:`collective_ops` record spans: its group's, or for a
+    collective-permute the union of its pairs' (a pair within one worker spans none of
+    ``data``, whatever the other pairs' workers)."""
+    if not rec.get("pairs"):
+        return group_axes(rec["group"], mesh_axes)
+    found = [group_axes(list(p), mesh_axes) for p in rec["pairs"]]
+    if any(f is None for f in found):
+        return None
+    names = set().union(*found)
+    return tuple(a for a in mesh_axes if a in names)
+
+
 def _by_axis(ops: list[dict], mesh_axes: dict[str, int]) -> dict[str, float]:
     """The bus bytes of ``ops`` (:func:`collective_ops` records) summed by spanned mesh axes."""
     out: dict[str, float] = {}
     for rec in ops:
-        axes = group_axes(rec["group"], mesh_axes)
+        axes = _spanned(rec, mesh_axes)
         key = "unknown" if axes is None else "+".join(axes)
         if rec["bus_bytes"]:
             out[key] = out.get(key, 0.0) + rec["bus_bytes"]

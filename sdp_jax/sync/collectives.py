@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sdp_jax.mesh import DATA
+from sdp_jax.mesh import DATA, INNER
 from sdp_jax.spec import layout as layout_lib
 from sdp_jax.spec import masks as _masks
 from sdp_jax.spec import sdp_spec as spec_lib
@@ -221,6 +221,39 @@ def pad_last(x: jax.Array, size: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
+def _worker_axes() -> tuple:
+    """The automatic mesh axes of the per-worker function being traced (a worker's own
+    devices, ``fsdp`` and ``tensor``, :mod:`sdp_jax.step.inner`) of size > 1; ``()`` on one
+    device per worker or when emulated."""
+    if emulating():
+        return ()
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in INNER if a in mesh.axis_names and mesh.shape[a] > 1
+                 and mesh._name_to_type[a] == jax.sharding.AxisType.Auto)
+
+
+def _columns_per_device(fn, split: tuple, whole: tuple = ()):
+    """``fn(*split, *whole)``, each array of ``split`` and the result split on their last axis
+    (columns) over a worker's own devices (:func:`_worker_axes`), each device running ``fn``
+    on its columns (``whole``: the same on each): an exchange over ``data`` then moves ``1 /
+    (F x T)`` of the columns from each of them (XLA does not split a manual axis's collective
+    over the automatic axes beside it). Unchanged without such axes, or when their size does
+    not divide every split array's columns."""
+    names = _worker_axes()
+    mesh = jax.sharding.get_abstract_mesh() if names else None
+    size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+    if size == 1 or any(x.shape[-1] % size for x in split):
+        return fn(*split, *whole)
+    cols = lambda x: jax.sharding.PartitionSpec(*([None] * (x.ndim - 1)), names)  # noqa: E731
+    out = jax.eval_shape(fn, *split, *whole)
+    specs = tuple(cols(x) for x in split) + (jax.sharding.PartitionSpec(),) * len(whole)
+    res = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=cols(out),
+                        axis_names=set(names), check_vma=False)(*split, *whole)
+    return to_varying(res) if AXIS not in (varying_axes(res) or ()) else res
+
+
 def pieces_to_owners(acc: jax.Array, pieces: jax.Array, idx: jax.Array,
                      axis: str = AXIS) -> jax.Array:
     """Add every worker's rows into their owners' shards (the sum over holders), one all_to_all.
@@ -234,8 +267,10 @@ def pieces_to_owners(acc: jax.Array, pieces: jax.Array, idx: jax.Array,
       ``acc`` plus, for every worker ``w`` and slot ``j``, this device's piece of ``w``'s row
       ``j`` added at row ``idx[w, j]``. Bytes per device: ``(W-1)/W`` of ``pieces``.
     """
-    recv = lax.all_to_all(pieces.transpose(1, 0, 2), axis, 0, 0)  # recv[w]: w's pieces for me
-    return acc.at[idx.reshape(-1)].add(recv.reshape(-1, recv.shape[-1]).astype(acc.dtype))
+    def add(acc, pieces, idx):
+        recv = lax.all_to_all(pieces.transpose(1, 0, 2), axis, 0, 0)  # recv[w]: w's pieces
+        return acc.at[idx.reshape(-1)].add(recv.reshape(-1, recv.shape[-1]).astype(acc.dtype))
+    return _columns_per_device(add, (acc, pieces), (jnp.asarray(idx),))
 
 
 def pieces_from_owners(shard: jax.Array, idx: jax.Array, axis: str = AXIS) -> jax.Array:
@@ -246,8 +281,9 @@ def pieces_from_owners(shard: jax.Array, idx: jax.Array, axis: str = AXIS) -> ja
     Returns:
       ``[c, W, rs]`` column pieces, dtype of ``shard``. Bytes per device: ``(W-1)/W`` of it.
     """
-    recv = lax.all_to_all(shard[idx], axis, 0, 0)  # send[w]: rows w needs; recv[s]: piece s
-    return recv.transpose(1, 0, 2)
+    def fetch(shard, idx):   # send[w]: rows w needs; recv[s]: piece s
+        return lax.all_to_all(shard[idx], axis, 0, 0).transpose(1, 0, 2)
+    return _columns_per_device(fetch, (shard,), (jnp.asarray(idx),))
 
 
 def rows_to_owners(acc: jax.Array, vals: jax.Array, idx: jax.Array,
