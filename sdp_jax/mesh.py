@@ -77,6 +77,28 @@ def check_devices_per_process(devices=None) -> None:
                          "--config.num_cpu_devices on a CPU)")
 
 
+def check_worker_shape(workers: int, stages: int = 1, fsdp: int = 1, tensor: int = 1) -> None:
+    """The one rule of what a worker of several devices (``F x T > 1``) does not compose with
+    here: a pipeline (``stages > 1``), and a single worker (``W = 1``: jax 0.10's partitioner
+    refuses the averaging over a ``data`` axis of one device beside ``fsdp`` and ``tensor``).
+    :func:`make_mesh`, :class:`sdp_jax.step.SDPStep` (a user's mesh) and a run's validation
+    (:func:`sdp_jax.train.run.resolve`, before any compile) all ask it.
+
+    Raises:
+      ValueError: one line naming the sizes and the fix."""
+    if fsdp * tensor == 1:
+        return
+    sizes = f"mesh.fsdp x mesh.tensor = {fsdp} x {tensor}"
+    if stages > 1:
+        raise ValueError(f"a pipeline (pipeline.stages={stages}) with workers of several devices "
+                         f"({sizes}) is not built; set --config.mesh.fsdp=1 "
+                         "--config.mesh.tensor=1, or --config.pipeline.stages=1.")
+    if workers == 1:
+        raise ValueError(f"one worker of several devices (W=1, {sizes}) is not built; give "
+                         "--config.workers >= 2 (or more devices), or --config.mesh.fsdp=1 "
+                         "--config.mesh.tensor=1.")
+
+
 def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = False,
               fsdp: int = 1, tensor: int = 1) -> Mesh:
     """The run's mesh: ``('data',)`` of ``W`` devices; ``('data', 'stage')`` of shape
@@ -94,17 +116,13 @@ def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = Fals
 
     Raises:
       ValueError: fewer devices than ``W * P * F * T`` (names the counts and the fix); a
-        pipeline with ``F x T > 1`` (not built: one line).
+        pipeline or a single worker with ``F x T > 1`` (:func:`check_worker_shape`).
     """
     devices = list(devices if devices is not None else jax.devices())
     if emulated:
         return jax.make_mesh((1,), (DATA,), axis_types=(AxisType.Auto,), devices=devices[:1])
     inner = fsdp * tensor
-    if stages > 1 and inner > 1:
-        raise ValueError(f"a pipeline (pipeline.stages={stages}) with workers of several "
-                         f"devices (mesh.fsdp x mesh.tensor = {fsdp} x {tensor}) is not built; "
-                         "set --config.mesh.fsdp=1 --config.mesh.tensor=1, or "
-                         "--config.pipeline.stages=1.")
+    check_worker_shape(workers, stages, fsdp, tensor)
     need = workers * stages * inner
     if need > len(devices):
         what = (f"workers * pipeline.stages = {workers} * {stages} = {need}:" if stages > 1

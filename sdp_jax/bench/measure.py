@@ -265,7 +265,7 @@ def measure_vision(config, variant: str, workers: int, coverage: float, mesh, *,
         c = _variant_config(config, variant, coverage, workers, nonuniform)
         with c.unlocked():
             c.dtype, c.remat, c.fsdp = dtype, remat, fsdp
-        return resolve(c, workers)
+        return resolve(c, workers * MeshShape.from_config(c).devices)
 
     t0 = time.time()
     try:
@@ -905,12 +905,12 @@ def _variant_config(config, variant: str, coverage: float, workers: int,
     return c
 
 
-def _resolve(config, variant: str, workers: int):
+def _resolve(config, variant: str, devices: int):
     """The train-time validation of ``config`` with ``variant`` (at C = 1 for ddp) on
-    ``workers`` devices, near-uniform masks allowed (the paper's 1B setting needs them)."""
+    ``devices`` devices, near-uniform masks allowed (the paper's 1B setting needs them)."""
     c = _variant_config(config, variant, 1.0 if variant == "ddp" else config.sdp.coverage,
                         config.workers, True)
-    return run_lib.resolve(c, workers)
+    return run_lib.resolve(c, devices)
 
 
 def _is_vision(config) -> bool:
@@ -997,7 +997,9 @@ def _main_fit(fv, config, config_path, variants, workers, settings, budgets) -> 
     for v in variants:
         for remat, fsdp in settings:
             print(f"{setting_name(v, fsdp, remat)}:", flush=True)
-            for cand in fit.scan(_fit_config(config, v, remat, fsdp), workers, tuple(budgets)):
+            for cand in fit.scan(_fit_config(config, v, remat, fsdp),
+                                 workers * MeshShape.from_config(config).devices,
+                                 tuple(budgets)):
                 rows.append({"variant": v, "remat": remat, "fsdp": fsdp,
                              "coverage": cand.coverage, "held_per_worker": cand.held,
                              "peak_bytes_per_device": cand.peak_bytes,

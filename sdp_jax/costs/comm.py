@@ -800,10 +800,11 @@ def comm_bytes_per_device(hlo_text: str, num_devices: int,
         instructions, and ``unknown_trip_counts``
         the number of ``while`` loops reachable from ENTRY whose trip count was neither in
         ``backend_config`` nor inferable (each counted as one iteration). With ``mesh_axes``
-        also ``"by_axis": {key: float}``: the same bytes by the mesh axes each collective's groups
-        span (:func:`group_axes`), ``key`` the axis names joined by ``+`` in mesh order
-        (``"data"``, ``"data+stage"``) or ``"unknown"`` where the text does not list the groups;
-        only keys with bytes; the values sum to ``total``.
+        also ``"by_axis": {key: float}``: the same bytes by the mesh axes each collective's
+        groups span (:func:`group_axes`; a collective-permute's pairs, each apart), ``key`` the
+        axis names joined by ``+`` in mesh order (``"data"``, ``"data+stage"``) or ``"unknown"``
+        where the text does not list the groups; only keys with bytes; the values sum to
+        ``total``.
 
     Raises:
         ValueError: no ENTRY computation in ``hlo_text``, an element type of unknown width, or

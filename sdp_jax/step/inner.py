@@ -32,6 +32,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from sdp_jax.mesh import FSDP, TENSOR
+from sdp_jax.spec import layout as layout_lib
 
 
 class InnerLayout:
@@ -91,20 +92,25 @@ class InnerLayout:
                 "it divides).")
         return axis
 
-    def spec_of(self, lead: list, p: tuple, shape: tuple, stacked: bool) -> P:
-        """The PartitionSpec of a stored leaf: the axes ``lead`` (worker and stage axes, e.g.
-        ``['data']``) followed by :meth:`axes` of the rest of its ``shape``."""
-        return P(*lead, *self.axes(p, tuple(shape[len(lead):]), stacked))
-
-    def check_uses_tensor(self, paths) -> None:
-        """Refuse ``T > 1`` when no leaf of ``paths`` splits over ``tensor``.
+    def check(self) -> None:
+        """Refuse a ``T`` the model cannot be split by, before any compile (the step and the
+        run's validation, :func:`sdp_jax.train.run.resolve`, both call it): ``T > 1`` for a
+        model without ``Neurons`` rules, or a ``T`` that does not divide the component count
+        a worker stores of a leaf split over ``tensor`` (its held count under forward
+        masking, the full count otherwise).
 
         Raises:
-          ValueError: naming ``mesh.tensor`` and the fix."""
-        if self.tensor > 1 and not any(p in self.spec.component_axes for p in paths):
+          ValueError: naming ``mesh.tensor``, the leaf and its count, and the fix."""
+        if self.tensor == 1:
+            return
+        if not self.spec.component_axes:
             raise ValueError(f"mesh.tensor={self.tensor} splits the axes of the model's Neurons "
                              "rules over tensor, but this model declares none; declare them "
                              "(sdp_jax.spec.Neurons) or set --config.mesh.tensor=1.")
+        shapes = (self.spec.shapes if self.spec.backward
+                  else layout_lib.of(self.spec).stored_shapes)
+        for p, shape in shapes.items():
+            self._tensor_axis(p, tuple(shape))
 
     def in_use(self, p: tuple, x, per_block: bool = False):
         """Inside the per-worker function: leaf ``p``'s value ``x`` as the model uses it,
@@ -141,13 +147,14 @@ class InnerLayout:
             return batch
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P(FSDP)), batch)
 
-    def check_batch(self, rows_per_worker: int) -> None:
-        """Refuse a worker's batch rows that ``F`` does not divide.
 
-        Raises:
-          ValueError: naming both and the fix."""
-        if self.fsdp > 1 and rows_per_worker % self.fsdp:
-            raise ValueError(f"mesh.fsdp={self.fsdp} does not divide the {rows_per_worker} rows "
-                             "of a worker's batch (batch_per_worker / grad_accum); each fsdp "
-                             "device runs an equal share: choose a batch_per_worker that it "
-                             "divides.")
+def check_rows(fsdp: int, rows: int) -> None:
+    """The one rule of a worker's rows: ``F`` divides the rows of its microbatch (each of its
+    ``fsdp`` devices runs an equal share).
+
+    Raises:
+      ValueError: naming both and the fix."""
+    if fsdp > 1 and rows % fsdp:
+        raise ValueError(f"config.mesh.fsdp={fsdp} does not divide the {rows} rows of a "
+                         "worker's microbatch (batch_per_worker / grad_accum); each fsdp device "
+                         "runs an equal share: choose a batch_per_worker that it divides.")

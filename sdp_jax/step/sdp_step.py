@@ -75,7 +75,7 @@ from sdp_jax.step import update as update_lib
 from sdp_jax.step.accumulation import accumulate
 from sdp_jax.step.evaluation import Evaluation
 from sdp_jax.step.host import HostForms
-from sdp_jax.step.inner import InnerLayout
+from sdp_jax.step.inner import InnerLayout, check_rows
 from sdp_jax.step.regime import Regime
 from sdp_jax.step.runner import ModelCall
 from sdp_jax.step.sources import in_loop_tables, source_of
@@ -130,15 +130,8 @@ def _check_mesh(spec: spec_lib.SDPSpec, mesh, emulate: bool):
     if DATA not in mesh.shape:
         raise ValueError(f"the mesh has axes {tuple(mesh.axis_names)}, none named "
                          f"'{DATA}'; build it as jax.make_mesh(({need},), ('{DATA}',)).")
-    if STAGE in mesh.axis_names and np.prod(mesh_lib.inner_sizes(mesh)) > 1:
-        raise ValueError(f"a mesh with a pipeline axis '{STAGE}' and workers of several devices "
-                         f"(axes {tuple(mesh.axis_names)}) is not built; drop '{STAGE}' or the "
-                         "axes 'fsdp' and 'tensor'.")
-    if W == 1 and np.prod(mesh_lib.inner_sizes(mesh)) > 1:
-        raise ValueError(f"one worker of several devices (W=1 on axes {tuple(mesh.axis_names)}) "
-                         "is not built (jax 0.10's partitioner refuses the averaging over a "
-                         f"'{DATA}' axis of one device beside 'fsdp' and 'tensor'); give W >= 2, "
-                         "or a mesh of the axis 'data' alone.")
+    mesh_lib.check_worker_shape(W, int(dict(mesh.shape).get(STAGE, 1)),
+                                *mesh_lib.inner_sizes(mesh))
     if mesh.shape[DATA] != W and not emulate:
         raise ValueError(f"mesh axis '{DATA}' has {mesh.shape[DATA]} devices but the "
                          f"spec has W={W} workers; give a mesh of {W} devices, or emulate "
@@ -284,7 +277,7 @@ class SDPStep:
         self.state_layout = StateLayout(spec, optimizer, mesh, prefix=self.call.prefix,
                                         regime=self.regime, state_spec=model.state_spec,
                                         stacked_slots=model.stacked_slots)
-        self.state_layout.inner.check_uses_tensor(spec.shapes)
+        self.state_layout.inner.check()
         self.host = HostForms(self.state_layout)
         self.in_loop_tables = in_loop_tables(self.state_layout, self.call)
         self.source = source_of(self.state_layout, self.call, self.in_loop_tables)
@@ -524,10 +517,12 @@ class SDPStep:
 
         Raises:
           ValueError: FSDP, parameter averaging (``average="parameters"``: the workers'
-            copies differ), a pipeline (``stage`` axis), or ``stacked_slots`` (a model that
-            runs its own slots, e.g. the vision models, has no full-model loss here)."""
+            copies differ), a pipeline (``stage`` axis), ``stacked_slots`` (a model that
+            runs its own slots, e.g. the vision models, has no full-model loss here), or
+            workers of several devices."""
         alignment.check(self.options, pipelined=self.staged,
-                        no_full_loss="stacked_slots models" if self.model.stacked_slots else "")
+                        no_full_loss="stacked_slots models" if self.model.stacked_slots else "",
+                        spanning=self.regime.inner != (1, 1))
         if self._alignment is None:
             ev = self.evaluation
             if self.model.state_spec is None:
@@ -554,7 +549,7 @@ class SDPStep:
                 raise ValueError(f"a batch leaf of shape {getattr(x, 'shape', ())} does not "
                                  f"split over W={W} workers; give every leaf a leading axis "
                                  f"that is a multiple of {W} (b examples per worker).")
-            self.state_layout.inner.check_batch(x.shape[0] // W)
+            check_rows(self.regime.inner[0], x.shape[0] // W // self.options.grad_accum)
         return jax.tree.map(lambda x: jax.device_put(x, self.batch_sharding()), batch)
 
     def compiled_train_step(self, batch: Any, count_branch: bool | None = None):

@@ -230,8 +230,9 @@ def _worker_axes() -> tuple:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
-    return tuple(a for a in INNER if a in mesh.axis_names and mesh.shape[a] > 1
-                 and mesh._name_to_type[a] == jax.sharding.AxisType.Auto)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return tuple(a for a in INNER if a in types and mesh.shape[a] > 1
+                 and types[a] == jax.sharding.AxisType.Auto)
 
 
 def _columns_per_device(fn, split: tuple, whole: tuple = ()):

@@ -39,7 +39,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sdp_jax.mesh import DATA, FSDP, TENSOR, manual_axes
+from sdp_jax.mesh import DATA, FSDP, TENSOR, inner_sizes, manual_axes
 
 _is_spec = lambda x: isinstance(x, P)  # noqa: E731
 _EMULATING = contextvars.ContextVar("sdp_jax_emulating", default=False)
@@ -102,8 +102,7 @@ class OnDevices(Placement):
     where XLA partitions its computation over them."""
 
     def describe(self) -> str:
-        shape = dict(self.mesh.shape)
-        f, t = shape.get(FSDP, 1), shape.get(TENSOR, 1)
+        f, t = inner_sizes(self.mesh)
         if f * t == 1:
             return super().describe()
         axes = " x ".join(self.mesh.axis_names)

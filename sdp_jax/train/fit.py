@@ -35,6 +35,7 @@ import jax
 
 from sdp_jax.costs import program as costs
 from sdp_jax.spec import masks as masks_lib
+from sdp_jax.step.inner import InnerLayout
 from sdp_jax.train import checkpoint as ckpt_lib
 from sdp_jax.train import run as run_lib
 
@@ -249,9 +250,10 @@ def coverages(config, device_count: int, task=None) -> tuple[run_lib.RunSpec, li
     out = []
     for c in masks_lib.valid_coverages(run.workers, g, allow_nonuniform=True):
         try:
-            run.family.plan(with_coverage(config, c), run.model, run.workers, run.pipe)
-        except ValueError:   # not realizable for this variant (the masks' own rule)
-            continue
+            plan = run.family.plan(with_coverage(config, c), run.model, run.workers, run.pipe)
+            InnerLayout(plan, run.mesh_shape.fsdp, run.mesh_shape.tensor).check()
+        except ValueError:   # not realizable for this variant (the masks' own rule), or a held
+            continue         # count that mesh.tensor does not divide
         out.append(c)
     return run, sorted(out, reverse=True)
 

@@ -19,6 +19,7 @@ from sdp_jax.models.vision import MODELS
 from sdp_jax.options import DTYPE_ALIASES, MeshShape, StepOptions
 from sdp_jax.pipeline import schedules as pl
 from sdp_jax.step import alignment
+from sdp_jax.step.inner import InnerLayout, check_rows
 from sdp_jax.sync import placement
 from sdp_jax.train import config as config_lib
 from sdp_jax.train import families
@@ -155,11 +156,12 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
         pipe.check(model, config.batch_per_worker // options.grad_accum, options.fsdp,
                    options.average)
     workers = resolve_workers(config, device_count, pipe.stages, processes, shape.devices)
-    plan = family.plan(config, model, workers, pipe)
+    plan = _plan(family, config, model, workers, pipe, shape)
     options.check_for(plan, family.remat)
     if config.align_every:
         no_full_loss = "" if family.aligns(model, plan) else f"{family.kind} models"
         alignment.check(options, pipelined=pipe.stages > 1, no_full_loss=no_full_loss,
+                        spanning=shape.devices > 1,
                         asked=f"config.align_every={config.align_every}",
                         fix="set --config.align_every=0")
     total = total_steps(config, plan.coverage)
@@ -172,20 +174,31 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
                    dataclasses.replace(options, total_steps=total), config, shape)
 
 
+def _plan(family, config, model, workers: int, pipe, shape: MeshShape):
+    """The run's spec (``family.plan``), with what workers of ``F x T`` devices need of the
+    run checked (:func:`sdp_jax.mesh.check_worker_shape`; ``T`` against the model's components,
+    :meth:`sdp_jax.step.inner.InnerLayout.check`).
+
+    Raises:
+      ValueError: the family's, or naming the mesh sizes and the fix."""
+    mesh_lib.check_worker_shape(workers, pipe.stages, shape.fsdp, shape.tensor)
+    plan = family.plan(config, model, workers, pipe)
+    InnerLayout(plan, shape.fsdp, shape.tensor).check()
+    return plan
+
+
 def _check_mesh_shape(config, shape: MeshShape, pipe, family) -> None:
     """A worker of ``F x T`` devices (:class:`sdp_jax.options.MeshShape`) against the rest of
-    the run: not with a pipeline or emulated workers; ``tensor`` only for a family that
-    splits over it; ``F`` dividing the rows of a worker's microbatch.
+    the run: not with emulated workers (a pipeline and a single worker:
+    :func:`sdp_jax.mesh.check_worker_shape`, in :func:`_plan`); ``tensor`` only for a family
+    that splits over it; ``F`` dividing the rows of a worker's microbatch
+    (:func:`sdp_jax.step.inner.check_rows`).
 
     Raises:
       ValueError: naming the fields and the fix."""
     if shape.devices == 1:
         return
     sizes = f"mesh.fsdp x mesh.tensor = {shape.fsdp} x {shape.tensor}"
-    if pipe.stages > 1:
-        raise ValueError(f"a pipeline (pipeline.stages={pipe.stages}) with workers of several "
-                         f"devices ({sizes}) is not built; set --config.mesh.fsdp=1 "
-                         "--config.mesh.tensor=1, or --config.pipeline.stages=1.")
     if config.emulate_workers:
         raise ValueError(f"emulated workers run on one device, but {sizes} gives each worker "
                          f"{shape.devices}; set --config.emulate_workers=False, or "
@@ -194,11 +207,7 @@ def _check_mesh_shape(config, shape: MeshShape, pipe, family) -> None:
         raise ValueError(f"config.mesh.tensor={shape.tensor}: tensor parallelism is not built "
                          f"for {family.kind} models; set --config.mesh.tensor=1 (mesh.fsdp "
                          "shards them inside a worker).")
-    rows = config.batch_per_worker // config.grad_accum
-    if rows % shape.fsdp:
-        raise ValueError(f"config.mesh.fsdp={shape.fsdp} does not divide the {rows} rows of a "
-                         "worker's microbatch (batch_per_worker / grad_accum); each fsdp device "
-                         "runs an equal share: choose a batch_per_worker that it divides.")
+    check_rows(shape.fsdp, config.batch_per_worker // config.grad_accum)
 
 
 def _check_microbatches(config, pipe) -> None:
@@ -266,7 +275,7 @@ def resolve_workers(config, device_count: int, stages: int = 1,
       ValueError: not a positive integer, ``W * stages * inner`` more than the devices, or
         not every device with several processes, or processes holding unequal numbers of
         devices (:func:`sdp_jax.mesh.check_devices_per_process`); emulation refused (a
-        pipeline, several processes, ``workers=0``); one worker of several devices."""
+        pipeline, several processes, ``workers=0``)."""
     processes = jax.process_count() if processes is None else processes
     if processes > 1:
         mesh_lib.check_devices_per_process()
@@ -295,10 +304,6 @@ def resolve_workers(config, device_count: int, stages: int = 1,
                          f"{per} must be the {device_count} devices (got {workers} x "
                          f"{stages * inner} = {need}); set --config.workers=0 and a {per} "
                          f"that divides {device_count}.")
-    if workers == 1 and inner > 1:
-        raise ValueError(f"one worker of several devices (W=1, {per} = {inner}) is not built; "
-                         "give --config.workers >= 2 (or more devices), or --config.mesh.fsdp=1 "
-                         "--config.mesh.tensor=1.")
     return workers
 
 

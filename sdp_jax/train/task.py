@@ -61,8 +61,8 @@ def schedule_steps(options: StepOptions) -> int:
 
 def compiled_flops(compiled, devices: int, counted: bool) -> dict:
     """``{"model_flops_per_step": XLA's FLOP count of the compiled train step times the
-    ``devices`` that run the W workers}`` (``RunSpec.worker_devices``: W, or 1 when emulated),
-    or None when not ``counted`` (a block scan or activation checkpointing: XLA
+    ``devices`` that run the W workers}`` (``RunSpec.worker_devices``: W x F x T, or 1 when
+    emulated), or None when not ``counted`` (a block scan or activation checkpointing: XLA
     counts a loop body once, whatever its trip count) or when XLA gives no count."""
     if not counted:
         return {"model_flops_per_step": None}

@@ -403,7 +403,7 @@ class VisionFamily(Family):
         """``model_flops_per_step``: XLA's FLOP count of the compiled train step (without
         activation checkpointing the vision step has no loop, so every layer is counted;
         backward variants count their full backward pass) times the devices of the ``W``
-        workers (``RunSpec.worker_devices``: ``W``, or 1 when emulated); None under
+        workers (``RunSpec.worker_devices``: ``W x F``, or 1 when emulated); None under
         ``remat`` (a scan, whose body XLA counts once)."""
         return [], compiled_flops(compiled, run.worker_devices,
                                   run.options.flops_counted)
