@@ -16,9 +16,8 @@ leaf of the kinds ``R``, ``C`` and ``Rw`` (:class:`sdp_jax.step.regime.Kind`; th
 * **fsdp**: every leaf is sharded over ``fsdp`` on its largest axis that ``F`` divides, other
   than the tensor axis and the first axis of a leaf of several: a block stack's (the block
   runner slices it one block at a time) or a lookup table's rows (an embedding's vocabulary,
-  which a gather indexes: XLA's partitioner of jax 0.10 fails on a gather from rows split
-  over ``fsdp`` beside a ``tensor`` axis). A leaf with no such axis stays whole on each
-  device (e.g. a norm of odd width).
+  which a gather indexes). A leaf with no such axis stays whole on each device (e.g. a norm
+  of odd width).
 
 The batch's rows are split over ``data`` and, inside a worker, over ``fsdp``
 (:meth:`InnerLayout.split_rows`): each of a worker's ``fsdp`` devices runs
