@@ -298,7 +298,8 @@ class StateLayout:
 
     def per_device_param_count(self) -> int:
         """Parameter elements stored per device (compact where the layout is compact; a 1/W
-        shard under FSDP, padding included; with a pipeline, the device's stage's blocks)."""
+        shard under FSDP, padding included; with a pipeline, the device's stage's blocks; a
+        leaf's share over a worker's own devices, :mod:`sdp_jax.step.inner`)."""
         total = 0
         for s in jax.tree.leaves(self.param_shapes):
             names = [a for e in s.sharding.spec if e is not None

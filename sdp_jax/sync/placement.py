@@ -5,7 +5,8 @@ worker, whose collectives name the axis ``data``) becomes a function of the glob
 of two ways, behind one method, :meth:`Placement.map`:
 
 * :class:`OnDevices`: ``jax.shard_map`` over the mesh, worker ``w`` on the ``w``-th device of
-  ``data`` (the mesh's ``data`` size is ``W``);
+  ``data`` (the mesh's ``data`` size is ``W``), or on the ``F x T`` devices of its mesh axes
+  ``fsdp`` and ``tensor`` (manual over ``data`` alone);
 * :class:`Emulated`: every worker on one device (the mesh's ``data`` size is 1), the same
   per-worker function under ``jax.vmap`` with ``axis_name="data"``, so that ``psum``,
   ``all_to_all``, ``all_gather`` and ``axis_index`` over ``data`` mean what they mean across
