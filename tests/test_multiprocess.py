@@ -482,6 +482,25 @@ def test_elastic_resume_on_several_processes_is_exact(tmp_path):
     assert [r["step"] for r in metrics(wd)] == list(range(1, 7))
 
 
+@pytest.mark.slow
+def test_elastic_resume_on_fewer_processes_keeps_the_workers_devices(tmp_path):
+    """Issue 49: 3 processes x 4 devices (W = 3 workers of fsdp x tensor = 2 x 2, one per
+    process) stop at step 3; 2 processes carry on with --config.elastic=True as W = 2
+    workers of the same 2 x 2. The re-laid-out state, gathered and joined again, equals the
+    checkpoint's full state bit for bit (tests/elastic_probe.py, in every process), and
+    train.py continues the run through the switch."""
+    wd = tmp_path / "run"
+    inner = ["--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.batch_per_worker=4"]
+    _elastic_run(wd, 3, 4, inner, stop=3)
+    probe = _probe(wd, 2, 4, inner)
+    assert probe["step"] == 3 and probe["workers"] == 2 and probe["processes"] == 2
+    assert probe["leaves"] >= 3 * 9   # the parameters and both Adam moments of every leaf
+    out = _elastic_run(wd, 2, 4, [*inner, "--config.elastic=True"], stop=5)
+    assert "elastic resume (--config.elastic) at step 3: workers 3 -> 2" in out, out[-2000:]
+    assert "2 workers of 4 devices each (mesh data x fsdp x tensor = 2 x 2 x 2)" in out
+    assert [r["step"] for r in metrics(wd)] == list(range(1, 6))
+
+
 def _listening(port: int) -> set:
     """The local addresses with a TCP socket listening on ``port`` (``/proc/net/tcp`` and
     ``tcp6``: ``127.0.0.1``, ``0.0.0.0``, ``::``, ...; an IPv4-mapped one as IPv4)."""
