@@ -14,9 +14,11 @@ devices, or one slice's, on real hardware), so that ``data`` is the axis that cr
 from __future__ import annotations
 
 import collections
+import itertools
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 DATA = "data"     # the data-parallel workers (W): every holder mean is over this axis
@@ -99,6 +101,56 @@ def check_worker_shape(workers: int, stages: int = 1, fsdp: int = 1, tensor: int
                          "--config.mesh.tensor=1.")
 
 
+def _granule(d) -> tuple[int, int]:
+    """A device's unit of the slow network: its TPU slice (``slice_index``, 0 where the
+    platform sets none), then its process (host)."""
+    return int(getattr(d, "slice_index", 0) or 0), int(d.process_index)
+
+
+def worker_grid(devices, workers: int, fsdp: int, tensor: int) -> np.ndarray:
+    """The devices of ``W`` workers of ``F x T`` devices each, as a ``[W, F, T]`` object array:
+    the device order of a ``data x fsdp x tensor`` mesh.
+
+    Devices are grouped by TPU slice (``slice_index``), then by process (host), and taken
+    group after group, so that a worker's devices are one slice's or one host's (or several
+    whole hosts of one slice, when a worker spans hosts) and ``data`` is the axis between
+    them. Inside each group, or each worker spanning several, the ``[k, F, T]`` order comes
+    from ``jax.experimental.mesh_utils.create_device_mesh`` (on a TPU it follows the chips'
+    physical torus, so that ``tensor`` and ``fsdp`` run over neighbouring chips; elsewhere it
+    keeps the id order); where that cannot lay the devices out, their id order is kept.
+
+    Args:
+      devices: at least ``W * F * T`` devices (``jax.devices()``); the first whole groups
+        are used.
+
+    Raises:
+      ValueError: fewer than ``W * F * T`` devices."""
+    inner = fsdp * tensor
+    need = workers * inner
+    if need > len(devices):
+        raise ValueError(f"{need} devices needed for {workers} workers of {fsdp} x {tensor}, "
+                         f"{len(devices)} present")
+    ordered = sorted(devices, key=lambda d: (*_granule(d), d.id))[:need]
+    groups = [list(g) for _, g in itertools.groupby(ordered, key=_granule)]
+    size = len(groups[0])
+    if inner > 1 and all(len(g) == size for g in groups):
+        if size % inner == 0:     # whole workers per host or slice
+            parts = [(g, (size // inner, fsdp, tensor)) for g in groups]
+        elif inner % size == 0:   # a worker spans inner / size whole hosts of one slice
+            k = inner // size
+            parts = [(sum(groups[i:i + k], []), (1, fsdp, tensor))
+                     for i in range(0, len(groups), k)]
+        else:
+            parts = []
+        try:
+            if parts:
+                return np.concatenate([mesh_utils.create_device_mesh(shape, devs)
+                                       for devs, shape in parts])
+        except (ValueError, AssertionError, NotImplementedError):   # no such physical layout
+            pass
+    return np.asarray(ordered, dtype=object).reshape(workers, fsdp, tensor)
+
+
 def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = False,
               fsdp: int = 1, tensor: int = 1) -> Mesh:
     """The run's mesh: ``('data',)`` of ``W`` devices; ``('data', 'stage')`` of shape
@@ -110,9 +162,9 @@ def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = Fals
     sharded one), whatever ``workers``.
 
     Devices are taken in process order (then by id), so that each process's devices are
-    adjacent on ``data`` and it loads one contiguous range of batch rows, and a worker's
-    ``F x T`` devices are adjacent: with ``F x T`` devices per process, a worker is one
-    process (one host); ``jax.make_mesh`` may reorder them for a TPU's topology.
+    adjacent on ``data`` and it loads one contiguous range of batch rows; a worker's
+    ``F x T`` devices are one TPU slice's or one host's, laid out by the chips' topology
+    (:func:`worker_grid`).
 
     Raises:
       ValueError: fewer devices than ``W * P * F * T`` (names the counts and the fix); a
@@ -133,15 +185,16 @@ def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = Fals
                          "--config.workers" + (" or --config.pipeline.stages" if stages > 1 else "")
                          + (" or --config.mesh.fsdp / --config.mesh.tensor" if inner > 1 else "")
                          + " (on a CPU, raise --config.num_cpu_devices).")
+    if inner > 1:
+        return Mesh(worker_grid(devices, workers, fsdp, tensor), (DATA, FSDP, TENSOR),
+                    axis_types=(AxisType.Auto,) * 3)
     devices = devices[:need]
-    if stages > 1 or inner > 1:
-        shape, names = ((workers, stages), (DATA, STAGE)) if stages > 1 else \
-            ((workers, fsdp, tensor), (DATA, FSDP, TENSOR))
-        mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape),
-                             devices=devices)
+    if stages > 1:
+        mesh = jax.make_mesh((workers, stages), (DATA, STAGE),
+                             axis_types=(AxisType.Auto,) * 2, devices=devices)
     else:
         mesh = jax.make_mesh((workers,), (DATA,), devices=devices)
-    if jax.process_count() > 1 or inner > 1:
+    if jax.process_count() > 1:
         ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
         mesh = Mesh(np.asarray(ordered, dtype=object).reshape(mesh.devices.shape),
                     mesh.axis_names, axis_types=mesh.axis_types)

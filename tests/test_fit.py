@@ -106,6 +106,44 @@ def test_train_picks_the_coverage_before_training(tmp_path, monkeypatch, capsys)
         capsys.readouterr().out
 
 
+def test_candidates_with_workers_of_several_devices():
+    """mesh.tensor = 2 skips a coverage whose held count it does not divide (llama_tiny's 2
+    key/value groups: N-SDP at C = 1/2 holds 1), before any compile."""
+    c = tiny("n-sdp", workers=2)
+    c.mesh.fsdp, c.mesh.tensor = 2, 2
+    c.batch_per_worker = 4
+    c.sdp.allow_disconnected = True
+    assert fit.coverages(c, 8)[1] == [1.0]
+    c.mesh.tensor = 1
+    assert fit.coverages(c, 8)[1] == [1.0, 0.5]
+
+
+@pytest.mark.slow
+def test_auto_compiles_the_steps_of_workers_of_several_devices(capsys):
+    """coverage=auto on W = 2 workers of fsdp x tensor = 2 x 2 (8 devices) compiles each
+    candidate on that mesh: its peaks are the per-device ones of 4-device workers (below the
+    one-device workers' at the same C), and it picks the largest C whose peak fits."""
+    def config(fsdp, tensor):
+        c = tiny(workers=2, allow_nonuniform=True, allow_disconnected=True)
+        c.mesh.fsdp, c.mesh.tensor, c.batch_per_worker = fsdp, tensor, 4
+        return c
+    peaks = {}
+    for inner in ((1, 1), (2, 2)):
+        for cov in (1.0, 0.5):
+            c = fit.with_coverage(config(*inner), cov)
+            run = run_lib.resolve(c, 8)
+            peaks[inner, cov] = fit.compiled_peak(run, loop.make_mesh(run))[
+                "peak_bytes_per_device"]
+    assert peaks[(2, 2), 1.0] < peaks[(1, 1), 1.0] and peaks[(2, 2), 0.5] < peaks[(1, 1), 0.5]
+    assert peaks[(2, 2), 0.5] < peaks[(2, 2), 1.0]
+    c = config(2, 2)
+    c.sdp.memory_budget_gib = (peaks[(2, 2), 0.5] + peaks[(2, 2), 1.0]) / 2 / fit.GIB
+    run = fit.resolve(c, 8)
+    assert run.plan.coverage < 1.0 and run.mesh_shape.fsdp * run.mesh_shape.tensor == 4
+    out = capsys.readouterr().out
+    assert "C=1 (4/4 blocks): peak" in out and "the largest that fits" in out, out
+
+
 class _Accelerator:
     """A device as JAX shows an accelerator: its platform, kind and memory limit."""
     platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"

@@ -58,7 +58,8 @@ def readme_launch_command():
 
 def train(workdir, args, processes=1, stop=None):
     """``python train.py`` (1 process, 4 devices), or README.md's launch command (2 processes
-    x 2 devices) with more flags (absl: a flag given again takes the last value)."""
+    x 2 devices, or ``processes`` of them) with more flags (absl: a flag given again takes the
+    last value)."""
     extra = [*BASE, *args, f"--workdir={workdir}"]
     if stop:
         extra.append(f"--config.stop_at_step={stop}")
@@ -66,6 +67,7 @@ def train(workdir, args, processes=1, stop=None):
     if processes > 1:
         readme_env, cmd = readme_launch_command()
         env.update(readme_env)
+        cmd[4] = str(processes)   # (--processes 2 in README.md)
         cmd = [sys.executable, *cmd[1:], *extra[2:]]   # (its --config is BASE's)
     else:
         cmd = [sys.executable, "train.py", *extra]
@@ -123,24 +125,44 @@ def test_one_process_checkpoint_resumes_as_two(tmp_path):
     same_trajectory(metrics(wd), metrics(ref))
 
 
+INNER = ["--config.workers=0", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+         "--config.batch_per_worker=4"]
+
+
+@pytest.fixture(scope="module")
+def inner_reference(tmp_path_factory):
+    """1 process x 8 devices, W = 2 workers of fsdp x tensor = 2 x 2, up to step 6."""
+    wd = tmp_path_factory.mktemp("mp") / "inner_ref"
+    train(wd, INNER + ["--config.num_cpu_devices=8"], stop=6)
+    return metrics(wd)
+
+
 @pytest.mark.slow
-def test_workers_of_four_devices_on_two_processes_equal_one_process(tmp_path):
-    """Laid out like two nodes (issue 49): 2 processes x 4 devices, ``data`` across the
-    processes and ``fsdp x tensor = 2 x 2`` inside each, equal 1 process x 8 devices step by
-    step; the checkpoint then resumes in 1 process with workers of 4 ``fsdp`` devices (the
-    same W, another layout inside the workers)."""
-    inner = ["--config.workers=0", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-             "--config.batch_per_worker=4"]
-    ref = tmp_path / "ref"
-    train(ref, inner + ["--config.num_cpu_devices=8"], stop=6)
+@pytest.mark.parametrize("first, then", [
+    ((2, 4), (1, 8, "--config.mesh.fsdp=4", "--config.mesh.tensor=1")),
+    ((4, 2), (2, 4)),
+], ids=["a-worker-per-process", "a-worker-over-two-processes"])
+def test_workers_of_four_devices_on_several_processes_equal_one_process(tmp_path, first, then,
+                                                                       inner_reference):
+    """Issue 49, W = 2 workers of ``fsdp x tensor = 2 x 2`` devices over several processes,
+    equal to 1 process x 8 devices step by step, then resumed from the checkpoint of step 3 in
+    another layout. Laid out like two nodes: 2 processes x 4 devices, ``data`` across the
+    processes, resumed in 1 process with workers of 4 ``fsdp`` devices (the same W, another
+    layout inside the workers). And a worker of several hosts (a multi-host TPU slice, or
+    one process per GPU): 4 processes x 2 devices, each worker's devices over 2 processes
+    that load the same rows and each write their own shards of the checkpoint, resumed as 2
+    processes x 4 devices, a worker per process."""
     wd = tmp_path / "run"
-    out = train(wd, inner + ["--config.num_cpu_devices=4"], processes=2, stop=3)
-    assert "devices: 8 x cpu (2 process(es))" in out.stdout
+    out = train(wd, INNER + [f"--config.num_cpu_devices={first[1]}"], processes=first[0],
+                stop=3)
+    assert f"devices: 8 x cpu ({first[0]} process(es))" in out.stdout
     assert "2 workers of 4 devices each (mesh data x fsdp x tensor = 2 x 2 x 2)" in out.stdout
-    out = train(wd, inner + ["--config.num_cpu_devices=8", "--config.mesh.fsdp=4",
-                             "--config.mesh.tensor=1"], stop=6)
-    assert "at step 3" in out.stdout and "(mesh data x fsdp x tensor = 2 x 4 x 1)" in out.stdout
-    same_trajectory(metrics(wd), metrics(ref))
+    out = train(wd, INNER + [f"--config.num_cpu_devices={then[1]}", *then[2:]],
+                processes=then[0], stop=6)
+    assert "at step 3" in out.stdout and f"devices: 8 x cpu ({then[0]} process(es))" in out.stdout
+    shape = "2 x 4 x 1" if then[2:] else "2 x 2 x 2"
+    assert f"(mesh data x fsdp x tensor = {shape})" in out.stdout
+    same_trajectory(metrics(wd), inner_reference)
 
 
 @pytest.mark.slow
@@ -371,20 +393,30 @@ def _checkpoint_meta(workdir, step):
 
 
 @pytest.mark.slow
-def test_elastic_launcher_carries_on_as_two_processes_after_a_sigkill(tmp_path):
-    """``launch --elastic`` on a cluster's layout (issue 47): process 1 of 3 (2 devices each,
-    W = 6) is killed with SIGKILL once the checkpoint of step 5 exists; processes 0 and 2 end
-    in one line each (status 75), and the launcher starts the run again as the 2 processes
-    left, which re-lay out that checkpoint on their 4 devices (W = 4, --config.elastic=True:
-    each process computes the layout on its own CPU device and places only its own shares;
-    it used to crash in process 1 and call the checkpoint damaged in process 0) and finish.
-    The data carry on in examples: the stream after the switch starts at the first example the
-    3-process run had not read."""
+@pytest.mark.parametrize("processes, per_worker, devices, inner", [
+    (3, 1, 2, ()),
+    (6, 2, 2, ("--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.batch_per_worker=4")),
+])
+def test_elastic_launcher_carries_on_after_a_sigkill(tmp_path, processes, per_worker, devices,
+                                                    inner):
+    """``launch --elastic`` on a cluster's layout (issue 47): process 1 (2 devices each) is
+    killed with SIGKILL once the checkpoint of step 5 exists; the others end in one line each
+    (status 75), and the launcher starts the run again as the processes left, which re-lay out
+    that checkpoint on their devices (--config.elastic=True: each process computes the layout
+    on its own CPU device and places only its own shares; it used to crash in process 1 and
+    call the checkpoint damaged in process 0) and finish. The data carry on in examples: the
+    stream after the switch starts at the first example the first run had not read.
+
+    Two layouts: 3 processes of one-device workers (W = 6 -> 4); and 6 processes of 2 devices
+    whose workers of fsdp x tensor = 2 x 2 span 2 processes each (issue 49, W = 3 -> 2,
+    ``--processes-per-worker 2``): of the 5 processes left the launcher restarts 4, whole
+    workers."""
     wd = tmp_path / "run"
-    cmd = [sys.executable, "-m", "sdp_jax.train.launch", "--processes", "3", "--elastic",
-           f"--timeout={TIMEOUT - 60}", "--", "python", "train.py", *BASE[:2],
-           "--config.steps=30", "--config.checkpoint_every=5", "--config.eval_every=100",
-           "--config.eval_batches=1", "--config.num_cpu_devices=2", "--config.workers=0",
+    cmd = [sys.executable, "-m", "sdp_jax.train.launch", "--processes", str(processes),
+           "--elastic", f"--processes-per-worker={per_worker}", f"--timeout={TIMEOUT - 60}",
+           "--", "python", "train.py", *BASE[:2], "--config.steps=30",
+           "--config.checkpoint_every=5", "--config.eval_every=100", "--config.eval_batches=1",
+           f"--config.num_cpu_devices={devices}", "--config.workers=0", *inner,
            f"--workdir={wd}"]
     err_path = tmp_path / "launcher.err"
     with open(err_path, "w") as err:
@@ -395,30 +427,38 @@ def test_elastic_launcher_carries_on_as_two_processes_after_a_sigkill(tmp_path):
         while not (wd / "checkpoints" / "5").is_dir() and time.monotonic() < deadline:
             assert proc.poll() is None, err_path.read_text()[-3000:]
             time.sleep(0.2)
-        pids = re.search(r"3 process\(es\), pids (\d+) (\d+) (\d+)", err_path.read_text())
-        os.kill(int(pids.group(2)), signal.SIGKILL)   # the launcher's own child, by pid
+        pids = re.search(rf"{processes} process\(es\), pids ([\d ]+),", err_path.read_text())
+        os.kill(int(pids.group(1).split()[1]), signal.SIGKILL)   # the launcher's own child
         assert proc.wait(timeout=TIMEOUT) == 0, err_path.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     log = err_path.read_text()
-    for survivor in (0, 2):
-        assert (f"process 1 of 3 died without a word (killed or crashed) before the run "
-                f"finished; this is process {survivor}, exiting with status 75") in log, log
-    assert "exit statuses [75, 137, 75]" in log, log
-    assert "process(es) 1 lost; restarting the run as the 2 process(es) left" in log, log
+    for survivor in set(range(processes)) - {1}:
+        assert (f"process 1 of {processes} died without a word (killed or crashed) before the "
+                f"run finished; this is process {survivor}, exiting with status 75") in log, log
+    statuses = [137 if i == 1 else 75 for i in range(processes)]
+    assert f"exit statuses {statuses}" in log, log
+    left = processes - per_worker
+    who = (f"the {left} process(es) left" if per_worker == 1 else
+           f"{left} of the {processes - 1} process(es) left (whole workers of 2 processes)")
+    assert f"process(es) 1 lost; restarting the run as {who}" in log, log
     assert "damaged" not in log and "Traceback" not in log.split("restarting")[1], log
     with open(wd / "summary.json") as f:
         summary = json.load(f)
-    assert summary["completed"] and summary["steps"] == 30 and summary["workers"] == 4
+    per = 1 if per_worker == 1 else 4   # devices per worker
+    before, after = processes * devices // per, left * devices // per
+    rows = 2 if per_worker == 1 else 4   # batch_per_worker
+    assert summary["completed"] and summary["steps"] == 30 and summary["workers"] == after
     (switch,) = summary["elastic"]
     s = switch["step"]
-    assert s % 5 == 0 and s >= 5 and switch["from"]["workers"] == 6
-    assert switch["to"] == {**switch["from"], "workers": 4, "global_batch": 8}
+    assert s % 5 == 0 and s >= 5 and switch["from"]["workers"] == before
+    assert switch["to"] == {**switch["from"], "workers": after, "global_batch": after * rows}
     meta = _checkpoint_meta(wd, 30)
-    assert meta["workers"] == 4 and meta["elastic"] == [switch]
-    assert meta["data_origin"] == [s, s * 12]   # s steps of 6 workers x 2 windows were read
+    assert meta["workers"] == after and meta["elastic"] == [switch]
+    # s steps of `before` workers x `rows` windows were read
+    assert meta["data_origin"] == [s, s * before * rows]
     assert [r["step"] for r in metrics(wd)] == list(range(1, 31))
 
 
@@ -483,19 +523,22 @@ def test_elastic_resume_on_several_processes_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_elastic_resume_on_fewer_processes_keeps_the_workers_devices(tmp_path):
-    """Issue 49: 3 processes x 4 devices (W = 3 workers of fsdp x tensor = 2 x 2, one per
-    process) stop at step 3; 2 processes carry on with --config.elastic=True as W = 2
-    workers of the same 2 x 2. The re-laid-out state, gathered and joined again, equals the
-    checkpoint's full state bit for bit (tests/elastic_probe.py, in every process), and
+@pytest.mark.parametrize("before, after, devices", [(3, 2, 4), (6, 4, 2)])
+def test_elastic_resume_on_fewer_processes_keeps_the_workers_devices(tmp_path, before, after,
+                                                                    devices):
+    """Issue 49: W = 3 workers of fsdp x tensor = 2 x 2 stop at step 3; fewer processes carry
+    on with --config.elastic=True as W = 2 workers of the same 2 x 2. Laid out as 3 processes
+    x 4 devices (a worker per process) then 2 x 4, and as 6 processes x 2 devices (a worker
+    spans 2 processes) then 4 x 2. The re-laid-out state, gathered and joined again, equals
+    the checkpoint's full state bit for bit (tests/elastic_probe.py, in every process), and
     train.py continues the run through the switch."""
     wd = tmp_path / "run"
     inner = ["--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.batch_per_worker=4"]
-    _elastic_run(wd, 3, 4, inner, stop=3)
-    probe = _probe(wd, 2, 4, inner)
-    assert probe["step"] == 3 and probe["workers"] == 2 and probe["processes"] == 2
+    _elastic_run(wd, before, devices, inner, stop=3)
+    probe = _probe(wd, after, devices, inner)
+    assert probe["step"] == 3 and probe["workers"] == 2 and probe["processes"] == after
     assert probe["leaves"] >= 3 * 9   # the parameters and both Adam moments of every leaf
-    out = _elastic_run(wd, 2, 4, [*inner, "--config.elastic=True"], stop=5)
+    out = _elastic_run(wd, after, devices, [*inner, "--config.elastic=True"], stop=5)
     assert "elastic resume (--config.elastic) at step 3: workers 3 -> 2" in out, out[-2000:]
     assert "2 workers of 4 devices each (mesh data x fsdp x tensor = 2 x 2 x 2)" in out
     assert [r["step"] for r in metrics(wd)] == list(range(1, 6))
@@ -769,6 +812,27 @@ def _script(processes, body, capfd, **kw):
     status = launch.run([sys.executable, "-c", "import os, signal, sys, time\n" + body],
                         processes, env=_env(), elastic=True, **kw)
     return status, time.monotonic() - t0, capfd.readouterr().err
+
+
+def test_the_elastic_launcher_restarts_whole_workers_of_several_processes(capfd):
+    """``--processes-per-worker 2`` (workers that span 2 processes): 6 processes of which
+    process 3 is lost (status 76) restart as 4, not 5; with one worker of 2 processes, losing
+    one leaves none to restart; a --processes it does not divide is refused. (No JAX.)"""
+    body = ("if os.environ['JAX_NUM_PROCESSES'] != '6': sys.exit(0)\n"
+            "time.sleep(0.5)\n"
+            "sys.exit(76 if os.environ['JAX_PROCESS_ID'] == '3' else 75)\n")
+    status, _, err = _script(6, body, capfd, restarts=1, grace=1.0, processes_per_worker=2)
+    assert status == 0 and "exit statuses [75, 75, 75, 76, 75, 75]" in err, err
+    assert ("process(es) 3 lost; restarting the run as 4 of the 5 process(es) left (whole "
+            "workers of 2 processes)") in err, err
+    assert "4 process(es), pids" in err, err
+    status, _, err = _script(2, body.replace("'6'", "'2'").replace("'3'", "'1'"), capfd,
+                             restarts=1, grace=1.0, processes_per_worker=2)
+    assert status == 75 and ("process(es) 1 lost; not restarting (no whole worker of 2 "
+                             "processes left)") in err, err
+    with pytest.raises(ValueError, match="--processes-per-worker=4 must be at least 1 and "
+                                         "divide --processes=6"):
+        launch.run(["true"], 6, processes_per_worker=4)
 
 
 # Process 1 never ends, process 0 ends with 75 (its peer hung); a restart of 1 process ends 0.

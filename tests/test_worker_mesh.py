@@ -99,6 +99,39 @@ def test_the_mesh_keeps_a_workers_devices_together():
         mesh_lib.make_mesh(2, stages=2, fsdp=2)
 
 
+class FakeDevice:
+    """A device of a multi-slice TPU job as the mesh reads it (its platform kept as "cpu",
+    which mesh_utils lays out in id order)."""
+    platform = device_kind = "cpu"
+
+    def __init__(self, id, process_index, slice_index):
+        self.id, self.process_index, self.slice_index = id, process_index, slice_index
+
+    def __repr__(self):
+        return f"D{self.id}"
+
+
+def test_a_workers_devices_are_one_slices_or_one_hosts():
+    """2 slices x 2 hosts x 2 devices, device ids interleaving the slices (as ids need not
+    follow them): a worker of 4 devices is one slice (W = 2), a worker of 2 one host (W = 4),
+    a worker of 8 both slices; ``data`` is the axis between them."""
+    devices = [FakeDevice(i, process_index=(i % 2) * 2 + (i // 4), slice_index=i % 2)
+               for i in range(8)]   # slice 0: ids 0 2 4 6; slice 1: ids 1 3 5 7
+    key = np.vectorize(lambda d: (d.slice_index, d.process_index), otypes=[object])
+    grid = mesh_lib.worker_grid(devices[::-1], 2, 2, 2)   # (the given order does not matter)
+    assert grid.shape == (2, 2, 2)
+    assert [{s for s, _ in key(w).ravel()} for w in grid] == [{0}, {1}]
+    assert [[d.id for d in w.ravel()] for w in grid] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    grid = mesh_lib.worker_grid(devices, 4, 2, 1)
+    assert [set(key(w).ravel()) for w in grid] == [{(0, 0)}, {(0, 1)}, {(1, 2)}, {(1, 3)}]
+    grid = mesh_lib.worker_grid(devices, 1, 4, 2)
+    assert [d.id for d in grid.ravel()] == [0, 2, 4, 6, 1, 3, 5, 7]
+    grid = mesh_lib.worker_grid(devices, 1, 2, 2)   # the first slice, whole
+    assert [d.id for d in grid.ravel()] == [0, 2, 4, 6]
+    with pytest.raises(ValueError, match="16 devices needed for 2 workers of 4 x 2, 8 present"):
+        mesh_lib.worker_grid(devices, 2, 4, 2)
+
+
 def test_manual_specs_keep_only_the_manual_axes():
     P = jax.sharding.PartitionSpec
     assert manual_spec(P("data", "fsdp", None, "tensor"), {"data"}) == P("data", None, None, None)
@@ -156,6 +189,27 @@ def test_stored_bytes_fall_with_the_workers_devices():
     assert stored_bytes(s2) < 0.3 * stored_bytes(s1)
     assert "2 workers of 4 devices each" in inner.describe_placement()
     assert one.describe_placement() == ""
+
+
+@pytest.mark.parametrize("variant, options", [("nb-sdp", {}), ("b-sdp", {"fsdp": True})])
+def test_the_rows_layout_is_split_over_the_workers_devices_too(variant, options):
+    """The rows layout S (backward masking's ZeRO-2 optimizer state; every leaf under FSDP over
+    ``data``) splits each worker's row shard over its F x T = 2 x 2 devices: under FSDP every
+    device stores exactly 1/4 of the parameters a one-device worker stores, the global shapes
+    the same (a checkpoint resumes across F x T)."""
+    one, inner = builder(variant, **options), builder(variant, (2, 2, 2), **options)
+    s1, s2 = one.init_state(seed=0), inner.init_state(seed=0)
+    opt1, opt2 = (dict(jax.tree_util.tree_flatten_with_path(s["opt_state"])[0]) for s in (s1, s2))
+    rows = [k for k, x in opt2.items() if "data" in str(x.sharding.spec)]
+    assert len(rows) >= 9, opt2.keys()   # (every block leaf's moments at least)
+    for k in rows:
+        assert opt1[k].shape == opt2[k].shape, k
+        assert opt2[k].addressable_shards[0].data.size * 4 == \
+            opt1[k].addressable_shards[0].data.size, (k, opt2[k].sharding.spec)
+    if options.get("fsdp"):   # (the optimizer's scalar counts aside)
+        assert stored_bytes(s2["params"]) * 4 == stored_bytes(s1["params"])
+    else:
+        assert stored_bytes(s2) < 0.3 * stored_bytes(s1)
 
 
 def test_bad_batches_for_a_workers_devices_are_one_line():

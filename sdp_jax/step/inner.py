@@ -5,8 +5,9 @@ The per-worker function is written for one worker and is manual over ``data`` al
 (:meth:`sdp_jax.sync.placement.Placement.map`); inside it a worker's arrays keep the shardings
 declared here over its own devices, and XLA's partitioner inserts the gathers,
 reduce-scatters and all-reduces over ``fsdp`` and ``tensor``. Two declared rules, per stored
-leaf of the kinds ``R``, ``C`` and ``Rw`` (:class:`sdp_jax.step.regime.Kind`; the rows of
-``S``, already split over ``data``, stay whole inside a worker):
+leaf of the kinds ``R``, ``C`` and ``Rw`` (:class:`sdp_jax.step.regime.Kind`; a worker's
+row shard of a leaf in ``S``, already split over ``data``, is split further over its own
+devices where their count divides it, :meth:`InnerLayout.rows_axes`):
 
 * **tensor**: a leaf that a :class:`sdp_jax.spec.Neurons` rule matches is split over
   ``tensor`` on its component axis (``spec.component_axes``): LLaMA's q, k, v, gate and up by
@@ -110,6 +111,23 @@ class InnerLayout:
                   else layout_lib.of(self.spec).stored_shapes)
         for p, shape in shapes.items():
             self._tensor_axis(p, tuple(shape))
+
+    def rows_axes(self, shard_len: int) -> tuple:
+        """The worker's own axes (``fsdp``, ``tensor``, or both) over which a leaf of the rows
+        layout ``S`` (FSDP over ``data`` / ZeRO-3, and backward masking's ZeRO-2 optimizer
+        state) splits the ``shard_len`` entries of a worker's row shard further: both when
+        ``F x T`` divides ``shard_len``, else the one of ``F`` and ``T`` that divides it, else
+        none (the shard stays whole on each of the worker's devices). The stored shape does
+        not depend on ``F`` and ``T`` (a checkpoint resumes across them); the spec of its last
+        axis becomes ``('data', *axes)``."""
+        if not self.active:
+            return ()
+        for axes, size in (((FSDP, TENSOR), self.fsdp * self.tensor), ((FSDP,), self.fsdp),
+                           ((TENSOR,), self.tensor)):
+            sized = tuple(a for a in axes if (self.fsdp if a == FSDP else self.tensor) > 1)
+            if sized and shard_len % size == 0:
+                return sized
+        return ()
 
     def in_use(self, p: tuple, x, per_block: bool = False):
         """Inside the per-worker function: leaf ``p``'s value ``x`` as the model uses it,

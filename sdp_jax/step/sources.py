@@ -330,8 +330,9 @@ class BackwardHeld(Source):
             return st.staging.restage(opt, opt_specs)
 
         def from_old(state: dict) -> dict:
-            fn = placement.map(convert, (old_specs,), opt_specs)
-            return {**state, "opt_state": jax.jit(fn)(state["opt_state"])}
+            fn = placement.map(convert, (old_specs,), opt_specs)   # (laid out as stored)
+            fn = jax.jit(fn, out_shardings=shardings(st.mesh, opt_specs))
+            return {**state, "opt_state": fn(state["opt_state"])}
 
         return to_old, from_old
 

@@ -243,7 +243,8 @@ class StateLayout:
         for p, c in codes.items():
             if c == Kind.SHARDED:
                 shape = self._shard_shape(p)
-                axes = [None] * (len(shape) - 1) + [DATA]
+                inner = self.inner.rows_axes(shape[-1] // W)
+                axes = [None] * (len(shape) - 1) + [(DATA, *inner) if inner else DATA]
             else:
                 base = lay.stored_shapes.get(p, self.spec.shapes.get(p))
                 if c == Kind.REPLICATED and p in self.spec.shapes:

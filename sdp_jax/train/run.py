@@ -341,7 +341,8 @@ def total_steps(config, coverage: float, steps: int | None = None) -> int:
 def make_mesh(run: RunSpec):
     """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices,
     ``('data', 'stage')`` of ``W x P`` when pipelined, or ``('data', 'fsdp', 'tensor')`` of
-    ``W x F x T`` with workers of several devices, devices in process order; one device with
+    ``W x F x T`` with workers of several devices (each one host's or one slice's,
+    :func:`sdp_jax.mesh.worker_grid`), devices in process order; one device with
     ``config.emulate_workers``."""
     return mesh_lib.make_mesh(run.workers, run.pipe.stages,
                               emulated=run.options.emulate_workers,

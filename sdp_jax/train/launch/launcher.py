@@ -25,7 +25,8 @@ a silent process; or ended with status 76, taken as stuck by its peers): once ev
 has ended, it starts the command again as the processes that are left, with
 ``--config.elastic=True`` appended, so that the run resumes from its latest checkpoint on the devices that remain, under
 masks drawn for the new worker count (:mod:`sdp_jax.train.elastic`; at most ``--restarts``
-times).
+times). With workers that span several processes (``--processes-per-worker G``) it restarts
+whole workers only: the largest multiple of ``G`` not above the processes left.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def process_env(process_id: int, processes: int, port: int,
 
 def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float = 60.0,
         timeout: float = 0.0, env: dict | None = None, cwd: str | None = None,
-        elastic: bool = False, restarts: int = 3) -> int:
+        elastic: bool = False, restarts: int = 3, processes_per_worker: int = 1) -> int:
     """Run ``command`` as ``processes`` processes (see the module docstring) and wait.
 
     Args:
@@ -94,16 +95,26 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
         ``--config.elastic=True`` appended, so that the run resumes from its latest
         checkpoint on the devices that remain (:mod:`sdp_jax.train.elastic`); at most
         ``restarts`` times.
+      processes_per_worker: ``G``, the processes one worker spans (a worker of
+        ``mesh.fsdp x mesh.tensor`` devices over processes of fewer devices each, e.g. a
+        multi-host TPU slice or one process per GPU): ``processes`` must be a multiple of it,
+        and an elastic restart starts the largest multiple of ``G`` not above the processes
+        left (a worker that lost a process is lost whole).
 
     Returns:
       the first non-zero exit status of a process (signals as ``128 + signal``) of the last
       attempt, else 0; 124 when ``timeout`` ended it.
 
     Raises:
-      ValueError: ``processes < 1``, ``restarts < 0`` or an empty command.
+      ValueError: ``processes < 1``, ``restarts < 0``, ``processes`` not a multiple of
+        ``processes_per_worker`` or an empty command.
     """
     if processes < 1:
         raise ValueError(f"--processes={processes} must be at least 1.")
+    if processes_per_worker < 1 or processes % processes_per_worker:
+        raise ValueError(f"--processes-per-worker={processes_per_worker} must be at least 1 and "
+                         f"divide --processes={processes}; give a worker's processes (mesh.fsdp"
+                         " x mesh.tensor / devices per process).")
     if restarts < 0:
         raise ValueError(f"--restarts={restarts} must be at least 0.")
     if not command:
@@ -112,20 +123,33 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
     status, lost = _attempt(list(command), processes, port, grace, timeout, env, cwd, signalled)
     done = 0
     while elastic and lost:   # (lost is [] once the launcher forwarded a signal)
-        left = processes - len(lost)
-        why = ("no process left" if left < 1 else "--timeout reached" if status == 124
-               else f"--restarts={restarts} used" if done == restarts else "")
-        print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; "
-              + (f"not restarting ({why})" if why else
-                 f"restarting the run as the {left} process(es) left, from its latest "
-                 "checkpoint (--config.elastic=True)"), file=sys.stderr, flush=True)
-        if why:
+        left = _restart(processes, lost, processes_per_worker,
+                        "--timeout reached" if status == 124
+                        else f"--restarts={restarts} used" if done == restarts else "")
+        if not left:
             break
         processes, done = left, done + 1
         if "--config.elastic=True" not in command:
             command = [*command, "--config.elastic=True"]
         status, lost = _attempt(command, processes, 0, grace, timeout, env, cwd, signalled)
     return status
+
+
+def _restart(processes: int, lost: list, per_worker: int, why: str) -> int:
+    """The processes an elastic restart starts after ``lost`` of ``processes``: the largest
+    multiple of ``per_worker`` (a worker that lost a process is lost whole) not above those
+    left, or 0 when none can restart (``why``, or none left); says which in one line."""
+    alive = processes - len(lost)
+    left = alive - alive % per_worker
+    why = ("no process left" if alive < 1 else f"no whole worker of {per_worker} processes "
+           "left" if left < 1 else why)
+    who = (f"the {left} process(es) left" if left == alive else
+           f"{left} of the {alive} process(es) left (whole workers of {per_worker} processes)")
+    print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; "
+          + (f"not restarting ({why})" if why else
+             f"restarting the run as {who}, from its latest checkpoint (--config.elastic=True)"),
+          file=sys.stderr, flush=True)
+    return 0 if why else left
 
 
 def _attempt(command: list, processes: int, port: int, grace: float, timeout: float,
@@ -485,7 +509,7 @@ def _initialize(kwargs: dict, timeout: int, heartbeat: int = 100) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The launcher's own flags (those before ``--``): ``--processes``, ``--port``, ``--grace``,
-    ``--timeout``, ``--elastic``, ``--restarts``."""
+    ``--timeout``, ``--elastic``, ``--restarts``, ``--processes-per-worker``."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 usage=f"{PROG} --processes N [options] -- COMMAND ...")
     p.add_argument("--processes", type=int, required=True, help="number of processes")
@@ -502,6 +526,10 @@ def parser() -> argparse.ArgumentParser:
                         "(--config.elastic=True)")
     p.add_argument("--restarts", type=int, default=3,
                    help="with --elastic, restarts at most (default 3)")
+    p.add_argument("--processes-per-worker", type=int, default=1,
+                   help="the processes one worker spans (mesh.fsdp x mesh.tensor / devices per "
+                        "process; default 1): --processes is a multiple of it, and --elastic "
+                        "restarts as whole workers")
     return p
 
 
@@ -522,7 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = [sys.executable, *command[1:]]   # the launcher's interpreter
     try:
         return run(command, args.processes, port=args.port, grace=args.grace,
-                   timeout=args.timeout, elastic=args.elastic, restarts=args.restarts)
+                   timeout=args.timeout, elastic=args.elastic, restarts=args.restarts,
+                   processes_per_worker=args.processes_per_worker)
     except ValueError as e:
         own_flags.error(str(e))
     except OSError as e:   # the command cannot be started
