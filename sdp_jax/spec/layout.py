@@ -196,9 +196,13 @@ class Layout:
         return x[tuple(slice(0, n) for n in shape)]
 
     # ------------------------------------------------------------------ prune / unprune
-    def prune(self, full: Any, w) -> dict:
+    def prune(self, full: Any, w, take=None) -> dict:
         """Worker ``w``'s local leaves ``{local path: array}`` from full parameters (nested
-        dict or flat ``{path: array}``); ``w`` may be traced."""
+        dict or flat ``{path: array}``); ``w`` may be traced. ``take(path, x, idx, fn)``, when
+        given, runs ``fn(x, idx)``, the pruning of full leaf ``path`` on its component axis
+        by the held indices ``idx`` (e.g. on each device's own part of a sharded leaf,
+        :meth:`sdp_jax.step.inner.InnerLayout.take`)."""
+        take = take or (lambda p, x, idx, fn: fn(x, idx))
         flat = full if _is_flat(full) else _flatten(full)
         spec, out = self.spec, {}
         stacks = {}
@@ -215,12 +219,12 @@ class Layout:
                 out[lp] = stacks[key][lf.slot]
             else:
                 idx = jnp.asarray(self.indices(lf))[w]
-                x = flat[lf.full]
+                a = lf.rule.axis
                 if lf.rule.layer is None:
-                    out[lp] = jax.vmap(lambda xl, il: jnp.take(xl, il, axis=lf.rule.axis - 1))(
-                        x, idx)
+                    fn = jax.vmap(lambda xl, il, a=a: jnp.take(xl, il, axis=a - 1))
                 else:
-                    out[lp] = jnp.take(x, idx, axis=lf.rule.axis)
+                    fn = lambda x, i, a=a: jnp.take(x, i, axis=a)  # noqa: E731
+                out[lp] = take(lf.full, flat[lf.full], idx, fn)
         return out
 
     def stored(self, full: Any) -> dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from sdp_jax import sync
 from sdp_jax.mesh import FSDP, TENSOR
 from sdp_jax.spec import layout as layout_lib
 
@@ -144,12 +145,39 @@ class InnerLayout:
             axes[hit[0] - int(per_block)] = TENSOR
         return jax.lax.with_sharding_constraint(x, P(*axes))
 
+    def take(self, p: tuple, x, idx, fn, stacked: bool = True):
+        """Inside the per-worker function: ``fn(x, idx)`` (``idx`` int32, replicated), which
+        indexes leaf ``p`` on its component axis (``spec.component_axes``; N-SDP's pruning to
+        the held neurons and heads), run by each of the worker's devices on its own part of
+        ``x``: gathered over ``tensor`` along that axis only, its other axes staying split
+        over ``fsdp`` (a nested ``jax.shard_map`` over the worker's axes: jax 0.10's
+        partitioner fails a gather from a leaf split over them). The result keeps ``x``'s
+        layout but along the component axis. ``x``: the stored leaf (backward masking's
+        full model); ``stacked``: ``p`` lies in a block stack. Unchanged when ``F x T = 1``."""
+        axes = self.axes(p, tuple(x.shape), stacked) if self.active else []
+        names = tuple(a for a in axes if a is not None)
+        if not names:
+            return fn(x, idx)
+        comp = self.spec.component_axes[p][0]
+        out_axes = [None if i == comp else a for i, a in enumerate(axes)]
+
+        def own_part(xl, il):
+            if axes[comp] is not None:
+                xl = jax.lax.all_gather(xl, axes[comp], axis=comp, tiled=True)
+            return fn(xl, il)
+        mesh = jax.sharding.get_abstract_mesh()
+        out = jax.shard_map(own_part, mesh=mesh, in_specs=(P(*axes), P()),
+                            out_specs=P(*out_axes), axis_names=set(names),
+                            check_vma=False)(x, idx)
+        return sync.varying(out)   # (a worker's own: its gradient is not summed over data)
+
     def whole(self, tree):
         """Inside the per-worker function: every leaf of ``tree`` whole on each of the
         worker's devices (gathered over ``fsdp`` and ``tensor``), for code that indexes a
-        leaf along any axis (backward masking's pruning of the frozen full model: jax 0.10's
-        partitioner fails on a gather from an axis split over a worker's own devices).
-        Unchanged when ``F x T = 1``."""
+        leaf along any axis (jax 0.10's partitioner fails on a gather or a scatter on a leaf
+        split over a worker's own devices): one block's leaves as backward masking writes
+        the held neurons and heads into the frozen ones, and the stored leaves the full
+        model's evaluation gathers from their holders. Unchanged when ``F x T = 1``."""
         if not self.active:
             return tree
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)

@@ -237,12 +237,12 @@ class BackwardHeld(Source):
         :meth:`sdp_jax.step.SDPStep.compiled_train_step`."""
         lay, spec, call = self.state.layout, self.state.spec, self.call
         my = sync.worker_index(DATA)
-        frozen = call.inner.whole(jax.lax.stop_gradient(full))   # (pruned by indexing below)
+        frozen = jax.lax.stop_gradient(full)   # (as stored: not gathered)
         bt = spec.kinds.get(spec_lib.BLOCK)
         tables = self.tables
         xs = prepare = None
         if tables:   # this worker's values of the in-loop leaves, scanned layer by layer
-            pruned = lay.prune(frozen, my)
+            pruned = self._prune(frozen, my)
             xs = {"own": {p: pruned[p] for p in tables}, "sink": sinks}
             prepare = lambda x, i, run: {   # noqa: E731
                 "own": sync.mean_in_backward(x["own"], tables, i, DATA, x["sink"])}
@@ -260,6 +260,7 @@ class BackwardHeld(Source):
             idx = jnp.asarray(lay.indices(lf))[my, g]
             own = (x["own"][p] if p in tables
                    else jax.lax.dynamic_index_in_dim(mine[p], g, 0, False))
+            base, own = call.inner.whole((base, own))   # (one block, whole, for the scatter)
             own = jnp.moveaxis(own, a - 1, 0)
             base = jnp.moveaxis(base, a - 1, 0).at[idx].set(own)
             return call.cast(jnp.moveaxis(base, 0, a - 1))
@@ -267,6 +268,12 @@ class BackwardHeld(Source):
         kept = {p: x for p, x in mine.items() if not call.in_block(p)}
         apply = self._held_apply(mine, frozen, count_branch) if self.skips_unheld() else None
         return call.call(kept, spec.n_blocks, get, batch, xs=xs, prepare=prepare, apply=apply)
+
+    def _prune(self, full: dict, my) -> dict:
+        """Worker ``my``'s compact leaves of the full model (flat), each device pruning its
+        own part of a leaf split over the worker's devices (:meth:`sdp_jax.step.inner.
+        InnerLayout.take`): the full model is not gathered."""
+        return self.state.layout.prune(full, my, take=self.call.inner.take)
 
     def _held_apply(self, mine: dict, frozen: dict, count_branch):
         """``apply(g, _, h)`` of the block runner where held blocks alone compute weight
@@ -375,13 +382,13 @@ class BackwardHeld(Source):
         st, call, tables = self.state, self.call, self.tables
         state_local = st.state_local(stats)
         extra = () if state_local is None else (state_local,)
-        full = call.inner.whole(_flatten(params))   # (pruned by indexing below)
+        full = _flatten(params)   # (as stored: each device prunes its own part)
         my = sync.worker_index(DATA)
         if call.block_fn is None:   # the full gradient, masked to this worker's part
             loss, aux, g, new = call.value_and_grad(call.loss, sync.to_varying(full), batch,
                                                     *extra)
             return loss, aux, (g, {}), new
-        local = st.layout.prune(full, my)
+        local = self._prune(full, my)
         diff = {p: sync.to_varying(x) if st.layout.leaves[p].form == layout_lib.KEPT else x
                 for p, x in local.items() if p not in tables}   # (kept: local gradients)
         sinks = sync.owner_sinks({p: local[p] for p in tables}, tables, DATA)

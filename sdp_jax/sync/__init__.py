@@ -19,7 +19,7 @@ from sdp_jax.sync.collectives import (AXIS, STEP_BYTES, CompactTables, LayerTabl
                                       rows_from_owners, rows_to_owners, shards_sq_norm,
                                       shards_to_compact, sinks_to_mean, sinks_to_shards,
                                       slot_indices, sum_parts, to_order, to_rows, to_varying,
-                                      varying_axes, worker_index, zeros_varying)
+                                      varying, varying_axes, worker_index, zeros_varying)
 
 __all__ = ["AXIS", "to_varying", "zeros_varying", "worker_index", "CompactTables", "component_mean",
            "LayerTables", "layer_value", "to_rows", "from_rows", "pad_last", "pieces_to_owners",
@@ -27,5 +27,5 @@ __all__ = ["AXIS", "to_varying", "zeros_varying", "worker_index", "CompactTables
            "holder_shards", "shards_to_compact", "holder_mean", "owner_sinks", "sinks_to_shards",
            "sinks_to_mean", "cotangent_orders", "to_order", "from_order", "mean_in_backward",
            "all_gather_invariant", "shards_sq_norm", "sum_parts", "fsdp_gather", "masked_average",
-           "average", "varying_axes", "gather_full", "global_norm", "clip_by_global_norm",
+           "average", "varying", "varying_axes", "gather_full", "global_norm", "clip_by_global_norm",
            "clip_to"]

@@ -252,7 +252,14 @@ def _columns_per_device(fn, split: tuple, whole: tuple = ()):
     specs = tuple(cols(x) for x in split) + (jax.sharding.PartitionSpec(),) * len(whole)
     res = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=cols(out),
                         axis_names=set(names), check_vma=False)(*split, *whole)
-    return to_varying(res) if AXIS not in (varying_axes(res) or ()) else res
+    return varying(res)
+
+
+def varying(x, axis: str = AXIS):
+    """``x`` typed varying over ``axis`` (:func:`to_varying` unless it already is): the result
+    of a nested ``jax.shard_map`` over a worker's own axes (``check_vma=False``), which
+    carries no type over ``data``, as the values it was computed from are typed."""
+    return to_varying(x, axis) if axis not in (varying_axes(x) or ()) else x
 
 
 def pieces_to_owners(acc: jax.Array, pieces: jax.Array, idx: jax.Array,
