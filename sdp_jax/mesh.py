@@ -112,34 +112,43 @@ def worker_grid(devices, workers: int, fsdp: int, tensor: int) -> np.ndarray:
     the device order of a ``data x fsdp x tensor`` mesh.
 
     Devices are grouped by TPU slice (``slice_index``), then by process (host), and taken
-    group after group, so that a worker's devices are one slice's or one host's (or several
-    whole hosts of one slice, when a worker spans hosts) and ``data`` is the axis between
-    them. Inside each group, or each worker spanning several, the ``[k, F, T]`` order comes
-    from ``jax.experimental.mesh_utils.create_device_mesh`` (on a TPU it follows the chips'
-    physical torus, so that ``tensor`` and ``fsdp`` run over neighbouring chips; elsewhere it
-    keeps the id order); where that cannot lay the devices out, their id order is kept.
+    group after group, so that a worker's devices are one host's, or several whole hosts
+    taken in order (a slice's, when its hosts are a multiple of them), and ``data`` is the
+    axis between them. Inside each group, or each worker spanning several, the ``[k, F, T]``
+    order comes from ``jax.experimental.mesh_utils.create_device_mesh`` (on a TPU it follows
+    the chips' physical torus, so that ``tensor`` and ``fsdp`` run over neighbouring chips;
+    elsewhere it keeps the id order); where that cannot lay the devices out, their id order
+    is kept.
 
     Args:
-      devices: at least ``W * F * T`` devices (``jax.devices()``); the first whole groups
-        are used.
+      devices: at least ``W * F * T`` devices (``jax.devices()``); the first are used.
+      workers, fsdp, tensor: ``W``, ``F``, ``T``.
 
     Raises:
-      ValueError: fewer than ``W * F * T`` devices."""
+      ValueError: fewer than ``W * F * T`` devices; with several hosts of equal device
+        counts, ``F x T`` neither dividing nor a multiple of a host's devices (a worker
+        would straddle two hosts; names both and the fix)."""
     inner = fsdp * tensor
     need = workers * inner
     if need > len(devices):
         raise ValueError(f"{need} devices needed for {workers} workers of {fsdp} x {tensor}, "
-                         f"{len(devices)} present")
+                         f"{len(devices)} present; lower --config.workers or "
+                         "--config.mesh.fsdp / --config.mesh.tensor")
     ordered = sorted(devices, key=lambda d: (*_granule(d), d.id))[:need]
     groups = [list(g) for _, g in itertools.groupby(ordered, key=_granule)]
     size = len(groups[0])
     if inner > 1 and all(len(g) == size for g in groups):
         if size % inner == 0:     # whole workers per host or slice
             parts = [(g, (size // inner, fsdp, tensor)) for g in groups]
-        elif inner % size == 0:   # a worker spans inner / size whole hosts of one slice
+        elif inner % size == 0:   # a worker spans inner / size whole hosts, in order
             k = inner // size
             parts = [(sum(groups[i:i + k], []), (1, fsdp, tensor))
                      for i in range(0, len(groups), k)]
+        elif len(groups) > 1:
+            raise ValueError(
+                f"a worker of mesh.fsdp x mesh.tensor = {fsdp} x {tensor} = {inner} devices "
+                f"would straddle two of the hosts of {size} devices each; choose a "
+                f"mesh.fsdp x mesh.tensor that divides {size} or is a multiple of it.")
         else:
             parts = []
         try:
@@ -162,9 +171,9 @@ def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = Fals
     sharded one), whatever ``workers``.
 
     Devices are taken in process order (then by id), so that each process's devices are
-    adjacent on ``data`` and it loads one contiguous range of batch rows; a worker's
-    ``F x T`` devices are one TPU slice's or one host's, laid out by the chips' topology
-    (:func:`worker_grid`).
+    adjacent on ``data`` and it loads one contiguous range of batch rows; with ``F x T > 1``
+    they are grouped by TPU slice, then by host, a worker's devices one host's or several
+    whole hosts', laid out by the chips' topology (:func:`worker_grid`).
 
     Raises:
       ValueError: fewer devices than ``W * P * F * T`` (names the counts and the fix); a

@@ -225,7 +225,7 @@ def _check_launch(cmd: list[str]) -> None:
         assert e.value.code == 0
         return
     args = launch.parser().parse_args(own)
-    assert args.processes % args.processes_per_worker == 0, cmd   # (launch.run refuses it)
+    launch.check_processes_per_worker(args.processes, args.processes_per_worker)
     inner = cmd[cmd.index("--") + 1:]
     assert inner[:2] == ["python", "train.py"], inner
     _check_train(["train.py"] + inner[2:], processes=args.processes)

@@ -817,7 +817,8 @@ def _script(processes, body, capfd, **kw):
 def test_the_elastic_launcher_restarts_whole_workers_of_several_processes(capfd):
     """``--processes-per-worker 2`` (workers that span 2 processes): 6 processes of which
     process 3 is lost (status 76) restart as 4, not 5; with one worker of 2 processes, losing
-    one leaves none to restart; a --processes it does not divide is refused. (No JAX.)"""
+    one leaves none to restart, and with two, the one worker left is not restarted (W = 1 of
+    several devices is refused); a --processes it does not divide is refused. (No JAX.)"""
     body = ("if os.environ['JAX_NUM_PROCESSES'] != '6': sys.exit(0)\n"
             "time.sleep(0.5)\n"
             "sys.exit(76 if os.environ['JAX_PROCESS_ID'] == '3' else 75)\n")
@@ -830,6 +831,10 @@ def test_the_elastic_launcher_restarts_whole_workers_of_several_processes(capfd)
                              restarts=1, grace=1.0, processes_per_worker=2)
     assert status == 75 and ("process(es) 1 lost; not restarting (no whole worker of 2 "
                              "processes left)") in err, err
+    status, _, err = _script(4, body.replace("'6'", "'4'"), capfd, restarts=1, grace=1.0,
+                             processes_per_worker=2)
+    assert status == 75 and ("process(es) 3 lost; not restarting (one worker of 2 processes "
+                             "left: a single worker of several devices is not built)") in err, err
     with pytest.raises(ValueError, match="--processes-per-worker=4 must be at least 1 and "
                                          "divide --processes=6"):
         launch.run(["true"], 6, processes_per_worker=4)

@@ -132,6 +132,30 @@ def test_a_workers_devices_are_one_slices_or_one_hosts():
         mesh_lib.worker_grid(devices, 2, 4, 2)
 
 
+def test_a_workers_order_inside_comes_from_mesh_utils(monkeypatch):
+    """Inside a host (or a worker of several hosts) the order is mesh_utils.create_device_mesh's
+    (a TPU's torus); where it cannot lay the devices out, the id order; a worker that would
+    straddle two hosts is refused in one line."""
+    devices = [FakeDevice(i, process_index=i // 4, slice_index=0) for i in range(8)]
+    calls = []
+
+    def reversed_mesh(shape, devs):
+        calls.append(len(devs))
+        return np.asarray(devs[::-1], dtype=object).reshape(shape)
+    monkeypatch.setattr(mesh_lib.mesh_utils, "create_device_mesh", reversed_mesh)
+    grid = mesh_lib.worker_grid(devices, 2, 2, 2)
+    assert calls == [4, 4] and [d.id for d in grid.ravel()] == [3, 2, 1, 0, 7, 6, 5, 4]
+
+    def fails(shape, devs):
+        raise ValueError("no such physical layout")
+    monkeypatch.setattr(mesh_lib.mesh_utils, "create_device_mesh", fails)
+    assert [d.id for d in mesh_lib.worker_grid(devices, 2, 2, 2).ravel()] == list(range(8))
+    hosts = [FakeDevice(i, process_index=i // 6, slice_index=0) for i in range(12)]
+    with pytest.raises(ValueError, match=r"mesh.fsdp x mesh.tensor = 2 x 2 = 4 devices would "
+                                         r"straddle two of the hosts of 6 devices each"):
+        mesh_lib.worker_grid(hosts, 3, 2, 2)
+
+
 def test_manual_specs_keep_only_the_manual_axes():
     P = jax.sharding.PartitionSpec
     assert manual_spec(P("data", "fsdp", None, "tensor"), {"data"}) == P("data", None, None, None)
@@ -144,20 +168,18 @@ def test_the_declared_layout_over_a_workers_devices():
     inner = InnerLayout(spec, fsdp=2, tensor=2)
     # q by heads (column-parallel) and o by its input heads (row-parallel) over tensor; the
     # block stack's axis whole; fsdp on the largest other axis
-    assert inner.axes(("blocks", "attn", "wq"), (4, 32, 8, 4), True) == [None, "fsdp", "tensor",
-                                                                         None]
-    assert inner.axes(("blocks", "attn", "wo"), (4, 8, 4, 32), True) == [None, "tensor", None,
-                                                                         "fsdp"]
-    assert inner.axes(("blocks", "mlp", "w_down"), (4, 64, 32), True) == [None, "tensor", "fsdp"]
+    assert inner.axes(("blocks", "attn", "wq"), (4, 32, 8, 4)) == [None, "fsdp", "tensor", None]
+    assert inner.axes(("blocks", "attn", "wo"), (4, 8, 4, 32)) == [None, "tensor", None, "fsdp"]
+    assert inner.axes(("blocks", "mlp", "w_down"), (4, 64, 32)) == [None, "tensor", "fsdp"]
     # an embedding's rows (a gather's table) stay whole; a norm splits over fsdp alone
-    assert inner.axes(("embed",), (64, 32), False) == [None, "fsdp"]
-    assert inner.axes(("final_norm", "scale"), (32,), False) == ["fsdp"]
-    assert inner.axes(("final_norm", "scale"), (31,), False) == [None]
+    assert inner.axes(("embed",), (64, 32)) == [None, "fsdp"]
+    assert inner.axes(("final_norm", "scale"), (32,)) == ["fsdp"]
+    assert inner.axes(("final_norm", "scale"), (31,)) == [None]
     # the held heads of N-SDP: T must divide them (CFG at C = 1/2 holds 4 key/value groups)
     with pytest.raises(ValueError, match=r"mesh.tensor=8 does not divide the 4 components .* of "
                                          r"'blocks/attn/wk' along axis 2"):
-        InnerLayout(spec, tensor=8).axes(("blocks", "attn", "wk"), (4, 32, 4, 4), True)
-    assert InnerLayout(spec).axes(("embed",), (64, 32), False) == [None, None]
+        InnerLayout(spec, tensor=8).axes(("blocks", "attn", "wk"), (4, 32, 4, 4))
+    assert InnerLayout(spec).axes(("embed",), (64, 32)) == [None, None]
 
 
 def test_a_held_count_that_tensor_does_not_divide_is_refused_when_built():
@@ -333,7 +355,7 @@ def test_holder_exchange_bytes_across_workers_fall_with_the_workers_devices():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["ddp", "n-sdp"])
+@pytest.mark.parametrize("variant", ["ddp", "n-sdp", "nb-sdp"])
 def test_a_users_model_on_workers_of_several_devices(variant):
     """The user's model of tests/test_custom_model.py (list-form blocks) with 4 workers of 2
     devices, over fsdp and over tensor, equals 4 workers of one device."""

@@ -53,13 +53,12 @@ class InnerLayout:
         self.fsdp, self.tensor = int(fsdp), int(tensor)
         self.active = self.fsdp * self.tensor > 1
 
-    def axes(self, p: tuple, shape: tuple, stacked: bool) -> list:
+    def axes(self, p: tuple, shape: tuple) -> list:
         """The mesh axis (``fsdp``, ``tensor`` or None) of each axis of a worker's stored leaf
         ``p`` of shape ``shape`` (no worker or stage axis; the full model's leaf under
         backward masking, a worker's compact one under forward masking).
 
-        Args:
-          stacked: ``p`` lies in a block stack whose axis 0 is the stack's (kept whole).
+        A leaf of a block stack (:meth:`stacked`) keeps its axis 0, the stack's, whole.
 
         Raises:
           ValueError: ``T`` does not divide the leaf's component count (names both and the
@@ -72,7 +71,7 @@ class InnerLayout:
             out[split] = TENSOR
         if self.fsdp > 1:
             free = [a for a in range(len(shape)) if out[a] is None
-                    and not (a == 0 and (stacked or len(shape) > 1))
+                    and not (a == 0 and (self.stacked(p) or len(shape) > 1))
                     and shape[a] % self.fsdp == 0]
             if free:
                 out[max(free, key=lambda a: (shape[a], -a))] = FSDP
@@ -145,16 +144,22 @@ class InnerLayout:
             axes[hit[0] - int(per_block)] = TENSOR
         return jax.lax.with_sharding_constraint(x, P(*axes))
 
-    def take(self, p: tuple, x, idx, fn, stacked: bool = True):
+    def stacked(self, p: tuple) -> bool:
+        """Whether stored leaf ``p`` lies in a block stack (its axis 0 the stack's)."""
+        bp = self.spec.block_path
+        return bool(self.spec.blocks_stacked) and bp is not None and p[:len(bp)] == bp
+
+    def take(self, p: tuple, x, idx, fn):
         """Inside the per-worker function: ``fn(x, idx)`` (``idx`` int32, replicated), which
         indexes leaf ``p`` on its component axis (``spec.component_axes``; N-SDP's pruning to
         the held neurons and heads), run by each of the worker's devices on its own part of
-        ``x``: gathered over ``tensor`` along that axis only, its other axes staying split
-        over ``fsdp`` (a nested ``jax.shard_map`` over the worker's axes: jax 0.10's
-        partitioner fails a gather from a leaf split over them). The result keeps ``x``'s
-        layout but along the component axis. ``x``: the stored leaf (backward masking's
-        full model); ``stacked``: ``p`` lies in a block stack. Unchanged when ``F x T = 1``."""
-        axes = self.axes(p, tuple(x.shape), stacked) if self.active else []
+        ``x`` (a nested ``jax.shard_map`` over the worker's axes: jax 0.10's partitioner
+        fails a gather from a leaf split over them). The component axis is gathered first
+        (over ``tensor``, or over ``fsdp`` where ``F`` splits it, as for MLP leaves when
+        ``T = 1``: then that leaf is whole on each device while it is pruned); the other axes
+        stay split. The result keeps ``x``'s layout but along the component axis. ``x``: the
+        stored leaf (backward masking's full model). Unchanged when ``F x T = 1``."""
+        axes = self.axes(p, tuple(x.shape)) if self.active else []
         names = tuple(a for a in axes if a is not None)
         if not names:
             return fn(x, idx)

@@ -272,7 +272,8 @@ class BackwardHeld(Source):
     def _prune(self, full: dict, my) -> dict:
         """Worker ``my``'s compact leaves of the full model (flat), each device pruning its
         own part of a leaf split over the worker's devices (:meth:`sdp_jax.step.inner.
-        InnerLayout.take`): the full model is not gathered."""
+        InnerLayout.take`): the full model is not gathered as one (a leaf whose component axis
+        ``fsdp`` splits is whole on each device while it is pruned)."""
         return self.state.layout.prune(full, my, take=self.call.inner.take)
 
     def _held_apply(self, mine: dict, frozen: dict, count_branch):

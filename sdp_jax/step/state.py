@@ -252,7 +252,7 @@ class StateLayout:
                 shape = ((W,) if c in WORKER_AXIS else ()) + tuple(base)
                 axes = [] if c == Kind.REPLICATED else [DATA]
                 if self.inner.active:   # a worker's own devices (sdp_jax.step.inner)
-                    axes += self.inner.axes(p, tuple(base), self._stacked(p))
+                    axes += self.inner.axes(p, tuple(base))
             if self.staging.is_staged(p):   # [W, P, ...] for C / Rw, [P, ...] for R / S
                 i = 1 if c in WORKER_AXIS else 0
                 shape = shape[:i] + (self.stages,) + shape[i:]
@@ -261,11 +261,6 @@ class StateLayout:
             shapes[p] = jax.ShapeDtypeStruct(shape, lay.dtype(p),
                                              sharding=NamedSharding(self.mesh, specs[p]))
         return _unflatten(specs), _unflatten(shapes)
-
-    def _stacked(self, p) -> bool:
-        """Whether stored leaf ``p`` carries a block stack's axis first."""
-        bp = self.spec.block_path
-        return bool(self.spec.blocks_stacked) and bp is not None and p[:len(bp)] == bp
 
     def _state_struct(self):
         """Kinds, partition specs and shapes of the model state (``stats``): stored like

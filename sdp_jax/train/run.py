@@ -303,7 +303,9 @@ def resolve_workers(config, device_count: int, stages: int = 1,
         raise ValueError(f"with several processes every device belongs to a worker: workers x "
                          f"{per} must be the {device_count} devices (got {workers} x "
                          f"{stages * inner} = {need}); set --config.workers=0 and a {per} "
-                         f"that divides {device_count}.")
+                         f"that divides {device_count}"
+                         + (" (under the elastic launcher, give --processes-per-worker so that "
+                            "it restarts whole workers)." if inner > 1 else "."))
     return workers
 
 
@@ -341,8 +343,8 @@ def total_steps(config, coverage: float, steps: int | None = None) -> int:
 def make_mesh(run: RunSpec):
     """The run's mesh (:func:`sdp_jax.mesh.make_mesh`): ``('data',)`` of ``W`` devices,
     ``('data', 'stage')`` of ``W x P`` when pipelined, or ``('data', 'fsdp', 'tensor')`` of
-    ``W x F x T`` with workers of several devices (each one host's or one slice's,
-    :func:`sdp_jax.mesh.worker_grid`), devices in process order; one device with
+    ``W x F x T`` with workers of several devices (grouped by TPU slice and host,
+    :func:`sdp_jax.mesh.worker_grid`), else devices in process order; one device with
     ``config.emulate_workers``."""
     return mesh_lib.make_mesh(run.workers, run.pipe.stages,
                               emulated=run.options.emulate_workers,

@@ -11,9 +11,10 @@ top:
   watch has started.
 """
 
-from sdp_jax.train.launch.launcher import (HUNG_AFTER, PROG, UNTOLD_AFTER, coordinator_args,
+from sdp_jax.train.launch.launcher import (HUNG_AFTER, PROG, UNTOLD_AFTER,
+                                           check_processes_per_worker, coordinator_args,
                                            free_port, initialize, main, multi_process_env, parser,
                                            process_env, run)
 
-__all__ = ["PROG", "HUNG_AFTER", "UNTOLD_AFTER", "free_port", "process_env", "run",
+__all__ = ["PROG", "HUNG_AFTER", "UNTOLD_AFTER", "free_port", "process_env", "run", "check_processes_per_worker",
            "multi_process_env", "coordinator_args", "initialize", "parser", "main"]

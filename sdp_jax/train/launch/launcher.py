@@ -111,10 +111,7 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
     """
     if processes < 1:
         raise ValueError(f"--processes={processes} must be at least 1.")
-    if processes_per_worker < 1 or processes % processes_per_worker:
-        raise ValueError(f"--processes-per-worker={processes_per_worker} must be at least 1 and "
-                         f"divide --processes={processes}; give a worker's processes (mesh.fsdp"
-                         " x mesh.tensor / devices per process).")
+    check_processes_per_worker(processes, processes_per_worker)
     if restarts < 0:
         raise ValueError(f"--restarts={restarts} must be at least 0.")
     if not command:
@@ -135,14 +132,28 @@ def run(command: Sequence[str], processes: int, *, port: int = 0, grace: float =
     return status
 
 
+def check_processes_per_worker(processes: int, per_worker: int) -> None:
+    """The one rule of ``--processes-per-worker``: at least 1, dividing ``--processes``.
+
+    Raises:
+      ValueError: one line naming both and the fix."""
+    if per_worker < 1 or processes % per_worker:
+        raise ValueError(f"--processes-per-worker={per_worker} must be at least 1 and divide "
+                         f"--processes={processes}; give a worker's processes (mesh.fsdp x "
+                         "mesh.tensor / devices per process).")
+
+
 def _restart(processes: int, lost: list, per_worker: int, why: str) -> int:
     """The processes an elastic restart starts after ``lost`` of ``processes``: the largest
     multiple of ``per_worker`` (a worker that lost a process is lost whole) not above those
-    left, or 0 when none can restart (``why``, or none left); says which in one line."""
+    left, or 0 when none can restart (``why``, none left, or a single worker of several
+    processes, which a run refuses: :func:`sdp_jax.mesh.check_worker_shape`); says which in
+    one line."""
     alive = processes - len(lost)
     left = alive - alive % per_worker
     why = ("no process left" if alive < 1 else f"no whole worker of {per_worker} processes "
-           "left" if left < 1 else why)
+           "left" if left < 1 else f"one worker of {per_worker} processes left: a single "
+           "worker of several devices is not built" if left == per_worker > 1 else why)
     who = (f"the {left} process(es) left" if left == alive else
            f"{left} of the {alive} process(es) left (whole workers of {per_worker} processes)")
     print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; "
@@ -529,7 +540,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--processes-per-worker", type=int, default=1,
                    help="the processes one worker spans (mesh.fsdp x mesh.tensor / devices per "
                         "process; default 1): --processes is a multiple of it, and --elastic "
-                        "restarts as whole workers")
+                        "restarts as whole workers (without --elastic it is only checked)")
     return p
 
 
