@@ -81,8 +81,8 @@ def check_devices_per_process(devices=None) -> None:
 
 def check_worker_shape(workers: int, stages: int = 1, fsdp: int = 1, tensor: int = 1) -> None:
     """The one rule of what a worker of several devices (``F x T > 1``) does not compose with
-    here: a pipeline (``stages > 1``), and a single worker (``W = 1``: jax 0.10's partitioner
-    refuses the averaging over a ``data`` axis of one device beside ``fsdp`` and ``tensor``).
+    here: a pipeline (``stages > 1``). (A single worker of several devices, ``W = 1``, runs
+    as :class:`sdp_jax.sync.placement.OneWorker`.)
     :func:`make_mesh`, :class:`sdp_jax.step.SDPStep` (a user's mesh) and a run's validation
     (:func:`sdp_jax.train.run.resolve`, before any compile) all ask it.
 
@@ -95,10 +95,6 @@ def check_worker_shape(workers: int, stages: int = 1, fsdp: int = 1, tensor: int
         raise ValueError(f"a pipeline (pipeline.stages={stages}) with workers of several devices "
                          f"({sizes}) is not built; set --config.mesh.fsdp=1 "
                          "--config.mesh.tensor=1, or --config.pipeline.stages=1.")
-    if workers == 1:
-        raise ValueError(f"one worker of several devices (W=1, {sizes}) is not built; give "
-                         "--config.workers >= 2 (or more devices), or --config.mesh.fsdp=1 "
-                         "--config.mesh.tensor=1.")
 
 
 def _granule(d) -> tuple[int, int]:
@@ -177,7 +173,7 @@ def make_mesh(workers: int, stages: int = 1, devices=None, emulated: bool = Fals
 
     Raises:
       ValueError: fewer devices than ``W * P * F * T`` (names the counts and the fix); a
-        pipeline or a single worker with ``F x T > 1`` (:func:`check_worker_shape`).
+        pipeline with ``F x T > 1`` (:func:`check_worker_shape`).
     """
     devices = list(devices if devices is not None else jax.devices())
     if emulated:

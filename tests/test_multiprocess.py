@@ -523,24 +523,30 @@ def test_elastic_resume_on_several_processes_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after, devices", [(3, 2, 4), (6, 4, 2)])
+@pytest.mark.parametrize("before, after, devices, variant", [
+    (3, 2, 4, "b-sdp"), (6, 4, 2, "b-sdp"), (2, 1, 4, "ddp")])
 def test_elastic_resume_on_fewer_processes_keeps_the_workers_devices(tmp_path, before, after,
-                                                                    devices):
-    """Issue 49: W = 3 workers of fsdp x tensor = 2 x 2 stop at step 3; fewer processes carry
-    on with --config.elastic=True as W = 2 workers of the same 2 x 2. Laid out as 3 processes
-    x 4 devices (a worker per process) then 2 x 4, and as 6 processes x 2 devices (a worker
-    spans 2 processes) then 4 x 2. The re-laid-out state, gathered and joined again, equals
-    the checkpoint's full state bit for bit (tests/elastic_probe.py, in every process), and
-    train.py continues the run through the switch."""
+                                                                    devices, variant):
+    """Issue 49: workers of fsdp x tensor = 2 x 2 stop at step 3; fewer processes carry on
+    with --config.elastic=True as fewer workers of the same 2 x 2. Laid out as 3 processes x 4
+    devices (a worker per process) then 2 x 4, as 6 processes x 2 devices (a worker spans 2
+    processes) then 4 x 2, and (ddp) as 2 processes x 4 devices then one worker of 4 devices
+    in 1 process (plain FSDP and tensor parallelism). The re-laid-out state, gathered and
+    joined again, equals the checkpoint's full state bit for bit (tests/elastic_probe.py, in
+    every process), and train.py continues the run through the switch."""
     wd = tmp_path / "run"
-    inner = ["--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.batch_per_worker=4"]
+    inner = ["--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.batch_per_worker=4",
+             f"--config.sdp.variant={variant}"]
+    w0, w1 = before * devices // 4, after * devices // 4
     _elastic_run(wd, before, devices, inner, stop=3)
     probe = _probe(wd, after, devices, inner)
-    assert probe["step"] == 3 and probe["workers"] == 2 and probe["processes"] == after
+    assert probe["step"] == 3 and probe["workers"] == w1 and probe["processes"] == after
     assert probe["leaves"] >= 3 * 9   # the parameters and both Adam moments of every leaf
     out = _elastic_run(wd, after, devices, [*inner, "--config.elastic=True"], stop=5)
-    assert "elastic resume (--config.elastic) at step 3: workers 3 -> 2" in out, out[-2000:]
-    assert "2 workers of 4 devices each (mesh data x fsdp x tensor = 2 x 2 x 2)" in out
+    assert f"elastic resume (--config.elastic) at step 3: workers {w0} -> {w1}" in out, \
+        out[-2000:]
+    many = f"{w1} workers of 4 devices each" if w1 > 1 else "1 worker of 4 devices"
+    assert f"{many} (mesh data x fsdp x tensor = {w1} x 2 x 2)" in out
     assert [r["step"] for r in metrics(wd)] == list(range(1, 6))
 
 
@@ -817,8 +823,8 @@ def _script(processes, body, capfd, **kw):
 def test_the_elastic_launcher_restarts_whole_workers_of_several_processes(capfd):
     """``--processes-per-worker 2`` (workers that span 2 processes): 6 processes of which
     process 3 is lost (status 76) restart as 4, not 5; with one worker of 2 processes, losing
-    one leaves none to restart, and with two, the one worker left is not restarted (W = 1 of
-    several devices is refused); a --processes it does not divide is refused. (No JAX.)"""
+    one leaves none to restart, and with two, the one worker left restarts; a --processes it
+    does not divide is refused. (No JAX.)"""
     body = ("if os.environ['JAX_NUM_PROCESSES'] != '6': sys.exit(0)\n"
             "time.sleep(0.5)\n"
             "sys.exit(76 if os.environ['JAX_PROCESS_ID'] == '3' else 75)\n")
@@ -833,8 +839,8 @@ def test_the_elastic_launcher_restarts_whole_workers_of_several_processes(capfd)
                              "processes left)") in err, err
     status, _, err = _script(4, body.replace("'6'", "'4'"), capfd, restarts=1, grace=1.0,
                              processes_per_worker=2)
-    assert status == 75 and ("process(es) 3 lost; not restarting (one worker of 2 processes "
-                             "left: a single worker of several devices is not built)") in err, err
+    assert status == 0 and ("process(es) 3 lost; restarting the run as 2 of the 3 process(es) "
+                            "left (whole workers of 2 processes)") in err, err
     with pytest.raises(ValueError, match="--processes-per-worker=4 must be at least 1 and "
                                          "divide --processes=6"):
         launch.run(["true"], 6, processes_per_worker=4)

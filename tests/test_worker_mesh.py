@@ -254,8 +254,6 @@ def test_bad_batches_for_a_workers_devices_are_one_line():
     b = builder("ddp", (2, 4, 1), grad_accum=2)   # 4 rows per worker: microbatches of 2
     with pytest.raises(ValueError, match="config.mesh.fsdp=4 does not divide the 2 rows"):
         b.put_batch(np.zeros((8, 13), np.int32))
-    with pytest.raises(ValueError, match="one worker of several devices .W=1"):
-        mesh_lib.make_mesh(1, fsdp=2)
 
 
 def test_mesh_sizes_are_declared_settings():
@@ -279,9 +277,9 @@ def test_run_config_refusals_before_compute():
     with pytest.raises(ValueError, match="emulated workers run on one device, but mesh.fsdp x "
                                          "mesh.tensor = 1 x 2"):
         resolve(tiny(emulate_workers=True, workers=2, **{"mesh.tensor": 2}), n)
-    with pytest.raises(ValueError, match=r"one worker of several devices \(W=1, mesh.fsdp x "
-                                         r"mesh.tensor = 2 x 2\) is not built"):
-        resolve(tiny(workers=1, **{"mesh.fsdp": 2, "mesh.tensor": 2}), n)
+    # one worker of several devices is plain FSDP / tensor parallelism (C = 1)
+    assert resolve(tiny(workers=1, **{"mesh.fsdp": 2, "mesh.tensor": 2, "sdp.variant": "ddp"}),
+                   n).workers == 1
     with pytest.raises(ValueError, match="config.mesh.fsdp=4 does not divide the 2 rows"):
         resolve(tiny(workers=2, **{"mesh.fsdp": 4}), n)
     # llama_tiny's 2 key/value groups: a worker of N-SDP at C = 1/2 holds 1, which T = 2
@@ -316,6 +314,33 @@ def test_every_variant_on_workers_of_several_devices_equals_one_device_each(vari
         assert max_difference(ref, s1, b, s2) < 1e-5, shape
         e2 = float(b.eval_step_fn()(s2["params"], b.put_batch(batches(1)[0])))
         np.testing.assert_allclose(e2, e1, rtol=1e-5, err_msg=str(shape))
+
+
+@pytest.mark.slow
+def test_one_worker_of_several_devices_equals_one_device():
+    """W = 1 (plain FSDP and tensor parallelism: C = 1, every variant) over 1 x 2 x 2 and
+    1 x 4 x 1 (sdp_jax.sync.placement.OneWorker) equals one device after 2 AdamW steps, with
+    the full model's evaluation; each device stores under 0.3 of the state."""
+    x = batches(1)[0][:4]
+    for variant in spec_lib.VARIANTS:
+        one = llama.make_plan(variant, CFG, 1, 1.0, "cyclic", 0)
+        out = []
+        for shape in ((1, 1, 1), (1, 2, 2), (1, 4, 1)):
+            mesh = mesh_lib.make_mesh(1, fsdp=shape[1], tensor=shape[2])
+            b = families.language_model_step(CFG, one, OPT, mesh,
+                                              StepOptions(total_steps=10, grad_clip=1.0))
+            s = b.init_state(seed=0)
+            for _ in range(2):
+                s, m = b.train_step_fn()(s, b.put_batch(x))
+            e = float(b.eval_step_fn()(s["params"], b.put_batch(x)))
+            out.append((b, s, float(m["train_loss"]), e, stored_bytes(s)))
+        (b1, s1, l1, e1, n1) = out[0]
+        for shape, (b2, s2, l2, e2, n2) in zip(((1, 2, 2), (1, 4, 1)), out[1:]):
+            assert abs(l2 - l1) < 1e-5 and abs(e2 - e1) < 1e-5, (variant, shape)
+            assert max_difference(b1, s1, b2, s2) < 1e-5, (variant, shape)
+            assert n2 < 0.3 * n1, (variant, shape)
+            assert b2.describe_placement().startswith("1 worker of 4 devices (mesh data x "
+                                                      "fsdp x tensor = ")
 
 
 @pytest.mark.slow

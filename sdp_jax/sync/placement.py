@@ -6,7 +6,8 @@ of two ways, behind one method, :meth:`Placement.map`:
 
 * :class:`OnDevices`: ``jax.shard_map`` over the mesh, worker ``w`` on the ``w``-th device of
   ``data`` (the mesh's ``data`` size is ``W``), or on the ``F x T`` devices of its mesh axes
-  ``fsdp`` and ``tensor`` (manual over ``data`` alone);
+  ``fsdp`` and ``tensor`` (manual over ``data`` alone); one worker of several devices
+  (:class:`OneWorker`) runs as emulated below, on its ``F x T`` devices;
 * :class:`Emulated`: every worker on one device (the mesh's ``data`` size is 1), the same
   per-worker function under ``jax.vmap`` with ``axis_name="data"``, so that ``psum``,
   ``all_to_all``, ``all_gather`` and ``axis_index`` over ``data`` mean what they mean across
@@ -108,7 +109,9 @@ class OnDevices(Placement):
             return super().describe()
         axes = " x ".join(self.mesh.axis_names)
         sizes = " x ".join(str(n) for n in self.mesh.devices.shape)
-        return (f"{self.workers} workers of {f * t} devices each (mesh {axes} = {sizes}): a "
+        many = f"{self.workers} workers of {f * t} devices each" if self.workers > 1 else \
+            f"1 worker of {f * t} devices"
+        return (f"{many} (mesh {axes} = {sizes}): a "
                 f"worker's parameters and optimizer state sharded over its devices, its batch "
                 f"rows over '{FSDP}', its heads and neurons over '{TENSOR}'; SDP averaging "
                 f"over '{DATA}'")
@@ -208,6 +211,35 @@ class Emulated(Placement):
         return mapped
 
 
+class OneWorker(Emulated):
+    """One worker of several devices (``W = 1``, ``F x T > 1``): the per-worker function under
+    ``jax.vmap`` over ``data`` of size 1 (as :class:`Emulated`: its collectives over ``data``
+    are the identity and move no bytes), every mesh axis automatic, the worker's arrays laid
+    out over ``fsdp`` and ``tensor`` as the specs declare (jax 0.10's partitioner rejects a
+    ``jax.shard_map`` manual over a ``data`` axis of one device beside automatic ones)."""
+
+    emulated = False
+
+    def describe(self) -> str:
+        return OnDevices.describe(self)
+
+    def _data_dim(self, spec: P) -> int | None:
+        dims = [i for i, e in enumerate(spec) if e is not None
+                and DATA in (e if isinstance(e, tuple) else (e,))]
+        return dims[0] if dims else None
+
+    def _check_replication(self, fn, in_specs, out_specs, args) -> None:
+        return None   # (one worker: nothing can differ between workers)
+
+    def map(self, fn, in_specs, out_specs, check_vma=True):
+        mapped = super().map(fn, in_specs, out_specs, check_vma)
+
+        def on_mesh(*args):
+            with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+                return mapped(*args)
+        return on_mesh
+
+
 def _leaf_specs(specs: Any, tree: Any) -> list:
     """The PartitionSpec of every leaf of ``tree`` (flattened order), from ``specs``, a tree
     prefix of ``tree`` as ``jax.shard_map``'s ``in_specs`` and ``out_specs`` are."""
@@ -248,6 +280,9 @@ def placement_of(mesh, workers: int, emulate: bool) -> Placement:
       ValueError: emulation refused (:func:`check_emulation`), or a mesh axis other than
         ``data`` and ``stage``."""
     if not emulate:
+        f, t = inner_sizes(mesh)
+        if workers == 1 and f * t > 1:
+            return OneWorker(mesh, workers)
         return OnDevices(mesh, workers)
     shape = dict(mesh.shape)
     spans = len({d.process_index for d in mesh.devices.flat})   # one device: one process

@@ -189,8 +189,8 @@ def _plan(family, config, model, workers: int, pipe, shape: MeshShape):
 
 def _check_mesh_shape(config, shape: MeshShape, pipe, family) -> None:
     """A worker of ``F x T`` devices (:class:`sdp_jax.options.MeshShape`) against the rest of
-    the run: not with emulated workers (a pipeline and a single worker:
-    :func:`sdp_jax.mesh.check_worker_shape`, in :func:`_plan`); ``tensor`` only for a family
+    the run: not with emulated workers (a pipeline: :func:`sdp_jax.mesh.check_worker_shape`,
+    in :func:`_plan`); ``tensor`` only for a family
     that splits over it; ``F`` dividing the rows of a worker's microbatch
     (:func:`sdp_jax.step.inner.check_rows`).
 

@@ -146,14 +146,11 @@ def check_processes_per_worker(processes: int, per_worker: int) -> None:
 def _restart(processes: int, lost: list, per_worker: int, why: str) -> int:
     """The processes an elastic restart starts after ``lost`` of ``processes``: the largest
     multiple of ``per_worker`` (a worker that lost a process is lost whole) not above those
-    left, or 0 when none can restart (``why``, none left, or a single worker of several
-    processes, which a run refuses: :func:`sdp_jax.mesh.check_worker_shape`); says which in
-    one line."""
+    left, or 0 when none can restart (``why``, or none left); says which in one line."""
     alive = processes - len(lost)
     left = alive - alive % per_worker
     why = ("no process left" if alive < 1 else f"no whole worker of {per_worker} processes "
-           "left" if left < 1 else f"one worker of {per_worker} processes left: a single "
-           "worker of several devices is not built" if left == per_worker > 1 else why)
+           "left" if left < 1 else why)
     who = (f"the {left} process(es) left" if left == alive else
            f"{left} of the {alive} process(es) left (whole workers of {per_worker} processes)")
     print(f"{PROG}: process(es) {', '.join(map(str, lost))} lost; "
