@@ -399,19 +399,21 @@ def test_a_users_model_on_workers_of_several_devices(variant):
 
 
 @pytest.mark.slow
-def test_a_vision_model_with_batchnorm_on_workers_of_two_fsdp_devices():
+@pytest.mark.parametrize("workers", [4, 1])
+def test_a_vision_model_with_batchnorm_on_workers_of_two_fsdp_devices(workers):
     """A ResNet with BatchNorm (model state averaged over holders, the model's own slots):
-    4 workers of 2 fsdp devices equal 4 workers of one device after 3 steps, and the full
-    model's evaluation (sdp_jax.train.families.VisionEval) too."""
+    4 workers of 2 fsdp devices (B-SDP at C = 1/2) equal 4 workers of one device after 3
+    steps, and the full model's evaluation (sdp_jax.train.families.VisionEval) too; and one
+    worker of 2 devices (C = 1) equals one device."""
     cfg = vm.VisionConfig(name="resnet18", width=4, depths=(2, 2), image_size=16,
                           num_classes=5)
-    plan = families.vision_spec(cfg, "b-sdp", 4, 0.5)
+    plan = families.vision_spec(cfg, "b-sdp", workers, 0.5 if workers > 1 else 1.0)
     rng = np.random.default_rng(0)
     data = [(rng.normal(size=(8, 16, 16, 3)).astype(np.float32),
              rng.integers(0, 5, 8).astype(np.int32)) for _ in range(3)]
     out = []
     for f in (1, 2):
-        step = families.vision_step(cfg, plan, OPT, mesh_lib.make_mesh(4, fsdp=f),
+        step = families.vision_step(cfg, plan, OPT, mesh_lib.make_mesh(workers, fsdp=f),
                                     StepOptions(total_steps=10, grad_clip=1.0))
         state = step.init_state(0)
         for batch in data:
