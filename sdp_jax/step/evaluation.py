@@ -75,15 +75,27 @@ class Evaluation:
 
     def _local(self, params, batch):
         params = self.state.staging.unstage(params, self.state.param_specs)
-        # (a worker's stored leaves whole on its devices: the holders' gathers index them)
-        params, batch = self.call.inner.whole(params), self.call.inner.split_rows(batch)
+        batch = self.call.inner.split_rows(batch)
         if self.source.gathers_blocks:
             out = self.source.loss(params, batch, train=False)
         elif self.call.block_fn is None:
             out = self.call.loss(_flatten(self.gather(params)[0]), batch)
         else:
-            out = self._streamed(params, batch)
+            out = self._streamed(self._indexable(params), batch)
         return jax.lax.pmean(self.call.output_loss(out), DATA)
+
+    def _indexable(self, params):
+        """The stored parameters as :meth:`_streamed` reads them: a worker's compact leaves of
+        N-SDP's neurons and heads, whose holders' values it scatters into full layers, whole
+        on each of the worker's devices (:meth:`sdp_jax.step.inner.InnerLayout.whole`: jax
+        0.10's partitioner fails a scatter from a leaf split over them); the others as
+        stored, read one block at a time."""
+        st = self.state
+        flat = _flatten(params)
+        scattered = {p: x for p, x in flat.items() if st.param_layout[p] != Kind.REPLICATED
+                     and p in st.layout.leaves
+                     and st.layout.leaves[p].form == layout_lib.NEURON}
+        return _unflatten({**flat, **self.call.inner.whole(scattered)})
 
     def _streamed(self, params, batch):
         """The full model with the block runner: each block's parameters fetched from their

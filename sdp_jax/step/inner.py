@@ -181,8 +181,9 @@ class InnerLayout:
         worker's devices (gathered over ``fsdp`` and ``tensor``), for code that indexes a
         leaf along any axis (jax 0.10's partitioner fails on a gather or a scatter on a leaf
         split over a worker's own devices): one block's leaves as backward masking writes
-        the held neurons and heads into the frozen ones, and the stored leaves the full
-        model's evaluation gathers from their holders. Unchanged when ``F x T = 1``."""
+        the held neurons and heads into the frozen ones, and N-SDP's compact leaves whose
+        holders' values the full model's evaluation scatters into full layers. Unchanged
+        when ``F x T = 1``."""
         if not self.active:
             return tree
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
