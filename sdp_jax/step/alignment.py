@@ -20,8 +20,8 @@ _flatten, _unflatten = spec_lib.flatten, spec_lib.unflatten
 
 def check(options: StepOptions, *, pipelined: bool = False, no_full_loss: str = "",
           asked: str = "SDPStep.alignment_fn()",
-          fix: str = "measure it on an unpipelined run without FSDP, averaging gradients",
-          spanning: bool = False) -> None:
+          fix: str = "measure it on an unpipelined run without FSDP, averaging gradients"
+          ) -> None:
     """The one owner of the gradient alignment's refusals, for
     :meth:`sdp_jax.step.SDPStep.alignment_fn` and a run config's ``align_every``
     (:func:`sdp_jax.train.run.resolve`).
@@ -33,16 +33,12 @@ def check(options: StepOptions, *, pipelined: bool = False, no_full_loss: str = 
         (one that runs its own block slots, ``stacked_slots``: the vision models); empty
         when it has one.
       asked: what the message says was asked for; fix: how to drop the request.
-      spanning: workers of several devices (mesh axes ``fsdp``, ``tensor``).
 
     Raises:
       ValueError: a pipeline, FSDP, such a model, parameter averaging (the alignment needs
-        the full model, one model per component and the model's own loss on every device), or
-        workers of several devices (its pruning indexes leaves split over them)."""
+        the full model, one model per component and the model's own loss on every device)."""
     if pipelined:
         what = "pipelines"
-    elif spanning:
-        what = "workers of several devices (config.mesh.fsdp, config.mesh.tensor)"
     elif options.fsdp:
         what = "FSDP"
     elif no_full_loss:

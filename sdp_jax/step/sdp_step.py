@@ -518,11 +518,9 @@ class SDPStep:
         Raises:
           ValueError: FSDP, parameter averaging (``average="parameters"``: the workers'
             copies differ), a pipeline (``stage`` axis), ``stacked_slots`` (a model that
-            runs its own slots, e.g. the vision models, has no full-model loss here), or
-            workers of several devices."""
+            runs its own slots, e.g. the vision models, has no full-model loss here)."""
         alignment.check(self.options, pipelined=self.staged,
-                        no_full_loss="stacked_slots models" if self.model.stacked_slots else "",
-                        spanning=self.regime.inner != (1, 1))
+                        no_full_loss="stacked_slots models" if self.model.stacked_slots else "")
         if self._alignment is None:
             ev = self.evaluation
             if self.model.state_spec is None:

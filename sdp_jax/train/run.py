@@ -161,7 +161,6 @@ def resolve(config, device_count: int, task: task_lib.Family | None = None, *,
     if config.align_every:
         no_full_loss = "" if family.aligns(model, plan) else f"{family.kind} models"
         alignment.check(options, pipelined=pipe.stages > 1, no_full_loss=no_full_loss,
-                        spanning=shape.devices > 1,
                         asked=f"config.align_every={config.align_every}",
                         fix="set --config.align_every=0")
     total = total_steps(config, plan.coverage)
