@@ -338,8 +338,9 @@ class BackwardHeld(Source):
             return st.staging.restage(opt, opt_specs)
 
         def from_old(state: dict) -> dict:
-            fn = placement.map(convert, (old_specs,), opt_specs)   # (laid out as stored)
-            fn = jax.jit(fn, out_shardings=shardings(st.mesh, opt_specs))
+            fn = placement.map(convert, (old_specs,), opt_specs)
+            laid = {"out_shardings": shardings(st.mesh, opt_specs)} if st.inner.active else {}
+            fn = jax.jit(fn, **laid)   # (over a worker's devices: laid out as the step's)
             return {**state, "opt_state": fn(state["opt_state"])}
 
         return to_old, from_old
