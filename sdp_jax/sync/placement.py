@@ -105,16 +105,7 @@ class OnDevices(Placement):
 
     def describe(self) -> str:
         f, t = inner_sizes(self.mesh)
-        if f * t == 1:
-            return super().describe()
-        axes = " x ".join(self.mesh.axis_names)
-        sizes = " x ".join(str(n) for n in self.mesh.devices.shape)
-        many = f"{self.workers} workers of {f * t} devices each" if self.workers > 1 else \
-            f"1 worker of {f * t} devices"
-        return (f"{many} (mesh {axes} = {sizes}): a "
-                f"worker's parameters and optimizer state sharded over its devices, its batch "
-                f"rows over '{FSDP}', its heads and neurons over '{TENSOR}'; SDP averaging "
-                f"over '{DATA}'")
+        return super().describe() if f * t == 1 else _workers_of_devices(self)
 
     def map(self, fn, in_specs, out_specs, check_vma=True):
         manual = manual_axes(self.mesh)
@@ -126,6 +117,19 @@ class OnDevices(Placement):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=keep(in_specs),
                              out_specs=keep(out_specs), check_vma=check_vma,
                              axis_names=set(manual))
+
+
+def _workers_of_devices(placement: Placement) -> str:
+    """The log line of workers that each span ``F x T > 1`` devices (:class:`OnDevices`,
+    :class:`OneWorker`)."""
+    f, t = inner_sizes(placement.mesh)
+    w = placement.workers
+    axes = " x ".join(placement.mesh.axis_names)
+    sizes = " x ".join(str(n) for n in placement.mesh.devices.shape)
+    many = f"{w} workers of {f * t} devices each" if w > 1 else f"1 worker of {f * t} devices"
+    return (f"{many} (mesh {axes} = {sizes}): a worker's parameters and optimizer state sharded "
+            f"over its devices, its batch rows over '{FSDP}', its heads and neurons over "
+            f"'{TENSOR}'; SDP averaging over '{DATA}'")
 
 
 def manual_spec(spec: P, manual) -> P:
@@ -221,7 +225,7 @@ class OneWorker(Emulated):
     emulated = False
 
     def describe(self) -> str:
-        return OnDevices.describe(self)
+        return _workers_of_devices(self)
 
     def _data_dim(self, spec: P) -> int | None:
         dims = [i for i, e in enumerate(spec) if e is not None
